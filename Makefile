@@ -1,0 +1,35 @@
+# Quick start: `make bench` and `make test`; each does its own set-up.
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.layerwise-setup
+EXT    := layerwise/.built
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cpp) setup.py pyproject.toml
+
+.PHONY: setup build test bench check-cuda clean
+
+setup: $(STAMP)
+$(STAMP): scripts/setup_env.sh
+	bash scripts/setup_env.sh
+	touch $@
+
+# --no-build-isolation: otherwise pip fetches a second torch into a build env.
+build: $(EXT)
+$(EXT): $(STAMP) $(SOURCES)
+	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+test: build
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# On a machine without a GPU the benchmark runs its CPU suites in --quick mode.
+bench: build
+	$(VPY) -m layerwise.bench $(BENCH_ARGS) $$($(VPY) -c "import torch; print('' if torch.cuda.is_available() else '--quick')")
+
+# Builds the CUDA variant against the installed toolkit (no GPU needed), imports
+# it and checks that CUDA requests fail with a clear "no CUDA device" error.
+check-cuda: $(STAMP)
+	LAYERWISE_BUILD=cuda $(VPY) setup.py -q build_ext --build-lib build/cuda-check/lib --build-temp build/cuda-check/tmp
+	$(VPY) scripts/check_cuda_build.py build/cuda-check/lib
+
+clean:
+	rm -rf build layerwise/_C*.so $(EXT) *.egg-info

@@ -1,0 +1,160 @@
+// CPU backend of the copy engine: each "stream" is a worker thread with a FIFO
+// queue. The copy runs off the calling thread, events are real, and a debug
+// mode delays every copy by a random amount so that a missing wait in the
+// layers above shows up as a wrong output instead of passing by luck.
+#include "../layerwise.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+
+namespace layerwise {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct CpuEvent : Event {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  Clock::time_point when{};
+
+  void set() {
+    {
+      std::lock_guard<std::mutex> l(m);
+      done = true;
+      when = Clock::now();
+    }
+    cv.notify_all();
+  }
+  bool query() override {
+    std::lock_guard<std::mutex> l(m);
+    return done;
+  }
+  void synchronize() override {
+    std::unique_lock<std::mutex> l(m);
+    cv.wait(l, [&] { return done; });
+  }
+  double elapsed_ms(Event& end) override {
+    auto* e = dynamic_cast<CpuEvent*>(&end);
+    TORCH_CHECK_TYPE(e != nullptr, "Event.elapsed_ms: both events must come from the same backend");
+    synchronize();
+    e->synchronize();
+    return std::chrono::duration<double, std::milli>(e->when - when).count();
+  }
+};
+
+struct Job {
+  void* dst;
+  const void* src;
+  size_t n;
+  EventPtr after;
+  std::shared_ptr<CpuEvent> done;
+};
+
+class Worker {
+ public:
+  explicit Worker(int64_t delay_us) : delay_us_(delay_us), rng_(std::random_device{}()) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(Job job) {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      last_ = job.done;
+      queue_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+  std::shared_ptr<CpuEvent> last() {
+    std::lock_guard<std::mutex> l(m_);
+    return last_;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> l(m_);
+        cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop requested and nothing left to copy
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (job.after) job.after->synchronize();
+      if (delay_us_ > 0) {
+        std::uniform_int_distribution<int64_t> d(0, delay_us_);
+        std::this_thread::sleep_for(std::chrono::microseconds(d(rng_)));
+      }
+      if (job.n) std::memcpy(job.dst, job.src, job.n);
+      job.after.reset();
+      job.done->set();
+    }
+  }
+
+  int64_t delay_us_;
+  std::mt19937_64 rng_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  std::shared_ptr<CpuEvent> last_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class CpuEngine : public CopyEngine {
+ public:
+  CpuEngine(int num_streams, int64_t delay_us) {
+    TORCH_CHECK_VALUE(num_streams >= 1, "CopyEngine: num_streams must be >= 1, got ", num_streams);
+    for (int i = 0; i < num_streams; ++i) workers_.emplace_back(std::make_unique<Worker>(delay_us));
+  }
+
+  EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after) override {
+    if (after) TORCH_CHECK_TYPE(dynamic_cast<CpuEvent*>(after.get()), "copy_async: `after` is not a CPU event");
+    auto done = std::make_shared<CpuEvent>();
+    Worker& w = *workers_[next_++ % workers_.size()];
+    w.push(Job{dst, src, n, after, done});
+    return done;
+  }
+
+  void wait(const EventPtr& ev, uintptr_t) override { ev->synchronize(); }
+
+  EventPtr record(uintptr_t, bool) override {
+    auto ev = std::make_shared<CpuEvent>();
+    ev->set();  // CPU compute is synchronous: everything before this point is done
+    return ev;
+  }
+
+  void synchronize() override {
+    for (auto& w : workers_)
+      if (auto last = w->last()) last->synchronize();
+  }
+
+  bool is_cuda() const override { return false; }
+  int device_index() const override { return -1; }
+  int num_streams() const override { return static_cast<int>(workers_.size()); }
+
+ private:
+  std::vector<std::unique_ptr<Worker>> workers_;
+  size_t next_ = 0;
+};
+
+}  // namespace
+
+EnginePtr make_cpu_engine(int num_streams, int64_t debug_delay_us) {
+  return std::make_shared<CpuEngine>(num_streams, debug_delay_us);
+}
+
+}  // namespace layerwise

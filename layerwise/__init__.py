@@ -1,0 +1,16 @@
+"""layerwise: stream a model's repeated blocks from (pinned) host memory to the
+accelerator, one block ahead of the compute that needs it."""
+from ._native import CopyEngine, Event, HostArena, build_info
+from .configure import configure_layerwise_offload, remove_layerwise_offload
+from .manager import LayerwiseOffloadManager
+
+__all__ = [
+    "CopyEngine",
+    "Event",
+    "HostArena",
+    "LayerwiseOffloadManager",
+    "build_info",
+    "configure_layerwise_offload",
+    "remove_layerwise_offload",
+]
+__version__ = "0.1.0"

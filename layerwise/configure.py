@@ -1,0 +1,180 @@
+"""configure_layerwise_offload: several block lists of one model, packed largest
+first, then ONE move of the non-layer weights, then finalised in declaration
+order. Startup device memory therefore never depends on the order in which the
+groups are named (DESIGN.md, "the multi-group startup bug")."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .manager import LayerwiseOffloadManager, _validate_depth, resolve_device, resolve_resident
+from .plan import resolve_group
+
+log = logging.getLogger("layerwise")
+
+_ATTR = "_layerwise_managers"
+
+
+def managers_of(model: nn.Module) -> list[LayerwiseOffloadManager]:
+    return list(model.__dict__.get(_ATTR, []))
+
+
+def _attach(model: nn.Module, managers) -> None:
+    model.__dict__.setdefault(_ATTR, []).extend(managers)
+
+
+def _has_dtensor_params(model: nn.Module) -> bool:
+    return any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters())
+
+
+def move_non_layer_weights(model: nn.Module, device: torch.device) -> None:
+    """The single model.to(device); skipped for DTensor weights (each rank keeps its shards)."""
+    if _has_dtensor_params(model):
+        return
+    model.to(device)
+
+
+def _snapshot_devices(model: nn.Module) -> list:
+    """Where every parameter and buffer lives now, to undo a failed configure."""
+    snap = [(p, p.data) for p in model.parameters()]
+    snap += [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    return snap
+
+
+def _restore_devices(snap: list) -> None:
+    for item in snap:
+        if len(item) == 2:
+            p, data = item
+            if p.data.device != data.device and p.data.shape == data.shape:
+                p.data = data
+        else:
+            m, name, b = item
+            m._buffers[name] = b
+
+
+def _validate_paths(model: nn.Module, names: list[str]) -> None:
+    seen: dict[str, str] = {}
+    modules: dict[int, str] = {}
+    for path in names:
+        if path in seen:
+            raise ValueError(f"layer group {path!r} is named twice in layer_names")
+        seen[path] = path
+        module = resolve_group(model, path)
+        if id(module) in modules:
+            raise ValueError(f"layer groups {modules[id(module)]!r} and {path!r} are the same module")
+        modules[id(module)] = path
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(f"layer group {b!r} is nested inside layer group {a!r}; name only one of them")
+    # Groups that share blocks (the same submodule reachable from both) overlap.
+    owner: dict[int, str] = {}
+    for path in names:
+        for sub in resolve_group(model, path).modules():
+            if id(sub) in owner and owner[id(sub)] != path:
+                raise ValueError(f"layer groups {owner[id(sub)]!r} and {path!r} overlap: they share a submodule")
+            owner[id(sub)] = path
+
+
+def configure_layerwise_offload(
+    model: nn.Module,
+    layer_names,
+    device=None,
+    prefetch_depth: int = 1,
+    resident_layers=0,
+    residency_policy: str = "leading",
+    pin_memory: bool = True,
+    num_copy_streams: int = 1,
+    debug_copy_delay_us: int | None = None,
+) -> list[LayerwiseOffloadManager]:
+    """Stream every block list in `layer_names` to `device`.
+
+    Returns one LayerwiseOffloadManager per name, in the order given. Everything
+    is validated before anything in the model changes; if packing fails half
+    way, the model is put back as it was.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(layer_names, str):
+        names = [layer_names]
+    elif isinstance(layer_names, Sequence) and all(isinstance(n, str) for n in layer_names):
+        names = list(layer_names)
+    else:
+        raise TypeError(f"layer_names must be a str or a sequence of str, got {layer_names!r}")
+    if not names:
+        raise ValueError("layer_names is empty: name at least one nn.ModuleList of blocks")
+    if managers_of(model):
+        raise RuntimeError(
+            f"{type(model).__name__} is already configured for layerwise offload; "
+            "call layerwise.remove_layerwise_offload(model) first"
+        )
+    _validate_paths(model, names)
+    _validate_depth(prefetch_depth)
+    dev = resolve_device(device)
+    for path in names:
+        resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy)
+
+    managers = [
+        LayerwiseOffloadManager(
+            model, path, device=dev, prefetch_depth=prefetch_depth, resident_layers=resident_layers,
+            residency_policy=residency_policy, pin_memory=pin_memory, initialize=False,
+            num_copy_streams=num_copy_streams, debug_copy_delay_us=debug_copy_delay_us,
+        )
+        for path in names
+    ]
+    enabled = [m for m in managers if m.enabled]
+    snap = _snapshot_devices(model)
+    try:
+        # Largest group first: weights that arrived on the device are copied back
+        # to the host group by group, so the biggest share of memory frees first.
+        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
+            m._initialize_layer_weights()
+        move_non_layer_weights(model, dev)
+        for m in managers:
+            m._finalize_initialization()
+    except BaseException:
+        for m in managers:
+            m.remove(original_devices=True)
+        _restore_devices(snap)
+        raise
+    del snap
+    for a, b in zip(enabled, enabled[1:] + enabled[:1]):
+        a.next_manager = b
+    _attach(model, managers)
+    _log_summary(model, managers, dev)
+    return managers
+
+
+def _log_summary(model, managers, dev) -> None:
+    per_dtype: dict = {}
+    for m in managers:
+        for dt, n in m.plan.bytes_per_dtype().items():
+            per_dtype[dt] = per_dtype.get(dt, 0) + n
+    managed = {id(e.param) for m in managers for lp in m.plan.layers for e in lp.params}
+    non_layer = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in managed)
+    stats = [m.stats() for m in managers]
+    log.info(
+        "layerwise: %d group(s) %s, %d layers to %s; packed %s; arena %.1f MiB (%s); ring %.1f MiB; "
+        "resident layers %d; non-layer weights %.1f MiB on the device",
+        len(managers), [m.layer_name for m in managers], sum(m.num_layers for m in managers), dev,
+        ", ".join(f"{str(k).replace('torch.', '')} {v / 2**20:.1f} MiB" for k, v in per_dtype.items()),
+        sum(s["arena_bytes"] for s in stats) / 2**20,
+        "pinned" if all(s["arena_pinned"] for s in stats if s["arena_bytes"]) else "not pinned",
+        sum(s["ring_bytes"] for s in stats) / 2**20, sum(len(s["resident_layers"]) for s in stats),
+        non_layer / 2**20,
+    )
+
+
+def remove_layerwise_offload(model: nn.Module) -> nn.Module:
+    """Undo configure_layerwise_offload: ordinary parameters on the device, no hooks,
+    ring and arena freed. Returns the model."""
+    managers = managers_of(model)
+    if not managers:
+        raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
+    for m in managers:
+        m.remove()
+    del model.__dict__[_ATTR]
+    return model

@@ -1,0 +1,177 @@
+"""Plan: which parameters belong to which layer of a group, and where each one
+lives inside its layer's flat, dtype-grouped host block.
+
+A layer's block is one contiguous byte range: one segment per dtype, each
+parameter at an offset aligned to PARAM_ALIGN bytes. A parameter is stored as
+the span of its storage that it covers (for a contiguous tensor: its elements;
+for a transposed or permuted one: the same elements in storage order), so
+that on the device it is rebuilt as a strided *view* of the received block:
+strides survive and no gather or scatter is needed.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger("layerwise")
+
+PARAM_ALIGN = 256  # >= 64, so CPU kernels see the alignment torch's allocator gives
+BLOCK_ALIGN = 4096  # layer blocks start on a page: each one is pinned as a unit
+
+
+def round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def storage_span(t: torch.Tensor) -> int:
+    """Number of storage elements a strided tensor covers, from its first element."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+@dataclass
+class ParamEntry:
+    qualname: str
+    param: nn.Parameter
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    span: int  # storage elements covered
+    offset: int = 0  # byte offset inside the layer block
+    orig_device: torch.device | None = None
+
+    @property
+    def span_bytes(self) -> int:
+        return self.span * self.dtype.itemsize
+
+    def view_in(self, block: torch.Tensor) -> torch.Tensor:
+        """This parameter as a strided view of a uint8 layer block (host or device)."""
+        flat = block[self.offset : self.offset + self.span_bytes].view(self.dtype)
+        return torch.as_strided(flat, self.shape, self.stride)
+
+
+@dataclass
+class LayerPlan:
+    index: int
+    module: nn.Module
+    params: list[ParamEntry] = field(default_factory=list)
+    nbytes: int = 0
+    segments: dict = field(default_factory=dict)  # dtype -> (byte offset, byte length)
+
+    def layout(self) -> None:
+        """Assign aligned offsets: one segment per dtype, dtypes in a fixed order."""
+        self.params.sort(key=lambda e: str(e.dtype))  # stable: declaration order inside a dtype
+        offset = 0
+        self.segments = {}
+        for e in self.params:
+            offset = round_up(offset, PARAM_ALIGN)
+            start = self.segments.get(e.dtype, (offset, 0))[0]
+            e.offset = offset
+            offset += e.span_bytes
+            self.segments[e.dtype] = (start, offset - start)
+        self.nbytes = offset
+
+
+@dataclass
+class GroupPlan:
+    path: str
+    module_list: nn.Module
+    num_layers: int
+    layers: list[LayerPlan]
+    shared: list[str]  # parameters of the group that stay resident (tied to another layer or module)
+
+    @property
+    def managed_bytes(self) -> int:
+        return sum(local_tensor(e.param).numel() * e.dtype.itemsize for lp in self.layers for e in lp.params)
+
+    def bytes_per_dtype(self) -> dict:
+        out: dict = {}
+        for lp in self.layers:
+            for e in lp.params:
+                out[e.dtype] = out.get(e.dtype, 0) + e.span_bytes
+        return out
+
+
+def resolve_group(model: nn.Module, path: str) -> nn.Module:
+    """The nn.ModuleList / nn.Sequential at dotted `path`, or a clear error."""
+    if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
+        raise ValueError(f"layer group path must be a dotted attribute path like 'transformer_blocks', got {path!r}")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError as e:
+        raise ValueError(f"layer group {path!r} does not exist in {type(model).__name__}: {e}") from None
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(
+            f"layer group {path!r} is a {type(module).__name__}, not an nn.ModuleList or nn.Sequential of blocks"
+        )
+    return module
+
+
+def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None) -> GroupPlan:
+    module_list = resolve_group(model, path)
+    n = len(module_list) if num_layers is None else num_layers
+    if not isinstance(n, int) or n < 0 or n > len(module_list):
+        raise ValueError(f"num_layers for {path!r} must be an int in [0, {len(module_list)}], got {num_layers!r}")
+
+    pattern = re.compile(r"^" + re.escape(path) + r"\.(\d+)(\.|$)")
+    # Every name under which each parameter object appears (tied weights appear twice).
+    names: dict[int, list[str]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        objects[id(p)] = p
+
+    layers = [LayerPlan(i, module_list[i]) for i in range(n)]
+    shared = []
+    for pid, pnames in names.items():
+        indices = set()
+        for nm in pnames:
+            m = pattern.match(nm)
+            indices.add(int(m.group(1)) if m else None)
+        owned = [i for i in indices if i is not None and i < n]
+        if not owned:
+            continue
+        if len(indices) > 1:  # tied across layers, or with a module outside the group
+            shared.extend(nm for nm in pnames if pattern.match(nm))
+            continue
+        p = objects[pid]
+        t = local_tensor(p.data)
+        layers[owned[0]].params.append(
+            ParamEntry(pnames[0], p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t), orig_device=t.device)
+        )
+    for lp in layers:
+        lp.layout()
+    if shared:
+        log.info("layerwise: %s: %d tied parameter name(s) stay resident: %s", path, len(shared), ", ".join(shared))
+    return GroupPlan(path, module_list, n, layers, shared)
+
+
+def assign_slots(num_streamed: int, depth: int) -> tuple[list[int], int]:
+    """Slot of each streamed layer (in cycle order) and the number of slots.
+
+    Any d+1 cyclically consecutive layers (the one computing and the d being
+    prefetched) must sit in distinct slots, so that a layer's slot is fixed and
+    its parameters stay bound to views of it (hooks then cost O(1) whatever the
+    parameter count). That is a colouring of the cycle's d-th power: d+1 slots
+    when d+1 divides the cycle, else ceil(n / floor(n / (d+1))), at most 2d+1.
+    """
+    n = num_streamed
+    if n == 0:
+        return [], 0
+    window = depth + 1
+    if n <= window:
+        return list(range(n)), n
+    q = n // window  # blocks of size window..2*window-1, each coloured 0..size-1
+    sizes = [n // q + (1 if b < n % q else 0) for b in range(q)]
+    slots = [c for size in sizes for c in range(size)]
+    return slots, max(sizes)
