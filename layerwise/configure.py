@@ -38,21 +38,25 @@ def move_non_layer_weights(model: nn.Module, device: torch.device) -> None:
 
 
 def _snapshot_devices(model: nn.Module) -> list:
-    """Where every parameter and buffer lives now, to undo a failed configure."""
-    snap = [(p, p.data) for p in model.parameters()]
-    snap += [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    """Where every parameter and buffer lives now (devices only: holding the
+    tensors themselves would keep a second copy of the model alive)."""
+    snap = [(p, p.device) for p in model.parameters()]
+    snap += [(m, name, b.device) for m in model.modules() for name, b in m._buffers.items() if b is not None]
     return snap
 
 
 def _restore_devices(snap: list) -> None:
+    """Undo the non-layer move of a failed configure."""
     for item in snap:
         if len(item) == 2:
-            p, data = item
-            if p.data.device != data.device and p.data.shape == data.shape:
-                p.data = data
+            p, dev = item
+            if p.device != dev:
+                p.data = p.data.to(dev)
         else:
-            m, name, b = item
-            m._buffers[name] = b
+            m, name, dev = item
+            b = m._buffers.get(name)
+            if b is not None and b.device != dev:
+                m._buffers[name] = b.to(dev)
 
 
 def _validate_paths(model: nn.Module, names: list[str]) -> None:

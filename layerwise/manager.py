@@ -228,6 +228,7 @@ class LayerwiseOffloadManager:
             slot_bytes = max((layers[i].nbytes for i in self._streamed), default=0)
             self._ring = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
             self._slot_holder = [-1] * self.num_slots
+            self._active = -1  # the layer between its pre- and post-hook
             self._slot_event = [None] * self.num_slots  # last copy into, or last use of, the slot
             self._copy_event = [None] * self.num_layers
             self._resident_blocks = {}
@@ -270,6 +271,8 @@ class LayerwiseOffloadManager:
         s = self._slot_of[i]
         if self._slot_holder[s] == i:
             return
+        if prefetch and self._slot_holder[s] == self._active:
+            return  # never overwrite the slot of the layer that is computing
         ev = self._engine.copy_async(self._ring[s][: self.plan.layers[i].nbytes], self._host_blocks[i],
                                      self._slot_event[s])
         self._slot_holder[s] = i
@@ -298,6 +301,7 @@ class LayerwiseOffloadManager:
     def _pre_hook(self, i: int, module, args):
         if i == 0:
             self._new_step()
+        self._active = i
         s = self._slot_of[i]
         if s >= 0:
             if self._slot_holder[s] != i:
@@ -320,6 +324,7 @@ class LayerwiseOffloadManager:
         self._prefetch_after(i)
 
     def _post_hook(self, i: int, module, args, output):
+        self._active = -1
         s = self._slot_of[i]
         if s >= 0 and self._engine.is_cuda:
             # The next copy into this slot waits for the compute enqueued so far.
