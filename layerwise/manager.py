@@ -271,7 +271,7 @@ class LayerwiseOffloadManager:
         s = self._slot_of[i]
         if self._slot_holder[s] == i:
             return
-        if prefetch and self._slot_holder[s] == self._active:
+        if prefetch and self._active >= 0 and self._slot_holder[s] == self._active:
             return  # never overwrite the slot of the layer that is computing
         ev = self._engine.copy_async(self._ring[s][: self.plan.layers[i].nbytes], self._host_blocks[i],
                                      self._slot_event[s])

@@ -1,0 +1,274 @@
+"""What every suite shares: the run context, interleaved timing, robust
+statistics, the rows of the final table and small formatting helpers.
+
+Timing rules (DESIGN.md, "Performance"): warm up first, interleave the methods
+(round-robin, the starting method rotated every round), report the median with
+the 20% / 80% quantiles. On CUDA a sample is timed with CUDA events on the
+current stream; on the CPU with ``time.perf_counter`` around synchronous work.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+MB = 1 << 20
+GB = 1e9  # bandwidths are reported in decimal GB/s, like PCIe figures
+
+
+class Skip(Exception):
+    """Raised by a suite (or a method inside one) that cannot run here; the message says why."""
+
+
+# ---------------------------------------------------------------- context
+@dataclass
+class Context:
+    """Where and how big the run is.
+
+    scale: "full" (sized for a big GPU, or a long CPU run), "quick" (what
+    ``make bench`` runs on a CPU, minutes) or "tiny" (the test suite, seconds).
+    """
+
+    device: torch.device
+    scale: str = "full"
+    show_progress: bool = True
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def pick(self, table: dict):
+        """table[(scale, device type)], falling back to table[scale]."""
+        return table.get((self.scale, self.device.type), table.get(self.scale))
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def free_memory(self) -> None:
+        """Collect garbage (managers hold reference cycles) and return cached device memory."""
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def progress(self, total: int, desc: str):
+        """A progress bar on stderr (tqdm; silent when stderr is not a terminal)."""
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
+                    disable=None if self.show_progress else True)
+
+
+def stream_handle(device: torch.device) -> int:
+    """torch's current stream on `device` as a raw handle, for CopyEngine.wait/record (0 on CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def clone_module(model: nn.Module) -> nn.Module:
+    """An independent copy of a (host) model: every method gets its own weights."""
+    return copy.deepcopy(model)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ------------------------------------------------------------- statistics
+@dataclass
+class Stat:
+    """Median and 20% / 80% quantiles of repeated samples."""
+
+    median: float
+    q20: float
+    q80: float
+    samples: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def of(cls, samples) -> Stat:
+        xs = [float(x) for x in samples]
+        if not xs:
+            raise ValueError("no samples")
+        q20, med, q80 = np.quantile(xs, [0.2, 0.5, 0.8])
+        return cls(float(med), float(q20), float(q80), xs)
+
+    def map(self, f: Callable[[float], float]) -> Stat:
+        """The statistic of f(sample) (f may be decreasing, e.g. time -> bandwidth)."""
+        return Stat.of([f(x) for x in self.samples])
+
+    def to_json(self) -> dict:
+        return {"median": self.median, "q20": self.q20, "q80": self.q80, "n": len(self.samples),
+                "samples": self.samples}
+
+
+def median(v) -> float | None:
+    """The central value of a Stat or a plain number."""
+    return v.median if isinstance(v, Stat) else v
+
+
+# ----------------------------------------------------------------- timing
+Sampler = Callable[[], float]  # one timed sample, in seconds
+
+
+def device_timer(ctx: Context, fn: Callable[[], object], inner: int = 1,
+                 prepare: Callable[[], object] | None = None) -> Sampler:
+    """A sampler: seconds per call of `fn`, over `inner` back-to-back calls.
+
+    The device is synchronised before each sample; `prepare` (not timed) runs
+    right before the timed calls without a synchronisation in between, so a
+    pipeline it starts (prefetches in flight) is in its steady state when the
+    clock starts. CUDA: events on the current stream; CPU: perf_counter (fn
+    must be synchronous there).
+    """
+    if ctx.is_cuda:
+        def sample() -> float:
+            torch.cuda.synchronize(ctx.device)
+            if prepare is not None:
+                prepare()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / inner
+    else:
+        def sample() -> float:
+            if prepare is not None:
+                prepare()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            return (time.perf_counter() - t0) / inner
+    return sample
+
+
+def host_timer(ctx: Context, fn: Callable[[], object], inner: int = 1) -> Sampler:
+    """A sampler: host (CPU) seconds per call of `fn`; device work is synchronised
+    before and after the sample, outside the clock."""
+    def sample() -> float:
+        ctx.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        dt = time.perf_counter() - t0
+        ctx.synchronize()
+        return dt / inner
+    return sample
+
+
+def compare(samplers: dict[str, Sampler], repeats: int, warmup: int = 1, bar=None) -> dict[str, Stat]:
+    """Time every method `warmup + repeats` times, interleaved round-robin.
+
+    The first `warmup` rounds are discarded. The order inside a round rotates,
+    so no method always runs first (or right after the same neighbour).
+    """
+    names = list(samplers)
+    samples: dict[str, list] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t = samplers[name]()
+            if r >= warmup:
+                samples[name].append(t)
+        if bar is not None:
+            bar.update(1)
+    return {n: Stat.of(s) for n, s in samples.items()}
+
+
+# ------------------------------------------------------------ table rows
+@dataclass
+class Target:
+    """A pass/fail criterion on one of a row's ratios: ratio <= limit (or >= limit)."""
+
+    label: str  # e.g. ">= 0.95x pinned"
+    met: bool
+
+    @classmethod
+    def at_least(cls, ratio: float, limit: float, of: str) -> Target:
+        return cls(f">= {limit:g}x {of}", bool(ratio >= limit))
+
+    @classmethod
+    def at_most(cls, ratio: float, limit: float, of: str) -> Target:
+        return cls(f"<= {limit:g}x {of}", bool(ratio <= limit))
+
+
+@dataclass
+class Row:
+    """One line of the final table.
+
+    ours / baselines: a Stat (timed, median shown) or a plain number;
+    ratios: name -> value, e.g. {"/pinned": 0.97}; targets: the criteria that
+    apply on this device (none: the table says "n/a").
+    """
+
+    suite: str
+    measure: str
+    unit: str
+    ours: Stat | float | None
+    baselines: dict = field(default_factory=dict)
+    ratios: dict = field(default_factory=dict)
+    targets: list = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def met(self) -> bool | None:
+        return all(t.met for t in self.targets) if self.targets else None
+
+    def to_json(self) -> dict:
+        return {
+            "suite": self.suite, "measure": self.measure, "unit": self.unit,
+            "ours": self.ours, "baselines": self.baselines, "ratios": self.ratios,
+            "targets": [{"label": t.label, "met": t.met} for t in self.targets],
+            "met": self.met, "note": self.note,
+        }
+
+
+@dataclass
+class SuiteResult:
+    name: str
+    status: str = "ok"  # ok | skipped | error
+    reason: str = ""
+    rows: list = field(default_factory=list)
+    data: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def ratio(a, b) -> float:
+    """median(a) / median(b), NaN when undefined."""
+    a, b = median(a), median(b)
+    if a is None or b is None or b == 0:
+        return math.nan
+    return a / b
+
+
+def fmt_num(x) -> str:
+    """A number with about 3-4 significant digits, no exponent for ordinary magnitudes."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    x = float(x)
+    ax = abs(x)
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    if ax >= 100:
+        return f"{x:.1f}"
+    if ax >= 10:
+        return f"{x:.2f}"
+    if ax >= 0.01 or ax == 0:
+        return f"{x:.3f}"
+    return f"{x:.2e}"
+
+
+def fmt_value(v) -> str:
+    if isinstance(v, Stat):
+        return f"{fmt_num(v.median)} [{fmt_num(v.q20)}-{fmt_num(v.q80)}]"
+    return fmt_num(v)
