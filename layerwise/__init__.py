@@ -2,7 +2,10 @@
 accelerator, one block ahead of the compute that needs it."""
 from ._native import CopyEngine, Event, HostArena, build_info
 from .configure import configure_layerwise_offload, remove_layerwise_offload
+from .detect import detect_layer_groups
+from .loading import load_offloaded
 from .manager import LayerwiseOffloadManager
+from .report import report
 
 __all__ = [
     "CopyEngine",
@@ -11,6 +14,9 @@ __all__ = [
     "LayerwiseOffloadManager",
     "build_info",
     "configure_layerwise_offload",
+    "detect_layer_groups",
+    "load_offloaded",
     "remove_layerwise_offload",
+    "report",
 ]
 __version__ = "0.1.0"

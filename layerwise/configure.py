@@ -91,18 +91,42 @@ def configure_layerwise_offload(
     resident_layers=0,
     residency_policy: str = "leading",
     pin_memory: bool = True,
+    device_budget=None,
+    budget_margin=None,
     num_copy_streams: int = 1,
     debug_copy_delay_us: int | None = None,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
-    Returns one LayerwiseOffloadManager per name, in the order given. Everything
-    is validated before anything in the model changes; if packing fails half
-    way, the model is put back as it was.
+    `layer_names` is a dotted path, a sequence of them, or "auto"
+    (layerwise.detect_layer_groups). `device_budget` (bytes, or "auto": free
+    device memory less `budget_margin`) lets layerwise choose the resident
+    layers and, if it must, a smaller prefetch depth (layerwise.budget).
+
+    Returns one LayerwiseOffloadManager per name, in the order given.
+    Everything is validated before anything in the model changes; if packing
+    fails half way, the model is put back as it was.
     """
+    managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
+                             pin_memory, num_copy_streams, debug_copy_delay_us)
+    if device_budget is not None:
+        from .budget import apply_device_budget
+
+        apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy)
+    return _build(model, managers, dev)
+
+
+def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
+             num_copy_streams, debug_copy_delay_us):
+    """Validate everything and plan every group; changes nothing in the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(layer_names, str):
+    if isinstance(layer_names, str) and layer_names == "auto":
+        from .detect import detect_layer_groups
+
+        names = detect_layer_groups(model)
+        log.info("layerwise: layer_names='auto' chose %s", names)
+    elif isinstance(layer_names, str):
         names = [layer_names]
     elif isinstance(layer_names, Sequence) and all(isinstance(n, str) for n in layer_names):
         names = list(layer_names)
@@ -120,7 +144,6 @@ def configure_layerwise_offload(
     dev = resolve_device(device)
     for path in names:
         resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy)
-
     managers = [
         LayerwiseOffloadManager(
             model, path, device=dev, prefetch_depth=prefetch_depth, resident_layers=resident_layers,
@@ -129,13 +152,25 @@ def configure_layerwise_offload(
         )
         for path in names
     ]
+    return managers, dev
+
+
+def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> list[LayerwiseOffloadManager]:
+    """Pack (largest group first), one non-layer move, finalise (declaration order).
+
+    `fill(entry, block)`, if given, writes a parameter into its host block
+    (checkpoint loading); `place_non_layer()` puts the non-layer weights on the
+    device before the single model.to; `undo()` reverts what those two did.
+    """
     enabled = [m for m in managers if m.enabled]
     snap = _snapshot_devices(model)
     try:
         # Largest group first: weights that arrived on the device are copied back
         # to the host group by group, so the biggest share of memory frees first.
         for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
-            m._initialize_layer_weights()
+            m._initialize_layer_weights(fill)
+        if place_non_layer is not None:
+            place_non_layer()
         move_non_layer_weights(model, dev)
         for m in managers:
             m._finalize_initialization()
@@ -143,6 +178,8 @@ def configure_layerwise_offload(
         for m in managers:
             m.remove(original_devices=True)
         _restore_devices(snap)
+        if undo is not None:
+            undo()
         raise
     del snap
     for a, b in zip(enabled, enabled[1:] + enabled[:1]):

@@ -149,16 +149,33 @@ class LayerwiseOffloadManager:
         """Local bytes of the parameters this manager owns (layer index < num_layers)."""
         return self.plan.managed_bytes
 
+    def _set_residency(self, resident: list[int], prefetch_depth: int) -> None:
+        if self._finalized:
+            raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
+        self.resident = sorted(resident)
+        self.prefetch_depth = _validate_depth(prefetch_depth)
+
+    def _device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
+        """Device bytes of ring + resident layers for a residency plan (default: the current one)."""
+        resident = set(self.resident if resident is None else resident)
+        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
+        streamed = [lp.nbytes for lp in self.plan.layers if lp.index not in resident]
+        _, slots = assign_slots(len(streamed), depth)
+        return slots * max(streamed, default=0) + sum(self.plan.layers[i].nbytes for i in resident)
+
     # ------------------------------------------------------------------ pack
     def _arena_capacity(self) -> int:
         return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp in self.plan.layers)
 
-    def _initialize_layer_weights(self) -> None:
+    def _initialize_layer_weights(self, fill=None) -> None:
         """Pack every layer into the host arena; managed parameters become (1,) placeholders.
 
         Originals are freed as each parameter is packed (and the arena's pages are
         committed and pinned as they are filled), so host memory holds the model
         about once. No other parameter moves. On failure the group is restored.
+        `fill(entry, block)`, if given, writes each parameter's values into its
+        place in the layer's host block instead of copying the parameter (it
+        reads them from a checkpoint, say).
         """
         if self._packed or not self.enabled:
             return
@@ -177,11 +194,14 @@ class LayerwiseOffloadManager:
                 block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
                 self._host_blocks.append(block)
                 for e in lp.params:
-                    data = e.param.data
-                    flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
-                    block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
+                    if fill is not None:
+                        fill(e, block)
+                    else:  # the parameter's storage span, byte for byte
+                        data = e.param.data
+                        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
+                        block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
+                        del data, flat
                     e.param.data = self._placeholder(e.dtype)
-                    del data, flat
                 if bar is not None:
                     bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
         except BaseException:
@@ -338,6 +358,7 @@ class LayerwiseOffloadManager:
         self._stall_pairs = []
         self._steps = 0
         self._step_mark = (0, 0, 0, 0.0)
+        self._step_t0 = None
         self._last_step = None
 
     def _resolve_stalls(self) -> None:
@@ -352,10 +373,13 @@ class LayerwiseOffloadManager:
     def _new_step(self) -> None:
         self._resolve_stalls()
         now = (self._bytes, self._copies, self._sync_loads, self._stall_s)
+        t = time.perf_counter()
         if self._steps:
             self._last_step = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s"),
                                        (a - b for a, b in zip(now, self._step_mark))))
+            self._last_step["wall_s"] = t - self._step_t0  # host time from one step's start to the next
         self._step_mark = now
+        self._step_t0 = t
         self._steps += 1
 
     def stats(self) -> dict:
@@ -393,6 +417,8 @@ class LayerwiseOffloadManager:
                 continue
             for e in lp.params:
                 dev = e.orig_device if original_devices else self.device
+                if dev.type == "meta":
+                    continue  # it had no data to give back (checkpoint loading swaps it back)
                 out = torch.empty(e.span_bytes, dtype=torch.uint8, device=dev)
                 out.copy_(block[e.offset : e.offset + e.span_bytes])
                 e.param.data = torch.as_strided(out.view(e.dtype), e.shape, e.stride)

@@ -48,9 +48,9 @@ def test_largest_group_packs_first_and_model_to_runs_once(order, monkeypatch):
     packed = []
     orig = layerwise.LayerwiseOffloadManager._initialize_layer_weights
 
-    def record(self):
+    def record(self, fill=None):
         packed.append(self.layer_name)
-        return orig(self)
+        return orig(self, fill)
 
     monkeypatch.setattr(layerwise.LayerwiseOffloadManager, "_initialize_layer_weights", record)
     managers = layerwise.configure_layerwise_offload(model, order, device="cpu")

@@ -1,0 +1,111 @@
+"""Command line of ``python -m layerwise.bench``: pick the device and the sizes,
+run the suites one after another (a suite that raises is reported and the
+others still run), print the table, write the JSON and the plot."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+import layerwise
+
+from . import h2d, hooks, report, scatter, startup, stream
+from .common import Context, Skip, SuiteResult
+
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m layerwise.bench",
+        description="Benchmark layerwise weight streaming against torch copies and other offload schemes.",
+    )
+    p.add_argument("suites", nargs="*", metavar="SUITE",
+                   help=f"suites to run, any of: {', '.join(SUITES)} (default: all)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda when a GPU is visible and layerwise was built with CUDA, else cpu")
+    p.add_argument("--quick", action="store_true",
+                   help="small problem sizes (minutes on a laptop CPU); default: sized for a large GPU")
+    p.add_argument("--json", metavar="PATH", help="write every figure and the environment to PATH")
+    p.add_argument("--plot", metavar="PATH", help="write the stream sweep as a PNG to PATH")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test sizes: seconds
+    return p
+
+
+def _cuda_usable() -> tuple[bool, str]:
+    if not layerwise.build_info()["with_cuda"]:
+        return False, "this build of layerwise has no CUDA backend (rebuild with LAYERWISE_BUILD=cuda)"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    return True, ""
+
+
+def _run_suite(name: str, ctx: Context) -> SuiteResult:
+    print(f"[{name}] running ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        res = SUITES[name](ctx)
+    except Skip as e:
+        res = SuiteResult(name, "skipped", str(e))
+    except Exception as e:  # noqa: BLE001 - report, then run the other suites
+        traceback.print_exc()
+        res = SuiteResult(name, "error", f"{type(e).__name__}: {e}", data={"traceback": traceback.format_exc()})
+    res.wall_s = time.perf_counter() - t0
+    ctx.free_memory()
+    summary = {"ok": f"{len(res.rows)} rows", "skipped": f"skipped: {res.reason}", "error": f"FAILED: {res.reason}"}
+    print(f"[{name}] {summary[res.status]} ({res.wall_s:.1f} s)", file=sys.stderr, flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    cuda_ok, why = _cuda_usable()
+    if args.device == "cuda" and not cuda_ok:
+        parser.error(f"--device cuda: {why}")
+    device = torch.device("cuda" if (args.device or ("cuda" if cuda_ok else "cpu")) == "cuda" else "cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    scale = "tiny" if args.tiny else "quick" if args.quick else "full"
+    ctx = Context(device, scale)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # Leave a core to the copy engine's worker thread: with every core in
+        # torch's pool, an OpenMP barrier waiting on a preempted thread turns a
+        # sub-millisecond step into tens of milliseconds on a small machine.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    env = report.environment(device, argv, vars(args))
+    env["torch_threads"] = torch.get_num_threads()
+    print(f"layerwise {env['layerwise']} bench on {device} ({env['device_name']}), {scale} sizes, "
+          f"torch {env['torch']}, {env['torch_threads']} compute thread(s)", file=sys.stderr, flush=True)
+    try:
+        results = [_run_suite(name, ctx) for name in (args.suites or list(SUITES))]
+    finally:
+        torch.set_num_threads(threads)
+    report.render_table(results)
+    failed = [r.name for r in results if r.status == "error"]
+    if args.json:
+        report.write_json(args.json, results, env)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        sweep = next((r for r in results if r.name == stream.NAME and r.status == "ok"), None)
+        if sweep is None:
+            print("no plot: the stream suite did not run", file=sys.stderr)
+        else:
+            try:
+                report.write_plot(args.plot, sweep, f"layerwise stream sweep on {env['device_name']}")
+                print(f"wrote {args.plot}", file=sys.stderr)
+            except Exception:  # noqa: BLE001 - e.g. matplotlib missing
+                traceback.print_exc()
+                failed.append("plot")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

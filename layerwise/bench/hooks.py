@@ -1,0 +1,84 @@
+"""hooks: CPU time spent in the offload hooks per layer, for layers of 8 and of
+200 parameters.
+
+Model: ``models.HolderStack``, N blocks whose forward returns its input, so a
+forward costs the module calls plus whatever the hooks do. Cost per layer =
+(host time of an offloaded forward - median host time of the plain forward) / N,
+the two interleaved in one run. Device work is synchronised outside the clock.
+
+Ours: layerwise (each layer's parameters stay bound to views of its ring slot,
+so a hook does O(1) work). Baselines: the naive per-tensor hooks
+(``baselines.NaiveOffload``) and accelerate's ``cpu_offload`` when importable.
+Target: our cost for 200 parameters <= 1.5x our cost for 8.
+"""
+from __future__ import annotations
+
+import torch
+
+import layerwise
+
+from . import baselines, models
+from .common import Context, Row, Skip, SuiteResult, Target, compare, host_timer, ratio
+
+NAME = "hooks"
+OURS, PLAIN = "layerwise", "no offload"
+PARAM_COUNTS = (8, 200)
+LAYERS = {"full": 256, "quick": 64, "tiny": 16}
+REPEATS = {"full": 30, "quick": 15, "tiny": 3}
+FLATNESS_LIMIT = 1.5
+
+
+def _methods(ctx: Context, layers: int, num_params: int) -> tuple[dict, dict]:
+    """Models for every method (the same architecture, separate weights) and the
+    methods not available here with the reason."""
+    out = {PLAIN: models.HolderStack(layers, num_params).to(ctx.device)}
+    model = models.HolderStack(layers, num_params)
+    layerwise.configure_layerwise_offload(model, ["blocks"], device=ctx.device)
+    out[OURS] = model
+    model, label = baselines.naive_offload(models.HolderStack(layers, num_params), ["blocks"], ctx.device,
+                                           prefer_accelerate=False)
+    out[label] = model
+    skipped = {}
+    try:
+        model, label = baselines.accelerate_offload(models.HolderStack(layers, num_params), ctx.device)
+        out[label] = model
+    except Skip as e:
+        skipped["accelerate cpu_offload"] = str(e)
+    return out, skipped
+
+
+def _forward(model, x):
+    def f():
+        with torch.inference_mode():
+            model(x)
+    return f
+
+
+def run(ctx: Context) -> SuiteResult:
+    layers, repeats = ctx.pick(LAYERS), ctx.pick(REPEATS)
+    x = torch.zeros(4, device=ctx.device)
+    result = SuiteResult(NAME, data={"layers": layers})
+    cost: dict[int, dict] = {}
+    with ctx.progress(len(PARAM_COUNTS) * (repeats + 2), NAME) as bar:
+        for p in PARAM_COUNTS:
+            methods, skipped = _methods(ctx, layers, p)
+            result.data["skipped_methods"] = skipped
+            times = compare({k: host_timer(ctx, _forward(m, x)) for k, m in methods.items()},
+                            repeats=repeats, warmup=2, bar=bar)
+            plain = times.pop(PLAIN).median
+            cost[p] = {k: s.map(lambda t, plain=plain: (t - plain) / layers * 1e6) for k, s in times.items()}
+            result.data[f"{p} params"] = {"plain_forward_s": plain, "hook_us_per_layer": cost[p]}
+            del methods
+    ctx.free_memory()
+
+    others = [k for k in cost[PARAM_COUNTS[0]] if k != OURS]
+    for p in PARAM_COUNTS:
+        result.rows.append(Row(NAME, f"pre+post hook time per layer, {p} params", "us", cost[p][OURS],
+                               {k: cost[p][k] for k in others},
+                               {f"/{k}": ratio(cost[p][OURS], cost[p][k]) for k in others}))
+    lo, hi = PARAM_COUNTS
+    growth = {k: ratio(cost[hi][k], cost[lo][k]) for k in cost[lo]}
+    result.rows.append(Row(NAME, f"hook time growth, {hi} vs {lo} params", "x", growth[OURS],
+                           {k: growth[k] for k in others}, {f"{hi}/{lo}": growth[OURS]},
+                           [Target.at_most(growth[OURS], FLATNESS_LIMIT, f"{lo}-param cost")]))
+    return result

@@ -1,0 +1,176 @@
+"""stream: step time of a DiT-like block stack whose blocks are streamed, from
+far below to far above the point where compute per layer covers transfer per
+layer.
+
+Model: ``models.DiTStack`` (LayerNorm + 4x MLP blocks; bf16 on CUDA, fp32 on
+the CPU). The token count is swept; the x axis of the sweep is the
+compute/transfer ratio ``resident step / (streamed bytes / bandwidth)``, the
+bandwidth being measured in the same run by arena copies of one layer.
+
+Methods (all timed interleaved, steady state: each sample runs one untimed
+step, then times ``steps`` back-to-back steps):
+  resident                  the whole model on the device;
+  layerwise d=1, d=2        configure_layerwise_offload, prefetch depth 1 and 2;
+  naive                     accelerate's cpu_offload if importable, else
+                            synchronous per-tensor copies in block hooks;
+  diffusers group offload   (CUDA, if importable) block level, 1 block/group,
+                            use_stream=True.
+The layerwise outputs must equal the resident output bitwise (first and second
+step of every point); a mismatch fails the suite.
+
+Targets (CUDA): compute-bound points (ratio >= 2) <= 1.01x resident;
+transfer-bound points (ratio <= 0.5) <= 1.05x the floor
+``max(resident, streamed bytes / bandwidth)``; faster than diffusers at every
+point. On the CPU there is no bus: ratios against resident, no targets.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+import layerwise
+
+from . import baselines, h2d, models
+from .common import Context, Row, Skip, SuiteResult, Target, clone_module, compare, device_timer, median, ratio
+
+NAME = "stream"
+RESIDENT = "resident"
+COMPUTE_BOUND = 2.0  # compute/transfer ratio at or above which a point counts as compute-bound
+TRANSFER_BOUND = 0.5  # ... at or below which it counts as transfer-bound
+
+
+@dataclass(frozen=True)
+class Sweep:
+    hidden: int
+    layers: int
+    tokens: tuple
+    repeats: int
+    steps: int  # timed back-to-back steps per sample
+
+
+SWEEPS = {
+    # H200, bf16: a 4096-wide layer is 268 MB (about 5.4 ms at 50 GB/s); 65536 tokens
+    # compute about 5x longer than that, 256 tokens about 50x shorter.
+    ("full", "cuda"): Sweep(4096, 16, (256, 1024, 4096, 16384, 65536), 5, 2),
+    ("quick", "cuda"): Sweep(2048, 16, (256, 4096, 65536), 4, 2),
+    ("tiny", "cuda"): Sweep(256, 4, (16, 256), 2, 1),
+    # 2 CPU cores, fp32: a 512-wide layer is 8.4 MB; compute covers its copy near 30 tokens.
+    ("full", "cpu"): Sweep(1024, 8, (4, 32, 256, 1024), 5, 1),
+    ("quick", "cpu"): Sweep(512, 8, (4, 32, 256), 5, 1),
+    ("tiny", "cpu"): Sweep(128, 4, (4, 64), 2, 1),
+}
+
+
+def regime(c: float) -> str:
+    if c >= COMPUTE_BOUND:
+        return "compute-bound"
+    if c <= TRANSFER_BOUND:
+        return "transfer-bound"
+    return "balanced"
+
+
+def _prepare(ctx: Context, base) -> tuple[dict, dict, dict]:
+    """Every method's model (each from its own copy of `base`), the layerwise
+    managers by method name, and the methods skipped here with the reason."""
+    methods = {RESIDENT: clone_module(base).to(ctx.device)}
+    managers = {}
+    for depth in (1, 2):
+        model = clone_module(base)
+        managers[f"layerwise d={depth}"] = layerwise.configure_layerwise_offload(
+            model, ["blocks"], device=ctx.device, prefetch_depth=depth)
+        methods[f"layerwise d={depth}"] = model
+    model, label = baselines.naive_offload(clone_module(base), ["blocks"], ctx.device)
+    methods[label] = model
+    skipped = {}
+    try:
+        model, label = baselines.diffusers_group_offload(clone_module(base), ctx.device)
+        methods[label] = model
+    except Skip as e:
+        skipped["diffusers group offload"] = str(e)
+    except Exception as e:  # noqa: BLE001 - a baseline that fails to set up is not our failure
+        skipped["diffusers group offload"] = f"set-up failed: {type(e).__name__}: {e}"
+    return methods, managers, skipped
+
+
+def _forward(model, x):
+    def step():
+        with torch.inference_mode():
+            return model(x)
+    return step
+
+
+def _check_bitwise(steps: dict, reference: torch.Tensor, tokens: int) -> None:
+    """The first and the second step of every layerwise method equal the resident output."""
+    for name, step in steps.items():
+        if not name.startswith("layerwise"):
+            continue
+        for k in (1, 2):
+            out = step()
+            if not torch.equal(out, reference):
+                diff = (out.float() - reference.float()).abs().max().item()
+                raise AssertionError(f"{name}, {tokens} tokens, step {k}: output differs from the resident "
+                                     f"model's (max |diff| {diff:.3g})")
+
+
+def run(ctx: Context) -> SuiteResult:
+    sw = ctx.pick(SWEEPS)
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    base = models.build(models.DiTStack, sw.hidden, sw.layers, dtype=dtype, generate_on=ctx.device)
+    methods, managers, skipped = _prepare(ctx, base)
+    del base
+    lw = managers["layerwise d=1"][0]
+    layer_bytes = lw.plan.layers[0].nbytes
+    bandwidth = h2d.arena_bandwidth(ctx, layer_bytes)
+
+    result = SuiteResult(NAME, data={
+        "config": {**asdict(sw), "dtype": str(dtype), "layer_bytes": layer_bytes},
+        "h2d_bandwidth_GBps": bandwidth / 1e9, "methods": list(methods), "skipped_methods": skipped,
+        "points": []})
+    others = [m for m in methods if m != RESIDENT and not m.startswith("layerwise")]
+    diffusers = next((m for m in others if m.startswith("diffusers")), None)
+
+    gen = torch.Generator(device=ctx.device).manual_seed(1)
+    with ctx.progress(len(sw.tokens) * (sw.repeats + 1), NAME) as bar:
+        for tokens in sw.tokens:
+            x = torch.randn(tokens, sw.hidden, generator=gen, device=ctx.device).to(dtype)
+            steps = {name: _forward(model, x) for name, model in methods.items()}
+            _check_bitwise(steps, steps[RESIDENT](), tokens)
+            samplers = {name: device_timer(ctx, step, inner=sw.steps, prepare=step) for name, step in steps.items()}
+            ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, sw.repeats, warmup=1, bar=bar).items()}
+
+            last = {name: mgrs[0].stats()["last_step"] for name, mgrs in managers.items()}
+            streamed = last["layerwise d=1"]["bytes_copied"]
+            transfer_ms = streamed / bandwidth * 1e3
+            floor_ms = max(ms[RESIDENT].median, transfer_ms)
+            c = ms[RESIDENT].median / transfer_ms
+            point = {"tokens": tokens, "compute_transfer_ratio": c, "regime": regime(c),
+                     "streamed_bytes": streamed, "transfer_ms": transfer_ms, "floor_ms": floor_ms,
+                     "step_ms": ms, "layerwise_last_step": last}
+            result.data["points"].append(point)
+            result.rows += _rows(ctx, point, managers, others, diffusers)
+            del x, steps, samplers
+    return result
+
+
+def _rows(ctx: Context, point: dict, managers: dict, others: list, diffusers: str | None) -> list[Row]:
+    ms, c, floor = point["step_ms"], point["compute_transfer_ratio"], point["floor_ms"]
+    rows = []
+    for name in managers:
+        ours = ms[name]
+        base = {RESIDENT: ms[RESIDENT], **{k: ms[k] for k in others}}
+        ratios = {"/resident": ratio(ours, ms[RESIDENT])}
+        targets = []
+        if ctx.is_cuda:
+            base["floor"] = floor
+            ratios["/floor"] = ratio(ours, floor)
+            if point["regime"] == "compute-bound":
+                targets.append(Target.at_most(ratios["/resident"], 1.01, "resident"))
+            elif point["regime"] == "transfer-bound":
+                targets.append(Target.at_most(ratios["/floor"], 1.05, "floor"))
+            if diffusers is not None:
+                ratios["/diffusers"] = ratio(ours, ms[diffusers])
+                targets.append(Target("< diffusers", bool(median(ours) < median(ms[diffusers]))))
+        measure = f"step, {point['tokens']} tok (C/T {c:.2g}, {point['regime']}), {name}"
+        rows.append(Row(NAME, measure, "ms", ours, base, ratios, targets))
+    return rows
