@@ -265,11 +265,13 @@ class LayerwiseOffloadManager:
             self._stream_cache = None
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
+            # Hooks run eagerly under torch.compile: dynamo skips them instead of
+            # tracing into the copy engine (one graph per block, no recompiles).
             for lp in layers:
-                self._hooks.append(lp.module.register_forward_pre_hook(functools.partial(self._pre_hook, lp.index)))
-                self._hooks.append(
-                    lp.module.register_forward_hook(functools.partial(self._post_hook, lp.index), always_call=True)
-                )
+                pre = torch.compiler.disable(functools.partial(self._pre_hook, lp.index))
+                post = torch.compiler.disable(functools.partial(self._post_hook, lp.index))
+                self._hooks.append(lp.module.register_forward_pre_hook(pre))
+                self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
         self._finalized = True
         self._reset_stats()
 
