@@ -6,6 +6,7 @@ from .detect import detect_layer_groups
 from .loading import load_offloaded
 from .manager import LayerwiseOffloadManager
 from .report import report
+from .scatter import build_scatter_table, scatter_segment
 
 __all__ = [
     "CopyEngine",
@@ -13,10 +14,12 @@ __all__ = [
     "HostArena",
     "LayerwiseOffloadManager",
     "build_info",
+    "build_scatter_table",
     "configure_layerwise_offload",
     "detect_layer_groups",
     "load_offloaded",
     "remove_layerwise_offload",
     "report",
+    "scatter_segment",
 ]
 __version__ = "0.1.0"

@@ -21,7 +21,8 @@ fi
 
 need=()
 for mod_pkg in triton:triton pybind11:pybind11 ninja:ninja pytest:pytest numpy:numpy safetensors:safetensors \
-               tqdm:tqdm psutil:psutil matplotlib:matplotlib rich:rich setuptools:setuptools wheel:wheel; do
+               tqdm:tqdm psutil:psutil matplotlib:matplotlib rich:rich setuptools:setuptools wheel:wheel \
+               diffusers:diffusers transformers:transformers accelerate:accelerate; do
   mod=${mod_pkg%%:*}; pkg=${mod_pkg##*:}
   "$VPY" -c "import $mod" 2>/dev/null || need+=("$pkg")
 done
