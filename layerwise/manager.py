@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import _native
-from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, round_up
+from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_tensor, round_up
 
 log = logging.getLogger("layerwise")
 
@@ -91,10 +91,6 @@ def _validate_depth(prefetch_depth) -> int:
     if prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
     return prefetch_depth
-
-
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "placements") and hasattr(t, "to_local")
 
 
 class LayerwiseOffloadManager:
@@ -197,11 +193,11 @@ class LayerwiseOffloadManager:
                     if fill is not None:
                         fill(e, block)
                     else:  # the parameter's storage span, byte for byte
-                        data = e.param.data
+                        data = local_tensor(e.param.data)
                         flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
                         block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
                         del data, flat
-                    e.param.data = self._placeholder(e.dtype)
+                    e.param.data = e.wrap(self._placeholder(e.dtype))
                 if bar is not None:
                     bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
         except BaseException:
@@ -261,7 +257,7 @@ class LayerwiseOffloadManager:
                 if block is None:
                     block = self._ring[self._slot_of[lp.index]]
                 for e in lp.params:
-                    e.param.data = e.view_in(block)
+                    e.param.data = e.wrap(e.view_in(block))
             self._stream_cache = None
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
@@ -423,7 +419,7 @@ class LayerwiseOffloadManager:
                     continue  # it had no data to give back (checkpoint loading swaps it back)
                 out = torch.empty(e.span_bytes, dtype=torch.uint8, device=dev)
                 out.copy_(block[e.offset : e.offset + e.span_bytes])
-                e.param.data = torch.as_strided(out.view(e.dtype), e.shape, e.stride)
+                e.param.data = e.wrap(torch.as_strided(out.view(e.dtype), e.shape, e.stride))
         self._host_blocks = []
         self._arena = None
         self._packed = False

@@ -49,15 +49,29 @@ class ParamEntry:
     span: int  # storage elements covered
     offset: int = 0  # byte offset inside the layer block
     orig_device: torch.device | None = None
+    dspec: tuple | None = None  # DTensor: (device mesh, placements, global shape, global stride)
 
     @property
     def span_bytes(self) -> int:
         return self.span * self.dtype.itemsize
 
     def view_in(self, block: torch.Tensor) -> torch.Tensor:
-        """This parameter as a strided view of a uint8 layer block (host or device)."""
+        """This parameter (its local shard, for a DTensor) as a strided view of a
+        uint8 layer block (host or device)."""
         flat = block[self.offset : self.offset + self.span_bytes].view(self.dtype)
         return torch.as_strided(flat, self.shape, self.stride)
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """What the parameter's .data becomes: `local` itself, or for a
+        tensor-parallel parameter a DTensor over it with the original placement."""
+        if self.dspec is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.dspec
+        if local.numel() == 1 and tuple(local.shape) != self.shape:  # a placeholder
+            return DTensor.from_local(local.view((1,) * len(self.shape)), mesh, placements, run_check=False)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @dataclass
@@ -146,8 +160,13 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
             continue
         p = objects[pid]
         t = local_tensor(p.data)
+        dspec = None
+        if t is not p.data:
+            d = p.data
+            dspec = (d.device_mesh, tuple(d.placements), tuple(d.shape), tuple(d.stride()))
         layers[owned[0]].params.append(
-            ParamEntry(pnames[0], p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t), orig_device=t.device)
+            ParamEntry(pnames[0], p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t), orig_device=t.device,
+                       dspec=dspec)
         )
     for lp in layers:
         lp.layout()

@@ -73,6 +73,14 @@ def stream_handle(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+def inference_step(model: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A callable that runs model(x) under inference_mode and returns the output."""
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(x)
+    return step
+
+
 def clone_module(model: nn.Module) -> nn.Module:
     """An independent copy of a (host) model: every method gets its own weights."""
     return copy.deepcopy(model)

@@ -2,7 +2,9 @@
 200 parameters.
 
 Model: ``models.HolderStack``, N blocks whose forward returns its input, so a
-forward costs the module calls plus whatever the hooks do. Cost per layer =
+forward costs the module calls plus whatever the hooks do. Every layer holds
+the same bytes (200 x 256 B: 8 parameters of 1600 floats or 200 of 64), so only
+the parameter count changes between the two cases. Cost per layer =
 (host time of an offloaded forward - median host time of the plain forward) / N,
 the two interleaved in one run. Device work is synchronised outside the clock.
 
@@ -18,40 +20,38 @@ import torch
 import layerwise
 
 from . import baselines, models
-from .common import Context, Row, Skip, SuiteResult, Target, compare, host_timer, ratio
+from .common import Context, Row, Skip, SuiteResult, Target, compare, host_timer, inference_step, ratio
 
 NAME = "hooks"
 OURS, PLAIN = "layerwise", "no offload"
 PARAM_COUNTS = (8, 200)
-LAYERS = {"full": 256, "quick": 64, "tiny": 16}
-REPEATS = {"full": 30, "quick": 15, "tiny": 3}
+LAYERS = {"full": 256, "quick": 128, "tiny": 16}
+REPEATS = {"full": 40, "quick": 30, "tiny": 3}
 FLATNESS_LIMIT = 1.5
+LAYER_BYTES = 200 * 256  # the same for every parameter count
+
+
+def _stack(layers: int, num_params: int) -> models.HolderStack:
+    return models.HolderStack(layers, num_params, numel=LAYER_BYTES // (4 * num_params))
 
 
 def _methods(ctx: Context, layers: int, num_params: int) -> tuple[dict, dict]:
     """Models for every method (the same architecture, separate weights) and the
     methods not available here with the reason."""
-    out = {PLAIN: models.HolderStack(layers, num_params).to(ctx.device)}
-    model = models.HolderStack(layers, num_params)
+    out = {PLAIN: _stack(layers, num_params).to(ctx.device)}
+    model = _stack(layers, num_params)
     layerwise.configure_layerwise_offload(model, ["blocks"], device=ctx.device)
     out[OURS] = model
-    model, label = baselines.naive_offload(models.HolderStack(layers, num_params), ["blocks"], ctx.device,
+    model, label = baselines.naive_offload(_stack(layers, num_params), ["blocks"], ctx.device,
                                            prefer_accelerate=False)
     out[label] = model
     skipped = {}
     try:
-        model, label = baselines.accelerate_offload(models.HolderStack(layers, num_params), ctx.device)
+        model, label = baselines.accelerate_offload(_stack(layers, num_params), ctx.device)
         out[label] = model
     except Skip as e:
         skipped["accelerate cpu_offload"] = str(e)
     return out, skipped
-
-
-def _forward(model, x):
-    def f():
-        with torch.inference_mode():
-            model(x)
-    return f
 
 
 def run(ctx: Context) -> SuiteResult:
@@ -63,7 +63,7 @@ def run(ctx: Context) -> SuiteResult:
         for p in PARAM_COUNTS:
             methods, skipped = _methods(ctx, layers, p)
             result.data["skipped_methods"] = skipped
-            times = compare({k: host_timer(ctx, _forward(m, x)) for k, m in methods.items()},
+            times = compare({k: host_timer(ctx, inference_step(m, x)) for k, m in methods.items()},
                             repeats=repeats, warmup=2, bar=bar)
             plain = times.pop(PLAIN).median
             cost[p] = {k: s.map(lambda t, plain=plain: (t - plain) / layers * 1e6) for k, s in times.items()}

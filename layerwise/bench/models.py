@@ -86,9 +86,12 @@ class MultiGroupModel(nn.Module):
     def group_bytes(self) -> dict[str, int]:
         return {g: sum(p.numel() * p.element_size() for p in getattr(self, g).parameters()) for g in self.group_names}
 
-    def non_layer_bytes(self) -> int:
+    def non_layer_parameters(self) -> list:
         layer = {id(p) for g in self.group_names for p in getattr(self, g).parameters()}
-        return sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in layer)
+        return [p for p in self.parameters() if id(p) not in layer]
+
+    def non_layer_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.non_layer_parameters())
 
 
 # ------------------------------------------------------------------ hooks

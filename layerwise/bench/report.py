@@ -146,24 +146,31 @@ def write_plot(path: str, stream: SuiteResult, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     points = sorted(stream.data["points"], key=lambda p: p["compute_transfer_ratio"])
     x = [p["compute_transfer_ratio"] for p in points]
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    ax.plot(x, [p["floor_ms"] for p in points], "-", color="0.6", lw=7, alpha=0.45, zorder=1,
+            label="floor: max(resident, bytes / bandwidth)")
     for name in stream.data["methods"]:
         stats = [p["step_ms"][name] for p in points]
         y = [s.median for s in stats]
         err = [[s.median - s.q20 for s in stats], [s.q80 - s.median for s in stats]]
         ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=3, label=name,
                     lw=2.2 if name.startswith("layerwise") else 1.4)
-    ax.plot(x, [p["floor_ms"] for p in points], "k--", lw=1.2, label="floor: max(resident, bytes / bandwidth)")
-    ax.plot(x, [p["transfer_ms"] for p in points], ":", color="grey", lw=1,
+    ax.plot(x, [p["transfer_ms"] for p in points], ":", color="0.4", lw=1.2,
             label=f"transfer at {stream.data['h2d_bandwidth_GBps']:.1f} GB/s")
     for xi, p in zip(x, points):
-        ax.annotate(f"{p['tokens']} tok", (xi, p["floor_ms"]), textcoords="offset points", xytext=(0, -14),
+        ax.annotate(f"{p['tokens']} tok", (xi, p["floor_ms"]), textcoords="offset points", xytext=(0, -16),
                     ha="center", fontsize=7, color="grey")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.set_xlabel("compute / transfer per layer (resident step time / streamed bytes at measured bandwidth)")
     ax.set_ylabel("step time (ms, median, 20-80% bars)")
     cfg = stream.data["config"]

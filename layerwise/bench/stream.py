@@ -32,7 +32,8 @@ import torch
 import layerwise
 
 from . import baselines, h2d, models
-from .common import Context, Row, Skip, SuiteResult, Target, clone_module, compare, device_timer, median, ratio
+from .common import (Context, Row, Skip, SuiteResult, Target, clone_module, compare, device_timer, inference_step,
+                     median, ratio)
 
 NAME = "stream"
 RESIDENT = "resident"
@@ -57,7 +58,7 @@ SWEEPS = {
     ("tiny", "cuda"): Sweep(256, 4, (16, 256), 2, 1),
     # 2 CPU cores, fp32: a 512-wide layer is 8.4 MB; compute covers its copy near 30 tokens.
     ("full", "cpu"): Sweep(1024, 8, (4, 32, 256, 1024), 5, 1),
-    ("quick", "cpu"): Sweep(512, 8, (4, 32, 256), 5, 1),
+    ("quick", "cpu"): Sweep(512, 8, (2, 16, 64, 256), 7, 1),
     ("tiny", "cpu"): Sweep(128, 4, (4, 64), 2, 1),
 }
 
@@ -91,13 +92,6 @@ def _prepare(ctx: Context, base) -> tuple[dict, dict, dict]:
     except Exception as e:  # noqa: BLE001 - a baseline that fails to set up is not our failure
         skipped["diffusers group offload"] = f"set-up failed: {type(e).__name__}: {e}"
     return methods, managers, skipped
-
-
-def _forward(model, x):
-    def step():
-        with torch.inference_mode():
-            return model(x)
-    return step
 
 
 def _check_bitwise(steps: dict, reference: torch.Tensor, tokens: int) -> None:
@@ -134,7 +128,7 @@ def run(ctx: Context) -> SuiteResult:
     with ctx.progress(len(sw.tokens) * (sw.repeats + 1), NAME) as bar:
         for tokens in sw.tokens:
             x = torch.randn(tokens, sw.hidden, generator=gen, device=ctx.device).to(dtype)
-            steps = {name: _forward(model, x) for name, model in methods.items()}
+            steps = {name: inference_step(model, x) for name, model in methods.items()}
             _check_bitwise(steps, steps[RESIDENT](), tokens)
             samplers = {name: device_timer(ctx, step, inner=sw.steps, prepare=step) for name, step in steps.items()}
             ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, sw.repeats, warmup=1, bar=bar).items()}
