@@ -159,10 +159,10 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
             shared.extend(nm for nm in pnames if pattern.match(nm))
             continue
         p = objects[pid]
-        t = local_tensor(p.data)
+        d = p.data
+        t = local_tensor(d)
         dspec = None
-        if t is not p.data:
-            d = p.data
+        if t is not d:
             dspec = (d.device_mesh, tuple(d.placements), tuple(d.shape), tuple(d.stride()))
         layers[owned[0]].params.append(
             ParamEntry(pnames[0], p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t), orig_device=t.device,
