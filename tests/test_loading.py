@@ -149,17 +149,23 @@ def test_failure_while_packing_restores_the_meta_model(saved, monkeypatch):
 
 
 def test_host_peak_while_loading_is_the_arena_plus_a_layer(tmp_path):
-    # ~600 MB of layers: reading into the arena must not add a second copy.
-    code = textwrap.dedent(f"""
-        import resource, psutil, torch, layerwise
+    # ~600 MB of layers, written here and loaded in a fresh process: reading into
+    # the arena must not add a second copy (nor a mapping of the file) on top of it.
+    build = textwrap.dedent("""
+        import torch
         from torch import nn
-        from safetensors.torch import save_file
         L, D = 8, 2560
         def build():
             m = nn.Module(); m.blocks = nn.ModuleList(nn.Linear(D, D * 3, bias=False) for _ in range(L))
             m.head = nn.Linear(D, 8)
             return m
-        save_file(build().state_dict(), "{tmp_path}/big.safetensors")
+    """)
+    scope = {}
+    exec(build, scope)
+    save_file(scope["build"]().state_dict(), str(tmp_path / "big.safetensors"))
+    code = build + textwrap.dedent(f"""
+        import resource, psutil, layerwise
+        import torch._dynamo  # a one-time ~150 MB import (the hooks use torch.compiler.disable): not per model
         with torch.device("meta"):
             m = build()
         layer = 3 * D * D * 4

@@ -292,6 +292,7 @@ def test_host_memory_while_packing_stays_within_two_layers():
     # layer (the ring's first slot) plus a few percent, not by a second model.
     code = textwrap.dedent("""
         import resource, psutil, torch, layerwise
+        import torch._dynamo  # a one-time ~150 MB import (the hooks use torch.compiler.disable): not per model
         from torch import nn
         L, D = 12, 3200                      # 12 layers x 3 x (3200 x 3200 fp32) = 1.47 GB
         class B(nn.Module):
