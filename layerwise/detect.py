@@ -10,7 +10,14 @@ Groups come back in execution order, the order in which the first block of each
 list runs. Without example inputs that order is approximated by declaration
 order (named_modules()); with `example_inputs=(args, kwargs)` one forward pass
 records it with forward pre-hooks on each group's first block, stopping as soon
-as every group has been entered.
+as every group has been entered. A model built on the meta device (e.g. under
+`with torch.device("meta")`) with meta example inputs is enough for that: no
+weights need exist and nothing is computed. The pass runs in eval mode under
+no_grad with the CPU RNG forked; training flags and buffer objects are put back
+and the hooks removed, even on error.
+
+A list whose blocks are not all of one class (a hybrid stack of two layer
+types) is not a group: name such lists explicitly in layer_names.
 """
 from __future__ import annotations
 
@@ -25,8 +32,9 @@ from .plan import local_tensor
 log = logging.getLogger("layerwise")
 
 
-class _AllGroupsEntered(Exception):
-    """Raised from a pre-hook to cut the recording forward short."""
+class _AllGroupsEntered(BaseException):
+    """Raised from a pre-hook to cut the recording forward short (a BaseException,
+    so that a model's own `except Exception` around its blocks does not swallow it)."""
 
 
 def _param_bytes(module: nn.Module) -> int:
