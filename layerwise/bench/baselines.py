@@ -1,7 +1,8 @@
 """The offload schemes layerwise is compared with.
 
 naive_offload      per-tensor synchronous offload: accelerate's ``cpu_offload``
-                   when accelerate is importable, else NaiveOffload below.
+                   when accelerate is importable and the device is a GPU, else
+                   NaiveOffload below.
 NaiveOffload       pre-hook: copy each parameter of the block to the device
                    (one synchronous copy per tensor); post-hook: drop them.
 diffusers_group_offload
@@ -72,6 +73,10 @@ def naive_offload(model: nn.Module, layer_names, device: torch.device, prefer_ac
 
 
 def accelerate_offload(model: nn.Module, device: torch.device):
+    if device.type != "cuda":
+        # Its hooks swap in the host tensors themselves when the execution device
+        # is the host: nothing is copied, so there is nothing to compare with.
+        raise Skip("accelerate's cpu_offload copies nothing when the execution device is the CPU")
     try:
         from accelerate import cpu_offload
     except Exception as e:  # noqa: BLE001 - ImportError or a broken install

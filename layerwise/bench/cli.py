@@ -71,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda_ok, why = _cuda_usable()
     if args.device == "cuda" and not cuda_ok:
         parser.error(f"--device cuda: {why}")
-    device = torch.device("cuda" if (args.device or ("cuda" if cuda_ok else "cpu")) == "cuda" else "cpu")
-    if device.type == "cuda":
+    if (args.device or ("cuda" if cuda_ok else "cpu")) == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     scale = "tiny" if args.tiny else "quick" if args.quick else "full"
     ctx = Context(device, scale)
     threads = torch.get_num_threads()
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     env = report.environment(device, argv, vars(args))
     env["torch_threads"] = torch.get_num_threads()
+    env["scale"] = scale
     print(f"layerwise {env['layerwise']} bench on {device} ({env['device_name']}), {scale} sizes, "
           f"torch {env['torch']}, {env['torch_threads']} compute thread(s)", file=sys.stderr, flush=True)
     try:

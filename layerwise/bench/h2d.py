@@ -31,7 +31,7 @@ SIZES_MB = {
 # Back-to-back copies in one sample: at least this many bytes, so that launch
 # latency is amortised for small copies.
 BYTES_PER_SAMPLE = {"cuda": 256 * MB, "cpu": 32 * MB}
-REPEATS = {"full": 20, "quick": 20, "tiny": 3}
+REPEATS = {"full": 30, "quick": 40, "tiny": 3}
 GPU_TARGET_MIN_BYTES = 64 * MB  # below this, per-copy latency dominates: no target
 
 

@@ -86,6 +86,10 @@ class MultiGroupModel(nn.Module):
     def group_bytes(self) -> dict[str, int]:
         return {g: sum(p.numel() * p.element_size() for p in getattr(self, g).parameters()) for g in self.group_names}
 
+    def largest_layer_bytes(self) -> int:
+        return max(sum(p.numel() * p.element_size() for p in block.parameters())
+                   for g in self.group_names for block in getattr(self, g))
+
     def non_layer_parameters(self) -> list:
         layer = {id(p) for g in self.group_names for p in getattr(self, g).parameters()}
         return [p for p in self.parameters() if id(p) not in layer]

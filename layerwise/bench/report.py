@@ -41,19 +41,20 @@ def render_table(results: list[SuiteResult], file=None) -> None:
     file = file or sys.stdout
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         _render_plain(results, file)
         return
     table = Table(title="layerwise benchmark", show_lines=True)
     for c in COLUMNS:
-        table.add_column(c, overflow="fold")
+        table.add_column(escape(c), overflow="fold")
     for res in results:
         if res.status != "ok":
             style = "red" if res.status == "error" else "yellow"
-            table.add_row(res.name, f"[{style}]{_status_line(res)}[/{style}]", *[""] * (len(COLUMNS) - 2))
+            table.add_row(res.name, f"[{style}]{escape(_status_line(res))}[/{style}]", *[""] * (len(COLUMNS) - 2))
         for row in res.rows:
-            cells = _cells(row, "\n")
+            cells = [escape(c) for c in _cells(row, "\n")]
             cells[-1] = {"yes": "[green]yes[/green]", "NO": "[bold red]NO[/bold red]"}.get(cells[-1], cells[-1])
             table.add_row(*cells)
     width = None if file.isatty() else 200
@@ -162,8 +163,8 @@ def write_plot(path: str, stream: SuiteResult, title: str) -> None:
     ax.plot(x, [p["transfer_ms"] for p in points], ":", color="0.4", lw=1.2,
             label=f"transfer at {stream.data['h2d_bandwidth_GBps']:.1f} GB/s")
     for xi, p in zip(x, points):
-        ax.annotate(f"{p['tokens']} tok", (xi, p["floor_ms"]), textcoords="offset points", xytext=(0, -16),
-                    ha="center", fontsize=7, color="grey")
+        ax.annotate(f"{p['tokens']} tok", (xi, 0), xycoords=("data", "axes fraction"), textcoords="offset points",
+                    xytext=(0, 4), ha="center", fontsize=7, color="0.35")
     ax.set_xscale("log")
     ax.set_yscale("log")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
