@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.l
 stage build 180 env LAYERWISE_BUILD=cuda "$PY" -m pip install --no-build-isolation --no-deps --no-index -q -e . \
   && stage info 60 "$PY" -c "import layerwise, json; print(json.dumps(layerwise.build_info()))"
 stage tests 240 "$PY" -m pytest -q -x -p no:cacheprovider --junitxml="$OUT/tests.xml" tests
-stage bench 300 "$PY" -m layerwise.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/stream.png"
+stage bench 300 "$PY" -m layerwise.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/stream.png" --markdown "$OUT/bench.md"
 
 echo
 echo "== summary ($(head -n 2 "$OUT/gpu.txt" | tail -n 1))"

@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="small problem sizes (minutes on a laptop CPU); default: sized for a large GPU")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment to PATH")
     p.add_argument("--plot", metavar="PATH", help="write the stream sweep as a PNG to PATH")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown (with command, machine, date)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test sizes: seconds
     return p
 
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report.write_json(args.json, results, env)
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.markdown:
+        report.write_markdown(args.markdown, results, env)
+        print(f"wrote {args.markdown}", file=sys.stderr)
     if args.plot:
         sweep = next((r for r in results if r.name == stream.NAME and r.status == "ok"), None)
         if sweep is None:

@@ -74,6 +74,27 @@ def _render_plain(results: list[SuiteResult], file) -> None:
             print("  ".join("-" * w for w in widths), file=file)
 
 
+def write_markdown(path: str, results: list[SuiteResult], env: dict) -> None:
+    """The table as Markdown, headed by the command, machine and date (for BENCHMARKS.md)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        f"`python -m layerwise.bench {' '.join(env['argv'])}` on {env['device_name']} "
+        f"({env['device']}, {env['cpu_count']} CPUs, torch {env['torch']}, {env['torch_threads']} compute thread(s)), "
+        f"{env['date']}",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    for res in results:
+        if res.status != "ok":
+            lines.append("| " + " | ".join([res.name, cell(_status_line(res))] + [""] * (len(COLUMNS) - 2)) + " |")
+        lines += ["| " + " | ".join(cell(c) for c in _cells(row, "; ")) + " |" for row in res.rows]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 # ------------------------------------------------------------------- JSON
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
