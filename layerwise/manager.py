@@ -252,13 +252,14 @@ class LayerwiseOffloadManager:
                 buf = torch.empty(layers[i].nbytes, dtype=torch.uint8, device=self.device)
                 self._engine.copy_async(buf, self._host_blocks[i]).synchronize()
                 self._resident_blocks[i] = buf
+            # Each streamed layer's copy destination: the front of its slot.
+            self._dst = [self._ring[s][: lp.nbytes] if s >= 0 else None for s, lp in zip(self._slot_of, layers)]
             for lp in layers:
                 block = self._resident_blocks.get(lp.index)
                 if block is None:
                     block = self._ring[self._slot_of[lp.index]]
                 for e in lp.params:
                     e.param.data = e.wrap(e.view_in(block))
-            self._stream_cache = None
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -291,12 +292,12 @@ class LayerwiseOffloadManager:
             return
         if prefetch and self._active >= 0 and self._slot_holder[s] == self._active:
             return  # never overwrite the slot of the layer that is computing
-        ev = self._engine.copy_async(self._ring[s][: self.plan.layers[i].nbytes], self._host_blocks[i],
-                                     self._slot_event[s])
+        dst = self._dst[i]
+        ev = self._engine.copy_async(dst, self._host_blocks[i], self._slot_event[s])
         self._slot_holder[s] = i
         self._slot_event[s] = ev
         self._copy_event[i] = ev
-        self._bytes += self.plan.layers[i].nbytes
+        self._bytes += dst.numel()
         self._copies += 1
         if not prefetch:
             self._sync_loads += 1
@@ -436,6 +437,7 @@ class LayerwiseOffloadManager:
             # Parameters not yet restored are still bound to slot views or placeholders.
             self._restore_parameters(original_devices)
         self._ring = []
+        self._dst = []
         self._resident_blocks = {}
         self._engine = None
         self._finalized = False

@@ -10,6 +10,10 @@ if not torch.cuda.is_available():
 
 import layerwise  # noqa: E402
 
+# One compute thread: the copy engine's workers need the other core, and an
+# OpenMP pool spinning against them on a 2-core machine slows steps 100-fold.
+torch.set_num_threads(1)
+
 
 def cuda_usable() -> bool:
     return torch.cuda.is_available() and layerwise.build_info()["with_cuda"]

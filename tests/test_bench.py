@@ -63,7 +63,8 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
             for key in ("suite", "measure", "unit", "ours", "baselines", "ratios", "targets", "met"):
                 assert key in row, (name, key)
             ours = _median(row["ours"])
-            assert _finite(ours) and ours > 0, (name, row["measure"], row["ours"])
+            # a difference of two timings (hook time less the copy wait) may be <= 0 at tiny sizes
+            assert _finite(ours) and (ours > 0 or "without the copy wait" in row["measure"]), (name, row)
             if isinstance(row["ours"], dict):
                 assert row["ours"]["q20"] <= ours <= row["ours"]["q80"]
             assert all(_finite(_median(v)) for v in row["baselines"].values()), (name, row)
