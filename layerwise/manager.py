@@ -245,7 +245,10 @@ class LayerwiseOffloadManager:
             self._ring = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
             self._slot_holder = [-1] * self.num_slots
             self._active = -1  # the layer between its pre- and post-hook
-            self._slot_event = [None] * self.num_slots  # last copy into, or last use of, the slot
+            # The last copy into, or last use of, each slot. On CUDA the ring's memory may
+            # have been freed by work still queued on the compute stream: wait for it.
+            start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
+            self._slot_event = [start] * self.num_slots
             self._copy_event = [None] * self.num_layers
             self._resident_blocks = {}
             for i in self.resident:

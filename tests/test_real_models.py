@@ -140,8 +140,10 @@ def build(arch: Arch, seed: int = 0) -> nn.Module:
     return model
 
 
-def run(arch: Arch, model: nn.Module, seed: int) -> torch.Tensor:
+def run(arch: Arch, model: nn.Module, seed: int, device: str = "cpu") -> torch.Tensor:
     args, kwargs = arch.inputs(seed)
+    if device != "cpu":
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with torch.no_grad():
         return arch.output(model(*args, **kwargs))
 
@@ -212,6 +214,24 @@ def test_offloaded_outputs_bitwise_and_remove_restores(name, depth, resident):
     assert not managers_of(model) and hook_count(model) == hooks
     assert_state_equal(model, sd)
     assert torch.equal(run(arch, model, SEEDS[0]), refs[0])  # an ordinary model again
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_real_architectures_stream_to_cuda_bitwise(name):
+    # The same check on the GPU (scripts/gpu_check.sh): the model starts on the
+    # host, the reference is the resident model on the device.
+    if not (torch.cuda.is_available() and layerwise.build_info()["with_cuda"]):
+        pytest.skip("no CUDA device (or a CPU-only build)")
+    arch = ARCHS[name]
+    model = build(arch)
+    ref = copy.deepcopy(model).to("cuda")
+    refs = [run(arch, ref, s, "cuda") for s in SEEDS]
+    managers = layerwise.configure_layerwise_offload(model, arch.groups, device="cuda", prefetch_depth=1)
+    for _ in range(2):
+        for s, r in zip(SEEDS, refs):
+            assert torch.equal(run(arch, model, s, "cuda"), r), (name, s)
+    assert all(m.stats()["sync_loads"] == 0 for m in managers)
+    assert all(p.device.type == "cuda" for p in model.parameters())
 
 
 def test_flux_random_copy_delays_never_change_outputs():
