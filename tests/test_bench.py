@@ -20,7 +20,7 @@ def tiny_run(tmp_path_factory):
     json_path, plot_path = out / "bench.json", out / "stream.png"
     proc = subprocess.run(
         [sys.executable, "-m", "layerwise.bench", "--tiny", "--device", "cpu",
-         "--json", str(json_path), "--plot", str(plot_path)],
+         "--json", str(json_path), "--plot", str(plot_path), "--markdown", str(out / "bench.md")],
         capture_output=True, text=True, timeout=300,
     )
     return proc, json_path, plot_path
@@ -41,6 +41,11 @@ def test_cli_runs_every_cpu_suite(tiny_run):
         assert f"[{name}]" in proc.stderr
     assert "met" in proc.stdout and "stream" in proc.stdout  # the table
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (plot_path.parent / "bench.md").read_text().splitlines()
+    assert md[0].startswith("`python -m layerwise.bench --tiny") and " (cpu, " in md[0]  # command, machine
+    assert md[2].startswith("| suite | measured |") and md[3].startswith("|---|")
+    rows = [line for line in md[4:] if line.startswith("| ")]
+    assert {r.split(" | ")[0][2:] for r in rows} == {"h2d", "scatter", "stream", "startup", "hooks"}
 
 
 def test_json_has_environment_and_finite_positive_figures(tiny_run):
