@@ -522,3 +522,31 @@ def test_detect_skips_lists_that_share_blocks_with_a_chosen_one():
     model = Nested()
     model.alias = nn.ModuleList(list(model.blocks)[:2])  # the same block objects, listed again
     assert detect_layer_groups(model) == ["blocks"]
+
+
+# ------------------------------------------------- checkpoint loading, real
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_real_architectures_load_from_safetensors_bitwise(name, tmp_path):
+    # A real checkpoint written from the resident model, loaded into the same
+    # architecture built without weights (parameters on meta, buffers on the
+    # host, as accelerate.init_empty_weights(include_buffers=False) gives).
+    accelerate = pytest.importorskip("accelerate")
+    from safetensors.torch import save_model
+
+    arch = ARCHS[name]
+    ref = build(arch, seed=4)
+    refs = [run(arch, ref, s) for s in SEEDS]
+    path = tmp_path / "model.safetensors"
+    save_model(ref, str(path))  # drops duplicate names of tied tensors, as real checkpoints do
+    with accelerate.init_empty_weights(include_buffers=False):
+        torch.manual_seed(4)
+        model = arch.build().eval()
+    assert all(p.is_meta for p in model.parameters())
+    managers = layerwise.load_offloaded(model, path, arch.groups, device="cpu", prefetch_depth=1)
+    assert [m.layer_name for m in managers] == arch.groups
+    assert not any(p.is_meta for p in model.parameters())
+    for _ in range(2):
+        for s, r in zip(SEEDS, refs):
+            assert torch.equal(run(arch, model, s), r), (name, s)
+    layerwise.remove_layerwise_offload(model)
+    assert_state_equal(model, clone_state(ref))
