@@ -16,8 +16,10 @@ size_t page_size() {
   return p;
 }
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-// Registering multi-GiB ranges in one call can fail; pin in chunks.
-constexpr size_t kPinChunk = size_t(1) << 30;
+// Registering very large ranges in one call can fail: pin in chunks. A copy
+// should not span two registrations, so a chunk is larger than any one layer
+// block is likely to be (a 70B-parameter model's layer is ~1.7 GB in bf16).
+constexpr size_t kPinChunk = size_t(8) << 30;
 }  // namespace
 
 struct HostArena::Block {
@@ -27,6 +29,7 @@ struct HostArena::Block {
   std::vector<void*> cuda_registered;
   ~Block() {
 #ifdef LAYERWISE_WITH_CUDA
+    if (!cuda_registered.empty()) cuda_wait_for_device();
     for (void* p : cuda_registered) cuda_host_unregister(p);
 #endif
     for (auto& r : mlocked) munlock(r.first, r.second);

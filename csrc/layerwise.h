@@ -76,6 +76,7 @@ EnginePtr make_cuda_engine(int device, int num_streams);
 int cuda_device_count_or_throw(const char* what);
 bool cuda_host_register(void* ptr, size_t n);  // false when the driver refuses
 void cuda_host_unregister(void* ptr);
+void cuda_wait_for_device();
 int cuda_runtime_version_compiled();
 #endif
 

@@ -253,7 +253,7 @@ class LayerwiseOffloadManager:
             self._resident_blocks = {}
             for i in self.resident:
                 buf = torch.empty(layers[i].nbytes, dtype=torch.uint8, device=self.device)
-                self._engine.copy_async(buf, self._host_blocks[i]).synchronize()
+                self._engine.copy_async(buf, self._host_blocks[i], start).synchronize()
                 self._resident_blocks[i] = buf
             # Each streamed layer's copy destination: the front of its slot.
             self._dst = [self._ring[s][: lp.nbytes] if s >= 0 else None for s, lp in zip(self._slot_of, layers)]
@@ -436,6 +436,11 @@ class LayerwiseOffloadManager:
         self._hooks = []
         if self._finalized:
             self._engine.synchronize()
+            self._resolve_stalls()
+        # Events hold the tensors their copies read and wrote (ring slices, arena
+        # blocks): drop them, or the ring and the pinned arena outlive the removal.
+        self._slot_event, self._copy_event, self._slot_holder, self._stall_pairs = [], [], [], []
+        self._placeholders = {}
         if self._packed:
             # Parameters not yet restored are still bound to slot views or placeholders.
             self._restore_parameters(original_devices)

@@ -1,10 +1,12 @@
 """LayerwiseOffloadManager and configure_layerwise_offload on the CPU backend
 (and CUDA, where present): exact outputs, startup order, races, errors."""
 import copy
+import gc
 import itertools
-import textwrap
 import subprocess
 import sys
+import textwrap
+import weakref
 
 import pytest
 import torch
@@ -21,9 +23,11 @@ def make(seed=0, **kw):
     return TwoGroupModel(**kw)
 
 
-def resident_outputs(model, xs, **fwd):
+def resident_outputs(model, xs, device="cpu", **fwd):
+    """Outputs of a resident copy of `model` on `device` (same kernels as the streamed run), on the host."""
+    ref = copy.deepcopy(model).to(device)
     with torch.no_grad():
-        return [model(x, **fwd) for x in xs]
+        return [ref(x.to(device), **fwd).cpu() for x in xs]
 
 
 def snapshot(model):
@@ -100,7 +104,7 @@ def test_nested_list_of_the_same_name_is_not_captured():
 def test_outputs_bitwise_for_every_prefetch_depth(device, depth):
     model = make()
     xs = [torch.randn(3, 32) for _ in range(3)]
-    refs = resident_outputs(model, xs)
+    refs = resident_outputs(model, xs, device)
     layerwise.configure_layerwise_offload(model, GROUPS, device=device, prefetch_depth=depth)
     for _ in range(2):
         assert_equal_outputs(model, xs, refs, device)
@@ -111,7 +115,7 @@ def test_outputs_bitwise_for_every_prefetch_depth(device, depth):
 def test_outputs_bitwise_with_resident_layers(device, resident, policy):
     model = make(n_a=6)
     xs = [torch.randn(2, 32) for _ in range(2)]
-    refs = resident_outputs(model, xs)
+    refs = resident_outputs(model, xs, device)
     managers = layerwise.configure_layerwise_offload(model, GROUPS, device=device, prefetch_depth=1,
                                                      resident_layers=resident, residency_policy=policy)
     a = managers[0]
@@ -129,7 +133,7 @@ def test_outputs_bitwise_with_resident_layers(device, resident, policy):
 def test_out_of_order_calls_load_synchronously_and_stay_exact(device, order_a):
     model = make(n_a=6)  # 6 layers, depth 1: two slots shared by three layers each
     xs = [torch.randn(2, 32) for _ in range(2)]
-    refs = resident_outputs(model, xs, order_a=order_a, order_b=[2, 0])
+    refs = resident_outputs(model, xs, device, order_a=order_a, order_b=[2, 0])
     managers = layerwise.configure_layerwise_offload(model, GROUPS, device=device, prefetch_depth=1)
     for _ in range(2):
         assert_equal_outputs(model, xs, refs, device, order_a=order_a, order_b=[2, 0])
@@ -140,8 +144,9 @@ def test_out_of_order_calls_load_synchronously_and_stay_exact(device, order_a):
 def test_a_single_layer_called_alone(device):
     model = make()
     x = torch.randn(2, 32)
+    resident = copy.deepcopy(model).to(device)
     with torch.no_grad():
-        ref = [model.transformer_blocks[i](x) for i in (3, 1, 3)]
+        ref = [resident.transformer_blocks[i](x.to(device)).cpu() for i in (3, 1, 3)]
     layerwise.configure_layerwise_offload(model, GROUPS, device=device)
     with torch.no_grad():
         for i, r in zip((3, 1, 3), ref):
@@ -151,7 +156,7 @@ def test_a_single_layer_called_alone(device):
 def test_inference_mode_and_no_grad_then_autograd(device):
     model = make()
     xs = [torch.randn(2, 32)]
-    refs = resident_outputs(model, xs)
+    refs = resident_outputs(model, xs, device)
     layerwise.configure_layerwise_offload(model, GROUPS, device=device)
     with torch.inference_mode():
         for _ in range(2):
@@ -277,9 +282,12 @@ def test_remove_restores_state_dict_and_leaves_no_hooks(device):
     assert hook_count(model) > hooks
     with torch.no_grad():
         model(torch.randn(2, 32, device=device))
+    held = [weakref.ref(t) for m in managers for t in m._ring + m._host_blocks]
     out = layerwise.remove_layerwise_offload(model)
     assert out is model and hook_count(model) == hooks and not managers_of(model)
     assert all(m._arena is None and not m._ring for m in managers)
+    gc.collect()
+    assert not any(r() is not None for r in held)  # ring and arena freed, though the managers live on
     for k, v in model.state_dict().items():
         assert torch.equal(v.cpu(), sd[k]), k
     assert {n: p.stride() for n, p in model.named_parameters()} == strides

@@ -104,6 +104,8 @@ def host_and_device(nbytes, device, arena=None):
     src = (arena.allocate(nbytes) if arena is not None else torch.empty(nbytes, dtype=torch.uint8))
     src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     dst = torch.full((nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    if device == "cuda":  # the fill runs on torch's stream; the engine's copy stream is not ordered after it
+        torch.cuda.synchronize()
     return src, dst
 
 
@@ -134,6 +136,8 @@ def test_after_orders_copies_across_streams(device):
         src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
         mid = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
         out = torch.zeros(1 << 20, dtype=torch.uint8)
+        if device == "cuda":
+            torch.cuda.synchronize()
         first = engine.copy_async(mid, src)
         second = engine.copy_async(out, mid, after=first)
         second.synchronize()

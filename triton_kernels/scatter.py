@@ -315,20 +315,21 @@ class ScatterTable(NamedTuple):
     offsets: Tuple[int, ...]
 
 
-_SAT_FP8_CACHE: Optional[bool] = None
+_SAT_FP8_CACHE: dict = {}
 
 
-def _torch_fp8_saturates() -> bool:
-    """Whether this torch saturates float32 -> float8_e4m3fn overflow to 448
-    (newer versions) instead of producing NaN (older ones). Probed on CPU once."""
-    global _SAT_FP8_CACHE
-    if _SAT_FP8_CACHE is None:
+def _torch_fp8_saturates(device: torch.device) -> bool:
+    """Whether torch, on this device type, saturates float32 -> float8_e4m3fn
+    overflow to 448 (newer versions) instead of producing NaN (older ones); the
+    CPU and CUDA casts changed in different releases. Probed once per device type."""
+    key = torch.device(device).type
+    if key not in _SAT_FP8_CACHE:
         if _FP8 is None:
-            _SAT_FP8_CACHE = True
+            _SAT_FP8_CACHE[key] = True
         else:
-            probe = torch.tensor([470.0], dtype=torch.float32).to(_FP8).view(torch.uint8)
-            _SAT_FP8_CACHE = int(probe[0]) == 0x7E
-    return _SAT_FP8_CACHE
+            probe = torch.tensor([470.0], dtype=torch.float32, device=device).to(_FP8).view(torch.uint8)
+            _SAT_FP8_CACHE[key] = int(probe.cpu()[0]) == 0x7E
+    return _SAT_FP8_CACHE[key]
 
 
 def _may_self_overlap(shape, stride) -> bool:
@@ -476,7 +477,7 @@ def build_scatter_table(
         device=segment.device,
         src_code=src_code,
         vec=16 // src_esize,
-        sat_fp8=_torch_fp8_saturates(),
+        sat_fp8=_torch_fp8_saturates(segment.device),
         dsts=dsts,
         offsets=tuple(info.offset for info in infos),
     )

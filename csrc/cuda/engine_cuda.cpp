@@ -12,6 +12,7 @@ namespace layerwise {
 namespace {
 
 [[noreturn]] void throw_cuda(const char* call, cudaError_t e) {
+  cudaGetLastError();  // clear it, so that torch's next launch check does not report it as its own
   throw std::runtime_error(std::string("layerwise: ") + call + " failed: " + cudaGetErrorString(e) + " (" +
                            cudaGetErrorName(e) + ", error " + std::to_string(static_cast<int>(e)) + ")");
 }
@@ -141,12 +142,19 @@ int cuda_device_count_or_throw(const char* what) {
 }
 
 bool cuda_host_register(void* ptr, size_t n) {
-  cudaError_t e = cudaHostRegister(ptr, n, cudaHostRegisterDefault);
+  // Portable: pinned for every device's context, not only the current one.
+  cudaError_t e = cudaHostRegister(ptr, n, cudaHostRegisterPortable);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   return true;
+}
+
+void cuda_wait_for_device() {
+  // The arena's pages may still be the source of a copy in flight on some
+  // stream: let every copy finish before they are unpinned and unmapped.
+  if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
 }
 
 void cuda_host_unregister(void* ptr) {

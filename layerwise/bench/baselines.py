@@ -72,7 +72,7 @@ def naive_offload(model: nn.Module, layer_names, device: torch.device, prefer_ac
     return model, "naive hooks"
 
 
-def accelerate_offload(model: nn.Module, device: torch.device):
+def accelerate_offload(model: nn.Module, device: torch.device, preload_module_classes=None):
     if device.type != "cuda":
         # Its hooks swap in the host tensors themselves when the execution device
         # is the host: nothing is copied, so there is nothing to compare with.
@@ -81,7 +81,9 @@ def accelerate_offload(model: nn.Module, device: torch.device):
         from accelerate import cpu_offload
     except Exception as e:  # noqa: BLE001 - ImportError or a broken install
         raise Skip(f"accelerate is not importable ({type(e).__name__}: {e})") from None
-    cpu_offload(model, execution_device=device)
+    # preload_module_classes: modules whose parameters live in children that
+    # never run on their own (a ParameterList), hooked as a whole.
+    cpu_offload(model, execution_device=device, preload_module_classes=preload_module_classes)
     return model, "accelerate cpu_offload"
 
 

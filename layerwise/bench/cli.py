@@ -89,14 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     env["scale"] = scale
     print(f"layerwise {env['layerwise']} bench on {device} ({env['device_name']}), {scale} sizes, "
           f"torch {env['torch']}, {env['torch_threads']} compute thread(s)", file=sys.stderr, flush=True)
+    results = []
     try:
-        results = [_run_suite(name, ctx) for name in (args.suites or list(SUITES))]
+        for name in args.suites or list(SUITES):
+            results.append(_run_suite(name, ctx))
+            if args.json:  # after every suite: a run stopped by a time limit keeps what it measured
+                report.write_json(args.json, results, env)
     finally:
         torch.set_num_threads(threads)
     report.render_table(results)
     failed = [r.name for r in results if r.status == "error"]
     if args.json:
-        report.write_json(args.json, results, env)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.markdown:
         report.write_markdown(args.markdown, results, env)

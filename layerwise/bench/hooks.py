@@ -49,7 +49,8 @@ def _methods(ctx: Context, layers: int, num_params: int) -> tuple[dict, dict]:
     out[label] = model
     skipped = {}
     try:
-        model, label = baselines.accelerate_offload(_stack(layers, num_params), ctx.device)
+        model, label = baselines.accelerate_offload(_stack(layers, num_params), ctx.device,
+                                                    preload_module_classes=["ParamHolder"])
         out[label] = model
     except Skip as e:
         skipped["accelerate cpu_offload"] = str(e)
