@@ -4,7 +4,7 @@
 # builds the CUDA variant with the python3 found there, runs every test (the
 # CUDA variants included), runs the full GPU benchmark, writes logs, JSON, the
 # plot and a Markdown table into RESULTS_DIR (7 files) and prints a short
-# summary last. Stage limits add up to 570 s.
+# summary last. Stage limits add up to 580 s.
 # Python packages missing there (diffusers, for its baselines and real-model
 # tests) can travel as wheels in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -38,9 +38,9 @@ export PY PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv \
   > "$OUT/gpu.txt" 2>&1 || true
-stage build 120 bash -c build
+stage build 150 bash -c build
 stage tests 150 "$PY" -m pytest -q -rfE -p no:cacheprovider tests
-stage bench 300 "$PY" -m layerwise.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/stream.png" \
+stage bench 280 "$PY" -m layerwise.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/stream.png" \
   --markdown "$OUT/bench.md"
 
 echo
