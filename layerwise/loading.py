@@ -44,6 +44,7 @@ class _Stored:
     nbytes: int
     dtype: torch.dtype | str
     shape: tuple
+    fd: int = -1  # the file, open for the duration of a load
 
 
 def _read_header(path: str) -> dict[str, _Stored]:
@@ -86,16 +87,15 @@ def _checkpoint_files(checkpoint) -> list[str]:
 
 
 def _read_into(stored: _Stored, out: torch.Tensor) -> None:
-    """Read a stored tensor's bytes into the contiguous tensor `out` (host)."""
+    """Read a stored tensor's bytes into the contiguous tensor `out` (host), with
+    positioned reads on the file's open descriptor."""
     view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-    with open(stored.path, "rb", buffering=0) as f:
-        f.seek(stored.start)
-        got = 0
-        while got < stored.nbytes:
-            n = f.readinto(view[got:])
-            if not n:
-                raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {stored.nbytes} bytes read)")
-            got += n
+    got = 0
+    while got < stored.nbytes:
+        n = os.preadv(stored.fd, [view[got:]], stored.start + got)
+        if not n:
+            raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {stored.nbytes} bytes read)")
+        got += n
 
 
 def _host_tensor(stored: _Stored) -> torch.Tensor:
@@ -249,8 +249,13 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             if full in stored:
                 mod._buffers[attr] = _host_tensor(stored[full]).to(dev)
 
+    fds = {path: os.open(path, os.O_RDONLY) for path in files}
+    for st in stored.values():
+        st.fd = fds[st.path]
     try:
         return _build(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
     finally:
+        for fd in fds.values():
+            os.close(fd)
         if bar is not None:
             bar.close()

@@ -175,11 +175,10 @@ class LayerwiseOffloadManager:
         """
         if self._packed or not self.enabled:
             return
-        cuda = self.device.type == "cuda"
-        self._arena = _native.HostArena(self._arena_capacity(), pinned=self.pin_memory, cuda=cuda)
+        total = self._arena_capacity()
+        self._arena = _native.HostArena(total, pinned=self.pin_memory, cuda=self.device.type == "cuda")
         self._placeholders = {}
         self._host_blocks = []
-        total = self._arena_capacity()
         bar = None
         if total >= _PROGRESS_MIN_BYTES and sys.stderr.isatty():
             from tqdm.auto import tqdm
@@ -423,7 +422,7 @@ class LayerwiseOffloadManager:
                     continue  # it had no data to give back (checkpoint loading swaps it back)
                 out = torch.empty(e.span_bytes, dtype=torch.uint8, device=dev)
                 out.copy_(block[e.offset : e.offset + e.span_bytes])
-                e.param.data = e.wrap(torch.as_strided(out.view(e.dtype), e.shape, e.stride))
+                e.param.data = e.wrap(torch.as_strided(out.view(e.dtype), e.shape, e.stride))  # its own storage
         self._host_blocks = []
         self._arena = None
         self._packed = False

@@ -51,7 +51,8 @@ def report(model) -> Report:
     managers = managers_of(model)
     if not managers:
         raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
-    groups = [_row(m.stats()) for m in managers]
+    stats = [m.stats() for m in managers]  # each synchronises the device on CUDA: once
+    groups = [_row(st) for st in stats]
     total = {"group": "total", "layers": sum(g["layers"] for g in groups),
              "resident": sum(g["resident"] for g in groups), "slots": sum(g["slots"] for g in groups),
              "arena_pinned": all(g["arena_pinned"] for g in groups)}
@@ -61,7 +62,7 @@ def report(model) -> Report:
     for key in ("sync_loads", "bytes_copied", "copies", "stall_s", "arena_bytes", "arena_mib", "ring_bytes",
                 "ring_mib", "resident_bytes", "resident_mib"):
         total[key] = sum(g[key] for g in groups)
-    walls = [m.stats()["last_step"] for m in managers]
+    walls = [st["last_step"] for st in stats]
     wall = max((w.get("wall_s") or 0) for w in walls if w) if any(walls) else 0
     total["gbps"] = total["bytes_per_step"] / wall / 1e9 if wall and total["bytes_per_step"] else None
     return Report(groups=groups, total=total)
