@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from .manager import resolve_resident
+from .options import resolve_resident
 
 log = logging.getLogger("layerwise")
 

@@ -10,53 +10,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .manager import LayerwiseOffloadManager, _validate_depth, resolve_device, resolve_resident
+from . import contract
+from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
+from .manager import LayerwiseOffloadManager
+from .options import resolve_device, resolve_resident, validate_depth
 from .plan import resolve_group
 
 log = logging.getLogger("layerwise")
-
-_ATTR = "_layerwise_managers"
-
-
-def managers_of(model: nn.Module) -> list[LayerwiseOffloadManager]:
-    return list(model.__dict__.get(_ATTR, []))
-
-
-def _attach(model: nn.Module, managers) -> None:
-    model.__dict__.setdefault(_ATTR, []).extend(managers)
-
-
-def _has_dtensor_params(model: nn.Module) -> bool:
-    return any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters())
-
-
-def move_non_layer_weights(model: nn.Module, device: torch.device) -> None:
-    """The single model.to(device); skipped for DTensor weights (each rank keeps its shards)."""
-    if _has_dtensor_params(model):
-        return
-    model.to(device)
-
-
-def _snapshot_devices(model: nn.Module) -> list:
-    """Where every parameter and buffer lives now (devices only: holding the
-    tensors themselves would keep a second copy of the model alive)."""
-    snap = [(p, p.device) for p in model.parameters()]
-    snap += [(m, name, b.device) for m in model.modules() for name, b in m._buffers.items() if b is not None]
-    return snap
-
-
-def _restore_devices(snap: list) -> None:
-    """Undo the non-layer move of a failed configure."""
-    for item in snap:
-        if len(item) == 2:
-            p, dev = item
-            if p.device != dev:
-                p.data = p.data.to(dev)
-        else:
-            m, name, dev = item
-            b = m._buffers.get(name)
-            if b is not None and b.device != dev:
-                m._buffers[name] = b.to(dev)
 
 
 def _validate_paths(model: nn.Module, names: list[str]) -> None:
@@ -109,6 +69,7 @@ def configure_layerwise_offload(
     """
     managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
                              pin_memory, num_copy_streams, debug_copy_delay_us)
+    contract.check_configurable(model, managers)
     if device_budget is not None:
         from .budget import apply_device_budget
 
@@ -140,7 +101,7 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
             "call layerwise.remove_layerwise_offload(model) first"
         )
     _validate_paths(model, names)
-    _validate_depth(prefetch_depth)
+    validate_depth(prefetch_depth)
     dev = resolve_device(device)
     for path in names:
         resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy)
@@ -163,8 +124,7 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
     device before the single model.to; `undo()` reverts what those two did.
     """
     enabled = [m for m in managers if m.enabled]
-    snap = _snapshot_devices(model)
-    try:
+    with contract.rollback_on_failure(model, managers, undo):
         # Largest group first: weights that arrived on the device are copied back
         # to the host group by group, so the biggest share of memory frees first.
         for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
@@ -174,17 +134,9 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
         move_non_layer_weights(model, dev)
         for m in managers:
             m._finalize_initialization()
-    except BaseException:
-        for m in managers:
-            m.remove(original_devices=True)
-        _restore_devices(snap)
-        if undo is not None:
-            undo()
-        raise
-    del snap
     for a, b in zip(enabled, enabled[1:] + enabled[:1]):
         a.next_manager = b
-    _attach(model, managers)
+    contract.attach(model, managers)
     _log_summary(model, managers, dev)
     return managers
 
@@ -215,7 +167,9 @@ def remove_layerwise_offload(model: nn.Module) -> nn.Module:
     managers = managers_of(model)
     if not managers:
         raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
-    for m in managers:
-        m.remove()
-    del model.__dict__[_ATTR]
+    lock = contract.model_lock(model)
+    with lock:
+        for m in managers:
+            m.remove()
+        contract.detach(model)
     return model

@@ -204,7 +204,11 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
     buffers_before = [(mod, attr, mod._buffers[attr]) for mod, attr, _, _ in buffers]
 
+    replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
+
     def undo():
+        for p, old in reversed(replaced):
+            p.data = old
         for mod, attr, old in reversed(swapped):
             mod._parameters[attr] = old
         for mod, attr, old in buffers_before:
@@ -242,6 +246,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             if p.is_meta:
                 swap(pid, nn.Parameter(t, requires_grad=p.requires_grad))
             else:
+                replaced.append((p, p.data))  # given back if the load fails later
                 p.data = t
             if bar is not None:
                 bar.update(s.nbytes)

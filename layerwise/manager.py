@@ -12,85 +12,40 @@ Life cycle (DESIGN.md, data flow):
 Each streamed layer has a fixed slot (plan.assign_slots), so its parameters stay
 bound to views of that slot and the hooks do O(1) work: the pre-hook makes the
 compute stream wait for the layer's copy (loading it first if it is not in its
-slot) and issues the next copies; the post-hook records "slot free". A copy into
-a slot always waits on the slot's last event, so no slot is overwritten while a
-layer that uses it may still be computing.
+slot) and issues the next copies. A copy into a slot waits for everything the
+compute stream has enqueued when it is issued (the slot's last user, its forward
+hooks included) and for the slot's previous copy, so no slot is overwritten
+while a layer that uses it may still be computing, and a slot whose layer is
+computing (`_busy`) is never a prefetch target.
+
+Robustness (the state contract, layerwise/contract.py): bookkeeping is marked
+`_dirty` around every native call that queues a copy, so an exception or a
+KeyboardInterrupt that lands in between makes the next hook resynchronise
+(wait for every copy, forget what the slots hold) instead of trusting a record
+that is behind what was queued. Forwards of one model hold the model's lock
+from a layer's pre-hook to its post-hook, so two threads never interleave
+inside a layer. Version counters say when someone wrote to a slot or to the
+arena: a write through `state_dict()` views or `load_state_dict` reloads the
+layer; an in-place write into a slot view is discarded and reported.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import sys
+import threading
 import time
-from numbers import Real
 
 import torch
 from torch import nn
 
-from . import _native
+from . import _native, contract
+from .options import resolve_device, resolve_resident, validate_depth
 from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_tensor, round_up
 
 log = logging.getLogger("layerwise")
 
 _PROGRESS_MIN_BYTES = 1 << 30
-
-
-def default_device() -> torch.device:
-    if _native.build_info()["with_cuda"] and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def resolve_device(device) -> torch.device:
-    """A torch.device that this build can stream to, or a clear error."""
-    if device is None:
-        return default_device()
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"device {device!r}: layerwise streams to 'cpu' or 'cuda[:N]', not {dev.type!r}")
-    if not _native.build_info()["with_cuda"]:
-        raise RuntimeError(
-            f"device {device!r}: this build of layerwise has no CUDA backend; rebuild with LAYERWISE_BUILD=cuda"
-        )
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = dev.index if dev.index is not None else (torch.cuda.current_device() if count else 0)
-    if index >= count:
-        raise RuntimeError(f"device {device!r} does not exist: {count} CUDA device(s) visible")
-    return torch.device("cuda", index)
-
-
-def resolve_resident(resident_layers, num_layers: int, policy: str) -> list[int]:
-    """Indices of the layers that stay on the device."""
-    if policy not in ("leading", "strided"):
-        raise ValueError(f"residency_policy must be 'leading' or 'strided', got {policy!r}")
-    if isinstance(resident_layers, bool) or not isinstance(resident_layers, Real):
-        raise TypeError(f"resident_layers must be an int or a fraction in [0, 1), got {resident_layers!r}")
-    if isinstance(resident_layers, int):
-        if resident_layers < 0:
-            raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
-        r = min(resident_layers, num_layers)
-    else:
-        if not 0.0 <= resident_layers < 1.0:
-            raise ValueError(f"a fractional resident_layers must lie in [0, 1), got {resident_layers}")
-        r = int(resident_layers * num_layers)
-    if r == 0:
-        return []
-    if policy == "leading":
-        return list(range(r))
-    return sorted({int(k * num_layers / r) for k in range(r)})
-
-
-def _validate_depth(prefetch_depth) -> int:
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int):
-        raise TypeError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
-    if prefetch_depth < 0:
-        raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
-    return prefetch_depth
 
 
 class LayerwiseOffloadManager:
@@ -111,7 +66,7 @@ class LayerwiseOffloadManager:
         debug_copy_delay_us: int | None = None,
         measure_stalls: bool = True,
     ):
-        self.prefetch_depth = _validate_depth(prefetch_depth)
+        self.prefetch_depth = validate_depth(prefetch_depth)
         self.device = resolve_device(device)
         self.plan: GroupPlan = build_group_plan(model, layer_name, num_layers)
         if getattr(self.plan.module_list, "_layerwise_manager", None) is not None:
@@ -135,6 +90,8 @@ class LayerwiseOffloadManager:
         self._finalized = False
         self._arena = None
         self._host_blocks: list[torch.Tensor | None] = []
+        self._resident_bytes = 0
+        self._grad_hooks: list = []
         self._hooks = []
         self._reset_stats()
         if initialize:
@@ -149,7 +106,7 @@ class LayerwiseOffloadManager:
         if self._finalized:
             raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
         self.resident = sorted(resident)
-        self.prefetch_depth = _validate_depth(prefetch_depth)
+        self.prefetch_depth = validate_depth(prefetch_depth)
 
     def _device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
         """Device bytes of ring + resident layers for a residency plan (default: the current one)."""
@@ -168,10 +125,13 @@ class LayerwiseOffloadManager:
 
         Originals are freed as each parameter is packed (and the arena's pages are
         committed and pinned as they are filled), so host memory holds the model
-        about once. No other parameter moves. On failure the group is restored.
+        about once. No other parameter moves. On failure (an exception or a
+        KeyboardInterrupt at any point) every parameter packed so far gets its
+        exact bytes back and the others were never touched.
         `fill(entry, block)`, if given, writes each parameter's values into its
         place in the layer's host block instead of copying the parameter (it
-        reads them from a checkpoint, say).
+        reads them from a checkpoint, say); a parameter that had data of its own
+        keeps it until the whole configure succeeds, so a failure gives it back.
         """
         if self._packed or not self.enabled:
             return
@@ -191,27 +151,66 @@ class LayerwiseOffloadManager:
                 for e in lp.params:
                     if fill is not None:
                         fill(e, block)
+                        if not e.param.is_meta:
+                            e.saved = e.param.data  # given back if configure fails later
                     else:  # the parameter's storage span, byte for byte
                         data = local_tensor(e.param.data)
                         flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
                         block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
                         del data, flat
+                    # Marked before the swap: a rollback that finds the mark restores the
+                    # same bytes from the arena even if the swap below never happened.
+                    e.packed = True
                     e.param.data = e.wrap(self._placeholder(e.dtype))
                 if bar is not None:
                     bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
         except BaseException:
-            self._restore_parameters(original_devices=True)
+            with contract.defer_interrupts():
+                self._restore_parameters(original_devices=True)
             raise
         finally:
             if bar is not None:
                 bar.close()
         self._packed = True
         self.plan.module_list._layerwise_manager = self
+        warn = getattr(_native, "warn_unpinned", None)
+        if warn is not None and self.pin_memory:
+            warn(self._arena, f"layer group {self.layer_name!r}")
+
+    @staticmethod
+    def _bind_to_slot(e, view: torch.Tensor) -> None:
+        """Point a streamed parameter at its slot view. `param.data = view` would give
+        it a version counter of its own; swapping in a parameter made from the view
+        (which shares the slot's) keeps the Python object and lets an in-place write
+        into any parameter of the slot show as a change of the slot's version."""
+        p = e.param
+        if e.dspec is None and isinstance(p, nn.Parameter):
+            new = torch.Tensor._make_subclass(type(p), view, p.requires_grad)
+            new.__dict__.update(p.__dict__)  # swap_tensors swaps __dict__ too
+            try:
+                torch.utils.swap_tensors(p, new)
+                return
+            except RuntimeError:  # referenced from C++ or weakly: bind the plain way
+                pass
+        p.data = e.wrap(view)
+
+    @staticmethod
+    def _materialize(e, block: torch.Tensor, device) -> torch.Tensor:
+        """An ordinary tensor of its own with the parameter's bytes, shape and strides."""
+        out = torch.empty(e.span_bytes, dtype=torch.uint8, device=device)
+        out.copy_(block[e.offset : e.offset + e.span_bytes])
+        return torch.as_strided(out.view(e.dtype), e.shape, e.stride)
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._placeholders:
             self._placeholders[dtype] = torch.zeros((1,), dtype=dtype, device=self.device)
         return self._placeholders[dtype]
+
+    def _commit(self) -> None:
+        """The whole configure succeeded: drop what a rollback would have needed."""
+        for lp in self.plan.layers:
+            for e in lp.params:
+                e.saved = None
 
     # -------------------------------------------------------------- finalise
     def _finalize_initialization(self) -> None:
@@ -226,6 +225,7 @@ class LayerwiseOffloadManager:
                 num_streams=self.num_copy_streams,
                 debug_delay_us=-1 if self.debug_copy_delay_us is None else self.debug_copy_delay_us,
             )
+            self._lock = contract.model_lock(self.model)
             layers = self.plan.layers
             resident = set(self.resident)
             self._streamed = [i for i in range(self.num_layers) if i not in resident]
@@ -242,67 +242,121 @@ class LayerwiseOffloadManager:
                 self._next_pos[i] = pos
             slot_bytes = max((layers[i].nbytes for i in self._streamed), default=0)
             self._ring = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
-            self._slot_holder = [-1] * self.num_slots
-            self._active = -1  # the layer between its pre- and post-hook
-            # The last copy into, or last use of, each slot. On CUDA the ring's memory may
-            # have been freed by work still queued on the compute stream: wait for it.
+            self._slot_holder = [-1] * self.num_slots  # the layer whose copy was queued last into each slot
+            self._busy = [0] * self.num_slots  # layers between their pre- and post-hook, per slot
+            self._entered: list[int] = []  # those layers, innermost last
+            self._loaded_version = [-1] * self.num_slots  # arena version of the holder when it was queued
+            self._slot_gen = [0] * self.num_slots  # bumped at every copy into the slot (saved-tensor checks)
+            self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks
+            self._dirty = False
+            self._handed_out: list = []  # state_dict() tensors that alias the arena (contract.check_handed_out)
+            # The last copy into each slot. On CUDA the ring's memory may have been
+            # freed by work still queued on the compute stream: the first copies wait for it.
             start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
             self._slot_event = [start] * self.num_slots
             self._copy_event = [None] * self.num_layers
-            self._resident_blocks = {}
+            # Resident layers become ordinary device tensors (one storage each, as in a
+            # resident model); streamed ones are bound to views of their slot.
             for i in self.resident:
-                buf = torch.empty(layers[i].nbytes, dtype=torch.uint8, device=self.device)
-                self._engine.copy_async(buf, self._host_blocks[i], start).synchronize()
-                self._resident_blocks[i] = buf
+                for e in layers[i].params:
+                    e.param.data = e.wrap(self._materialize(e, self._host_blocks[i], self.device))
+            self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
             # Each streamed layer's copy destination: the front of its slot.
             self._dst = [self._ring[s][: lp.nbytes] if s >= 0 else None for s, lp in zip(self._slot_of, layers)]
-            for lp in layers:
-                block = self._resident_blocks.get(lp.index)
-                if block is None:
-                    block = self._ring[self._slot_of[lp.index]]
-                for e in lp.params:
-                    e.param.data = e.wrap(e.view_in(block))
+            for i in self._streamed:
+                for e in layers[i].params:
+                    self._bind_to_slot(e, e.view_in(self._ring[self._slot_of[i]]))
+            self._ring_version = [r._version for r in self._ring]
+            self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
             # tracing into the copy engine (one graph per block, no recompiles).
+            # The pre-hook goes first, so that a user's pre-hook registered earlier
+            # (weight_norm computes `weight` in one) reads the layer's own weights.
             for lp in layers:
                 pre = torch.compiler.disable(functools.partial(self._pre_hook, lp.index))
                 post = torch.compiler.disable(functools.partial(self._post_hook, lp.index))
-                self._hooks.append(lp.module.register_forward_pre_hook(pre))
+                self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
                 self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
+            self._hooks.extend(contract.install_layer_hooks(self))
         self._finalized = True
         self._reset_stats()
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
-        from .configure import _attach, move_non_layer_weights
-
-        self._initialize_layer_weights()
-        move_non_layer_weights(self.model, self.device)
-        self._finalize_initialization()
-        _attach(self.model, [self])
+        contract.check_configurable(self.model, [self])
+        with contract.rollback_on_failure(self.model, [self]):
+            self._initialize_layer_weights()
+            contract.move_non_layer_weights(self.model, self.device)
+            self._finalize_initialization()
+        contract.attach(self.model, [self])
 
     # -------------------------------------------------------------- runtime
     def _stream(self) -> int:
         return _native.current_stream_handle(self.device)
 
-    def _load(self, i: int, prefetch: bool) -> None:
-        """Issue the copy of streamed layer i into its slot, unless it is there already."""
+    def _load(self, i: int, prefetch: bool) -> bool:
+        """Queue the copy of streamed layer i into its slot, unless it is there
+        already (and the arena has not changed since). False when a prefetch
+        finds the slot busy: the layer that computes there keeps it."""
         s = self._slot_of[i]
-        if self._slot_holder[s] == i:
-            return
-        if prefetch and self._active >= 0 and self._slot_holder[s] == self._active:
-            return  # never overwrite the slot of the layer that is computing
-        dst = self._dst[i]
-        ev = self._engine.copy_async(dst, self._host_blocks[i], self._slot_event[s])
+        block = self._host_blocks[i]
+        version = block._version
+        if self._slot_holder[s] == i and self._loaded_version[s] == version:
+            return True
+        if self._busy[s]:
+            if prefetch:
+                return False
+            raise RuntimeError(
+                f"layerwise: layer {self.layer_name}[{i}] is called while layer "
+                f"{self.layer_name}[{self._slot_holder[s]}], which shares its ring slot {s}, is still computing "
+                "(a block that calls another block of the same list). Keep one of them resident "
+                "(resident_layers) or raise prefetch_depth so that the two get distinct slots."
+            )
+        after = self._slot_event[s]
+        if self._engine.is_cuda:
+            # Everything enqueued on the compute stream so far (the slot's last user
+            # and its forward hooks) and the slot's previous copy come before this one.
+            stream = self._stream()
+            if after is not None:
+                self._engine.wait(after, stream)
+            after = self._engine.record(stream, False)
+        self._dirty = True  # until the records below match what the engine has queued
+        self._slot_gen[s] += 1
+        ev = self._engine.copy_async(self._dst[i], block, after)
         self._slot_holder[s] = i
         self._slot_event[s] = ev
         self._copy_event[i] = ev
-        self._bytes += dst.numel()
+        self._loaded_version[s] = version
+        self._bytes += block.numel()
         self._copies += 1
         if not prefetch:
             self._sync_loads += 1
+        self._dirty = False
+        return True
+
+    def _resync(self) -> None:
+        """After an interrupt between a queued copy and its record: wait for every
+        copy and forget what the slots hold; the next uses reload."""
+        self._engine.synchronize()
+        start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
+        self._slot_event = [start] * self.num_slots
+        self._slot_holder = [-1] * self.num_slots
+        self._copy_event = [None] * self.num_layers
+        self._slot_gen = [g + 1 for g in self._slot_gen]
+        self._dirty = False
+
+    def _reset_entered(self) -> None:
+        """Forget layers left 'computing' by a forward that an interrupt abandoned."""
+        self._busy = [0] * self.num_slots
+        self._entered = []
+        me = threading.get_ident()
+        for owner, ctx in reversed(self._grad_hooks):
+            if owner == me:
+                ctx.__exit__(None, None, None)
+        self._grad_hooks = [(o, c) for o, c in self._grad_hooks if o != me]
+        self._dirty = True
 
     def _prefetch_after(self, i: int) -> None:
         """Issue copies of the next prefetch_depth streamed layers after layer i,
@@ -313,20 +367,41 @@ class LayerwiseOffloadManager:
             for j in mgr._streamed[pos : pos + want]:
                 if mgr is self and j == i:
                     return  # wrapped back onto the computing layer
+                if mgr._dirty:
+                    mgr._resync()
                 mgr._load(j, prefetch=True)
                 want -= 1
             if want <= 0:
                 return
             mgr, pos = mgr.next_manager, 0
 
+    def _check_slot_writes(self, s: int) -> None:
+        """Our copies do not bump version counters: a change means someone wrote
+        into the slot in place (a streamed weight edited outside load_state_dict)."""
+        v = self._ring[s]._version
+        if v != self._ring_version[s]:
+            self._ring_version[s] = v
+            holder, self._slot_holder[s] = self._slot_holder[s], -1  # reload the true bytes
+            raise RuntimeError(
+                f"layerwise: an in-place write to a streamed parameter of {self.layer_name!r} (ring slot {s}, "
+                f"holding layer {holder}) was detected and discarded: streamed weights live in the host arena "
+                "and a write into the device copy would be lost or land on another layer. Change them with "
+                "model.load_state_dict(...), or call layerwise.remove_layerwise_offload(model) first. "
+                "The model computes with the weights it had."
+            )
+
     def _pre_hook(self, i: int, module, args):
+        self._lock.acquire()  # released by the post-hook (which also runs when a forward raises)
+        if self._dirty:
+            self._resync()
         if i == 0:
             self._new_step()
-        self._active = i
         s = self._slot_of[i]
         if s >= 0:
-            if self._slot_holder[s] != i:
-                self._load(i, prefetch=False)
+            self._check_slot_writes(s)
+            self._load(i, prefetch=False)
+            self._busy[s] += 1
+            self._entered.append(i)
             ev = self._copy_event[i]
             if ev is not None:
                 stream = self._stream()
@@ -342,15 +417,30 @@ class LayerwiseOffloadManager:
                 else:
                     self._engine.wait(ev, stream)
                 self._copy_event[i] = None
+            if torch.is_grad_enabled():
+                ctx = contract.saved_slot_hooks(self)
+                ctx.__enter__()
+                self._grad_hooks.append((threading.get_ident(), ctx))
+        else:
+            self._entered.append(i)
         self._prefetch_after(i)
 
     def _post_hook(self, i: int, module, args, output):
-        self._active = -1
-        s = self._slot_of[i]
-        if s >= 0 and self._engine.is_cuda:
-            # The next copy into this slot waits for the compute enqueued so far.
-            # (On the CPU backend compute is synchronous: the slot is free now.)
-            self._slot_event[s] = self._engine.record(self._stream(), False)
+        if not self._lock._is_owned():
+            return  # this thread's pre-hook never ran (an earlier hook raised)
+        try:
+            if i in self._entered:
+                del self._entered[len(self._entered) - 1 - self._entered[::-1].index(i)]
+                s = self._slot_of[i]
+                if s >= 0:
+                    self._busy[s] -= 1
+                    me = threading.get_ident()
+                    for k in range(len(self._grad_hooks) - 1, -1, -1):
+                        if self._grad_hooks[k][0] == me:
+                            self._grad_hooks.pop(k)[1].__exit__(None, None, None)
+                            break
+        finally:
+            self._lock.release()
 
     # ---------------------------------------------------------------- stats
     def _reset_stats(self) -> None:
@@ -372,6 +462,8 @@ class LayerwiseOffloadManager:
         self._stall_pairs = pending
 
     def _new_step(self) -> None:
+        if self._handed_out:
+            contract.check_handed_out(self)
         self._resolve_stalls()
         now = (self._bytes, self._copies, self._sync_loads, self._stall_s)
         t = time.perf_counter()
@@ -398,7 +490,7 @@ class LayerwiseOffloadManager:
             "prefetch_depth": self.prefetch_depth,
             "slots": getattr(self, "num_slots", 0),
             "ring_bytes": sum(t.numel() for t in getattr(self, "_ring", [])),
-            "resident_bytes": sum(t.numel() for t in getattr(self, "_resident_blocks", {}).values()),
+            "resident_bytes": self._resident_bytes,
             "arena_bytes": self._arena.capacity if self._arena is not None else 0,
             "arena_pinned": bool(self._arena.pinned) if self._arena is not None else False,
             "managed_bytes": self._managed_parameter_bytes(),
@@ -412,17 +504,22 @@ class LayerwiseOffloadManager:
 
     # --------------------------------------------------------------- remove
     def _restore_parameters(self, original_devices: bool = False) -> None:
-        """Give every packed parameter an ordinary tensor again, read from the arena."""
+        """Give every packed parameter an ordinary tensor again with its true
+        bytes: the data it had before a load (if kept), its resident copy on the
+        device, or its bytes in the arena. Parameters never packed are not touched."""
+        resident = set(self.resident) if self._finalized and not original_devices else set()
         for lp, block in zip(self.plan.layers, self._host_blocks):
-            if block is None:
-                continue
             for e in lp.params:
-                dev = e.orig_device if original_devices else self.device
-                if dev.type == "meta":
-                    continue  # it had no data to give back (checkpoint loading swaps it back)
-                out = torch.empty(e.span_bytes, dtype=torch.uint8, device=dev)
-                out.copy_(block[e.offset : e.offset + e.span_bytes])
-                e.param.data = e.wrap(torch.as_strided(out.view(e.dtype), e.shape, e.stride))  # its own storage
+                if not e.packed:
+                    continue
+                if original_devices and e.saved is not None:
+                    e.param.data = e.saved
+                elif lp.index not in resident:  # a resident layer's parameters are its truth already
+                    dev = e.orig_device if original_devices else self.device
+                    if dev.type != "meta":  # a meta parameter had no data to give back
+                        e.param.data = e.wrap(self._materialize(e, block, dev))
+                e.saved = None
+                e.packed = False
         self._host_blocks = []
         self._arena = None
         self._packed = False
@@ -436,20 +533,29 @@ class LayerwiseOffloadManager:
         if self._finalized:
             self._engine.synchronize()
             self._resolve_stalls()
+            for _, ctx in self._grad_hooks:
+                ctx.__exit__(None, None, None)
         # Events hold the tensors their copies read and wrote (ring slices, arena
         # blocks): drop them, or the ring and the pinned arena outlive the removal.
         self._slot_event, self._copy_event, self._slot_holder, self._stall_pairs = [], [], [], []
+        self._grad_hooks = []
         self._placeholders = {}
         if self._packed:
             # Parameters not yet restored are still bound to slot views or placeholders.
             self._restore_parameters(original_devices)
         self._ring = []
         self._dst = []
-        self._resident_blocks = {}
+        self._resident_bytes = 0
         self._engine = None
         self._finalized = False
         if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
             del self.plan.module_list._layerwise_manager
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(contract.COPY_REFUSED)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(contract.COPY_REFUSED)
 
     def __repr__(self) -> str:
         return (f"LayerwiseOffloadManager({self.layer_name!r}, layers={self.num_layers}, device={self.device}, "

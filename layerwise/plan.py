@@ -50,6 +50,8 @@ class ParamEntry:
     offset: int = 0  # byte offset inside the layer block
     orig_device: torch.device | None = None
     dspec: tuple | None = None  # DTensor: (device mesh, placements, global shape, global stride)
+    packed: bool = False  # its bytes are in the arena (what a rollback restores)
+    saved: torch.Tensor | None = None  # data it had before a checkpoint load, until configure succeeds
 
     @property
     def span_bytes(self) -> int:

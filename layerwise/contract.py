@@ -1,0 +1,511 @@
+"""The state contract of an offloaded model (DESIGN.md): it is still a torch
+module. What a user reads is true, what a user writes takes effect exactly or is
+refused with a clear error and the model unchanged, an exception or Ctrl-C at
+any point leaves nothing half done, and several threads never see a wrong
+output.
+
+Streamed parameters stay bound to views of ring slots (that is what keeps the
+hooks O(1)), so the contract is kept around them, not by rebinding them:
+
+- `state_dict()` of any module that owns streamed parameters gives views of
+  their bytes in the host arena (CPU tensors; a write into one reaches the
+  model: the arena's version counter tells the next pre-hook to reload).
+- `load_state_dict()` writes streamed parameters into the arena and turns
+  torch's own copy into a no-op; `strict` and `assign` keep PyTorch's meaning
+  (an `assign` that would change a streamed dtype is an error).
+- an in-place write into a slot view (`weight.add_(d)` under no_grad) bumps the
+  slot's version counter: the next pre-hook discards it and raises.
+- casts and moves (`.half()`, `.to(dtype)`, `.to(other device)`) that would
+  change streamed weights raise before anything changes; ones that leave them
+  as they are (`.to(the streaming device)`) run on everything else.
+- backward: tensors that autograd saves from a slot are checked when unpacked;
+  if the slot was refilled since, the layer's bytes are read back from the arena.
+- peft's `merge` / `unmerge` (LoRA fusing) run with the layer's true weights in
+  its slot, and what they wrote goes back into the arena.
+- `copy.deepcopy` and pickling refuse with an error naming the remedy.
+- a model-level lock serialises layers of concurrent forwards; interrupted
+  forwards are cleaned up at the next call of the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from .plan import local_tensor
+
+_MANAGERS = "_layerwise_managers"
+_LOCK = "_layerwise_lock"
+_HANDLES = "_layerwise_contract_handles"
+
+COPY_REFUSED = (
+    "an offloaded model cannot be deep-copied or pickled: its streamed weights live in layerwise's host arena. "
+    "Save model.state_dict() instead (it gives the true weights), or call "
+    "layerwise.remove_layerwise_offload(model) first."
+)
+
+
+# ------------------------------------------------------------------ registry
+def managers_of(model: nn.Module) -> list:
+    return list(model.__dict__.get(_MANAGERS, []))
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """One lock per model, shared by all its groups (prefetch crosses groups)."""
+    return model.__dict__.setdefault(_LOCK, threading.RLock())
+
+
+def attach(model: nn.Module, managers) -> None:
+    """Record the managers on the model and install the model-level guards once."""
+    model.__dict__.setdefault(_MANAGERS, []).extend(managers)
+    if _HANDLES not in model.__dict__:
+        handles = [model.register_forward_pre_hook(torch.compiler.disable(_root_pre_hook), prepend=True)]
+        model.__dict__[_HANDLES] = handles
+    _install_cast_guards(model)
+
+
+def detach(model: nn.Module) -> None:
+    for h in model.__dict__.pop(_HANDLES, []):
+        h.remove()
+    for mod in model.modules():
+        for attr in ("_apply", "__deepcopy__", "__reduce_ex__"):
+            if getattr(mod.__dict__.get(attr), "_layerwise", False):
+                del mod.__dict__[attr]
+    model.__dict__.pop(_MANAGERS, None)
+    model.__dict__.pop(_LOCK, None)
+
+
+def move_non_layer_weights(model: nn.Module, device: torch.device) -> None:
+    """The single model.to(device); skipped for DTensor weights (each rank keeps its shards)."""
+    if any(hasattr(p, "placements") and hasattr(p, "to_local") for p in model.parameters()):
+        return
+    model.to(device)
+
+
+def check_configurable(model: nn.Module, managers) -> None:
+    """Refuse, before anything changes, what packing cannot do exactly."""
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device (the model was built without weights): "
+                "configure_layerwise_offload needs real weights. Load it with "
+                "layerwise.load_offloaded(model, checkpoint, layer_names, ...) instead."
+            )
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ValueError(
+                f"buffer {name!r} is on the meta device: give it real values before configuring "
+                "(layerwise.load_offloaded fills buffers from the checkpoint)."
+            )
+
+
+# ------------------------------------------------------------- interrupts
+@contextlib.contextmanager
+def defer_interrupts():
+    """Hold SIGINT back while a rollback runs (main thread only), then deliver it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if previous is signal.default_int_handler:
+                raise KeyboardInterrupt
+            if callable(previous):
+                previous(*caught[0])
+
+
+def _snapshot_devices(model: nn.Module) -> list:
+    """Where every parameter and buffer lives now (devices only: holding the
+    tensors themselves would keep a second copy of the model alive)."""
+    snap = [(p, p.device) for p in model.parameters()]
+    snap += [(m, name, b.device) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    return snap
+
+
+def _restore_devices(snap: list) -> None:
+    for item in snap:
+        if len(item) == 2:
+            p, dev = item
+            if p.device != dev:
+                p.data = p.data.to(dev)
+        else:
+            m, name, dev = item
+            b = m._buffers.get(name)
+            if b is not None and b.device != dev:
+                m._buffers[name] = b.to(dev)
+
+
+@contextlib.contextmanager
+def rollback_on_failure(model: nn.Module, managers, undo=None):
+    """Run a configure; if it fails at any point (an exception or KeyboardInterrupt),
+    put every parameter and buffer back bitwise as before, with no hooks."""
+    snap = _snapshot_devices(model)
+    try:
+        yield
+    except BaseException:
+        with defer_interrupts():
+            for m in managers:
+                m.remove(original_devices=True)
+            _restore_devices(snap)
+            if undo is not None:
+                undo()
+            if not model.__dict__.get(_MANAGERS):
+                model.__dict__.pop(_LOCK, None)
+        raise
+    for m in managers:
+        m._commit()
+
+
+# ---------------------------------------------------------- forward guard
+def _root_pre_hook(model, args):
+    """At the top of a forward of the model: clean up after a forward that an
+    interrupt abandoned inside a layer (its lock still held by this thread,
+    layers still marked computing). No other thread is inside a layer once the
+    lock is ours, so anything still marked is stale."""
+    lock = model.__dict__.get(_LOCK)
+    if lock is None:
+        return
+    while lock._is_owned():
+        lock.release()
+    with lock:
+        for m in managers_of(model):
+            if not m._finalized:
+                continue
+            if m._entered or any(m._busy):
+                m._reset_entered()
+            if m._handed_out:
+                check_handed_out(m)
+
+
+# ----------------------------------------------------------- casts, moves
+def _managed(model: nn.Module):
+    ids, probes = set(), {}
+    for m in managers_of(model):
+        if not m._finalized:
+            continue
+        for lp in m.plan.layers:
+            for e in lp.params:
+                ids.add(id(e.param))
+                probes.setdefault((e.dtype, m.device), m.layer_name)
+    return ids, probes
+
+
+def _install_cast_guards(model: nn.Module) -> None:
+    """`_apply` (behind .to, .half, .float, .cuda, .cpu, .type, ...) of every module
+    that holds streamed parameters refuses a change to them and applies the
+    rest to everything else."""
+    holders = set()
+    for m in managers_of(model):
+        holders.add(id(m.plan.module_list))
+        for mod in m.plan.module_list.modules():
+            holders.add(id(mod))
+    for name, mod in model.named_modules():
+        inside = any(id(sub) in holders for sub in mod.modules())
+        if inside and not getattr(mod.__dict__.get("_apply"), "_layerwise", False):
+            mod.__dict__["_apply"] = _guarded_apply(model, mod, name)
+            # deepcopy / pickle look these up on the instance first: refuse with the remedy
+            # rather than fail deep inside on a hook or the native arena.
+            mod.__dict__["__deepcopy__"] = _refuse_copy
+            mod.__dict__["__reduce_ex__"] = _refuse_copy
+
+
+def _refuse_copy(*args, **kwargs):
+    raise TypeError(COPY_REFUSED)
+
+
+_refuse_copy._layerwise = True
+
+
+def _guarded_apply(model: nn.Module, mod: nn.Module, name: str):
+    cls_apply = type(mod)._apply
+    model_ref = weakref.ref(model)
+
+    def _apply(fn, *args, **kwargs):
+        root = model_ref()
+        ids, probes = _managed(root) if root is not None else (set(), {})
+        for (dtype, device), group in probes.items():
+            probe = torch.empty((1,), dtype=dtype, device=device)
+            out = fn(probe)
+            if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.device != device:
+                to = f"{out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise RuntimeError(
+                    f"layerwise: this cast or move of {name or type(mod).__name__!r} would turn the streamed "
+                    f"{dtype} weights of layer group {group!r} on {device} into {to}; casts and moves of "
+                    "streamed weights are not supported while offloaded. Call "
+                    "layerwise.remove_layerwise_offload(model) first, cast or move, then configure again. "
+                    "The model is unchanged."
+                )
+
+        def keep_streamed(t):
+            return t if id(t) in ids else fn(t)
+
+        return cls_apply(mod, keep_streamed, *args, **kwargs)
+
+    _apply._layerwise = True
+    return _apply
+
+
+# ------------------------------------------------- state_dict, load, edits
+def _owned(manager):
+    """{module: [(attr, entry, layer index)]} for the streamed parameters each
+    module holds directly."""
+    out: dict = {}
+    streamed = set(manager._streamed)
+    for lp in manager.plan.layers:
+        if lp.index not in streamed:
+            continue  # resident layers are ordinary device tensors: nothing to guard
+        by_id = {id(e.param): e for e in lp.params}
+        for mod in lp.module.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) in by_id:
+                    out.setdefault(mod, []).append((attr, by_id[id(p)], lp.index))
+    return out
+
+
+def install_layer_hooks(manager) -> list:
+    """state_dict / load_state_dict hooks on every module that holds streamed
+    parameters, and peft merge guards in every streamed layer."""
+    handles = []
+    for mod, owned in _owned(manager).items():
+        handles.append(mod.register_state_dict_post_hook(_state_dict_hook(manager, owned)))
+        handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
+        handles.append(mod.register_load_state_dict_post_hook(_load_post_hook(manager)))
+    for i in manager._streamed:
+        module = manager.plan.layers[i].module
+        for sub in module.modules():
+            _WATCHED[sub] = (weakref.ref(manager), i)
+            handles.extend(_guard_merge(sub))
+    _ensure_registration_hook()
+    return handles
+
+
+def _host_alias(e, block: torch.Tensor) -> torch.Tensor:
+    """The parameter's bytes in the arena as a tensor with a storage of its own
+    (no copy): torch.save, safetensors and transformers treat a state dict whose
+    tensors share one storage under several dtypes as shared or refuse it."""
+    raw = torch.from_numpy(block.numpy()[e.offset : e.offset + e.span_bytes])
+    return torch.as_strided(raw.view(e.dtype), e.shape, e.stride)
+
+
+def _state_dict_hook(manager, owned):
+    def hook(module, state_dict, prefix, local_metadata):
+        if not manager._finalized:
+            return
+        for attr, e, i in owned:
+            key = prefix + attr
+            if key in state_dict:
+                t = _host_alias(e, manager._host_blocks[i])
+                manager._handed_out.append((weakref.ref(t), t._version, i))
+                state_dict[key] = e.wrap(t)
+
+    return hook
+
+
+def check_handed_out(manager) -> None:
+    """state_dict() tensors alias the arena; one written in place since it was
+    handed out makes its layer reload. O(tensors still alive), usually none."""
+    live = []
+    for ref, version, i in manager._handed_out:
+        t = ref()
+        if t is None:
+            continue
+        if t._version != version:
+            s = manager._slot_of[i]
+            if s >= 0 and manager._slot_holder[s] == i:
+                manager._slot_holder[s] = -1
+            version = t._version
+        live.append((ref, version, i))
+    manager._handed_out = live
+
+
+def _load_pre_hook(manager, owned):
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        if not manager._finalized:
+            return
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        with manager._lock, torch.no_grad():
+            for attr, e, i in owned:
+                key = prefix + attr
+                value = state_dict.get(key)
+                param = module._parameters.get(attr)
+                if not isinstance(value, torch.Tensor) or param is None or value.shape != param.shape:
+                    continue  # torch reports it, as for a resident model
+                if assign and value.dtype != e.dtype:
+                    error_msgs.append(
+                        f"{key}: load_state_dict(assign=True) would make a streamed {e.dtype} parameter "
+                        f"{value.dtype}; streamed dtypes are fixed while offloaded (cast the state dict, or "
+                        "call layerwise.remove_layerwise_offload(model) first)"
+                    )
+                else:
+                    e.view_in(manager._host_blocks[i]).copy_(local_tensor(value))
+                state_dict[key] = param  # torch's own copy into the slot becomes a no-op
+
+    return hook
+
+
+def _load_post_hook(manager):
+    def hook(module, incompatible_keys):
+        # torch's no-op self-copies bumped the slots' version counters: not a user write.
+        if manager._finalized:
+            manager._ring_version = [r._version for r in manager._ring]
+
+    return hook
+
+
+@contextlib.contextmanager
+def editing(manager, i: int):
+    """Layer i's true weights in place (its slot, loaded and kept) while the body
+    runs; afterwards whatever the body wrote (in place, or by rebinding a
+    parameter's .data) goes back into the arena."""
+    lp = manager.plan.layers[i]
+    s = manager._slot_of[i]
+    with manager._lock, torch.no_grad():
+        if s >= 0:
+            if manager._dirty:
+                manager._resync()
+            manager._load(i, prefetch=False)
+            ev = manager._copy_event[i]
+            if ev is not None:
+                ev.synchronize()
+                manager._copy_event[i] = None
+            manager._busy[s] += 1
+        views = [(e, e.param.data) for e in lp.params]
+        try:
+            yield
+        finally:
+            for e, view in views:
+                now = e.param.data
+                if now.data_ptr() != view.data_ptr() or now.stride() != view.stride():
+                    if now.shape != view.shape or now.dtype != view.dtype:
+                        raise RuntimeError(
+                            f"layerwise: {e.qualname} became {now.dtype}{list(now.shape)} in an edit; a streamed "
+                            f"parameter keeps {view.dtype}{list(view.shape)} while offloaded"
+                        )
+                    view.copy_(now)
+                    e.param.data = view
+            if s >= 0:
+                if manager.device.type == "cuda":
+                    torch.cuda.current_stream(manager.device).synchronize()
+                block = manager._host_blocks[i]
+                block.copy_(manager._dst[i])
+                manager._loaded_version[s] = block._version
+                manager._ring_version[s] = manager._ring[s]._version
+                manager._busy[s] -= 1
+
+
+# peft's tuner layers (LoRA & co.) merge adapters into the base weight through
+# `.data`, which no version counter sees: run merge/unmerge inside `editing`.
+_WATCHED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_REGISTRATION_HOOK = []
+
+
+def _is_tuner_layer(mod) -> bool:
+    return all(callable(getattr(mod, n, None)) for n in ("merge", "unmerge", "get_base_layer"))
+
+
+class _Unwrap:
+    def __init__(self, mod, names):
+        self.mod, self.names = weakref.ref(mod), names
+
+    def remove(self):
+        mod = self.mod()
+        if mod is not None:
+            for n in self.names:
+                mod.__dict__.pop(n, None)
+
+
+def _guard_merge(mod) -> list:
+    if not _is_tuner_layer(mod) or getattr(mod.__dict__.get("merge"), "_layerwise", False):
+        return []
+    for name in ("merge", "unmerge"):
+        method = getattr(type(mod), name)
+
+        def guarded(*args, _method=method, _mod=mod, **kwargs):
+            owner = _WATCHED.get(_mod)
+            manager = owner[0]() if owner else None
+            if manager is None or not manager._finalized:
+                return _method(_mod, *args, **kwargs)
+            with editing(manager, owner[1]):
+                return _method(_mod, *args, **kwargs)
+
+        guarded._layerwise = True
+        mod.__dict__[name] = guarded
+    return [_Unwrap(mod, ("merge", "unmerge"))]
+
+
+def _on_register(parent, name, sub):
+    """A module registered inside a streamed layer after configure (peft's
+    add_adapter / inject_adapter does that): watch it and guard its merges."""
+    owner = _WATCHED.get(parent)
+    if owner is None or sub is None:
+        return None
+    manager = owner[0]()
+    if manager is None or not manager._finalized:
+        return None
+    for m in sub.modules():
+        _WATCHED[m] = owner
+        manager._hooks.extend(_guard_merge(m))
+    return None
+
+
+def _ensure_registration_hook() -> None:
+    if not _REGISTRATION_HOOK:
+        from torch.nn.modules.module import register_module_module_registration_hook
+
+        _REGISTRATION_HOOK.append(register_module_module_registration_hook(_on_register))
+
+
+# ------------------------------------------------------------------ backward
+class _SlotRef:
+    __slots__ = ("tensor", "slot", "gen", "layer", "version")
+
+    def __init__(self, tensor, slot, gen, layer, version):
+        self.tensor, self.slot, self.gen, self.layer, self.version = tensor, slot, gen, layer, version
+
+
+def saved_slot_hooks(manager):
+    """Autograd saved-tensor hooks for one streamed layer's forward: a tensor
+    saved from a ring slot is given back as it was even if the slot has been
+    refilled since (its layer's bytes are read back from the arena)."""
+
+    def pack(t):
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.device != manager.device:
+            return t
+        s = manager._slot_ptrs.get(t.untyped_storage().data_ptr())
+        if s is None:
+            return t
+        i = manager._slot_holder[s]
+        return _SlotRef(t, s, manager._slot_gen[s], i, manager._host_blocks[i]._version)
+
+    def unpack(ref):
+        if type(ref) is not _SlotRef:
+            return ref
+        if manager._finalized and manager._slot_gen[ref.slot] == ref.gen:
+            return ref.tensor
+        if not manager._finalized or manager._host_blocks[ref.layer]._version != ref.version:
+            raise RuntimeError(
+                f"layerwise: backward needs the weights of {manager.layer_name}[{ref.layer}] as they were in "
+                "the forward, but they were changed (load_state_dict) or the model was un-offloaded since. "
+                "Run forward and backward without changing the weights in between."
+            )
+        t = ref.tensor
+        block = manager._host_blocks[ref.layer]
+        fresh = torch.empty(manager._ring[ref.slot].numel(), dtype=torch.uint8, device=manager.device)
+        fresh[: block.numel()].copy_(block)
+        out = torch.empty(0, dtype=t.dtype, device=manager.device)
+        return out.set_(fresh.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

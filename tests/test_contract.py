@@ -1,0 +1,599 @@
+"""The state contract of an offloaded model (layerwise/contract.py): rollback at
+every parameter index, state_dict / load_state_dict / in-place writes / casts /
+backward / deepcopy while offloaded, nested block calls, two threads, and real
+SIGINTs during configure and forward. CPU backend, often with random copy delays."""
+import copy
+import io
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import layerwise
+from layerwise import manager as manager_mod
+from layerwise.configure import _prepare, managers_of
+from models import Block, TwoGroupModel
+
+GROUPS = ["transformer_blocks", "single_transformer_blocks"]
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    return TwoGroupModel(**kw)
+
+
+def inputs(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 32, generator=g) for _ in range(n)]
+
+
+def run(model, xs):
+    with torch.no_grad():
+        return [model(x) for x in xs]
+
+
+def fingerprint(model):
+    """Everything a rollback must give back: values, dtype, device, strides, per tensor."""
+    out = {}
+    for n, p in model.named_parameters():
+        out[n] = (p.detach().clone(), p.dtype, p.device, p.stride(), p.requires_grad)
+    for n, b in model.named_buffers():
+        out["buffer:" + n] = (b.clone(), b.dtype, b.device, b.stride(), False)
+    return out
+
+
+def assert_fingerprint(model, fp):
+    now = fingerprint(model)
+    assert set(now) == set(fp)
+    for k, (v, dt, dev, st, rg) in fp.items():
+        w, dt2, dev2, st2, rg2 = now[k]
+        assert (dt2, dev2, st2, rg2) == (dt, dev, st, rg), k
+        assert torch.equal(w, v), f"{k} changed"
+
+
+def no_trace_of_layerwise(model):
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_hooks)
+                + len(m._load_state_dict_pre_hooks) for m in model.modules())
+    extra = [k for m in model.modules() for k in m.__dict__
+             if k.startswith("_layerwise") or k in ("_apply", "__deepcopy__", "__reduce_ex__")]
+    return hooks == 0 and not extra and not managers_of(model)
+
+
+# ------------------------------------------------------------- rollback
+def _count_params(model):
+    managers, _ = _prepare(model, GROUPS, "cpu", 1, 0, "leading", True, 1, None)
+    return sum(len(lp.params) for m in managers for lp in m.plan.layers)
+
+
+@pytest.mark.parametrize("where", ["before_copy", "after_copy"])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_failure_at_every_parameter_index_restores_the_model_bitwise(monkeypatch, where, exc):
+    total = _count_params(make())
+    assert total > 20
+    for k in range(total):
+        model = make()
+        fp = fingerprint(model)
+        calls = [0]
+        target = "local_tensor" if where == "before_copy" else None
+
+        def boom(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k + 1:
+                raise exc(f"injected at parameter {k}")
+
+        if target:
+            orig = manager_mod.local_tensor
+            monkeypatch.setattr(manager_mod, "local_tensor", lambda t: (boom(), orig(t))[1])
+        else:
+            orig_ph = manager_mod.LayerwiseOffloadManager._placeholder
+            monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_placeholder",
+                                lambda self, dt: (boom(), orig_ph(self, dt))[1])
+        with pytest.raises(exc, match=f"injected at parameter {k}$"):
+            layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+        monkeypatch.undo()
+        assert_fingerprint(model, fp)
+        assert no_trace_of_layerwise(model), k
+
+
+def test_failure_after_packing_restores_resident_layers_and_non_layer_weights(monkeypatch):
+    model = make()
+    fp = fingerprint(model)
+    orig = manager_mod.LayerwiseOffloadManager._finalize_initialization
+    seen = []
+
+    def fail_second(self):
+        seen.append(self.layer_name)
+        if len(seen) == 2:
+            raise KeyboardInterrupt("injected in finalisation")
+        return orig(self)
+
+    monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_finalize_initialization", fail_second)
+    with pytest.raises(KeyboardInterrupt):
+        layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", resident_layers=2)
+    assert_fingerprint(model, fp)
+    assert no_trace_of_layerwise(model)
+
+
+def test_a_meta_parameter_is_refused_before_anything_changes():
+    model = make()
+    model.transformer_blocks[2].up.weight = nn.Parameter(torch.empty(64, 32, device="meta", dtype=torch.bfloat16))
+    fp = {k: v for k, v in fingerprint(model).items() if "transformer_blocks.2.up.weight" not in k}
+    with pytest.raises(ValueError, match=r"transformer_blocks\.2\.up\.weight.*meta.*load_offloaded"):
+        layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+    now = fingerprint(model)
+    for k, v in fp.items():
+        assert torch.equal(now[k][0], v[0]), k
+    assert no_trace_of_layerwise(model)
+
+
+def test_load_offloaded_failing_half_way_gives_real_weights_back(monkeypatch, tmp_path):
+    from safetensors.torch import save_file
+
+    from layerwise import loading
+
+    src = make(seed=3)
+    path = tmp_path / "m.safetensors"
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(path))
+    n = sum(1 for k in src.state_dict() if "_blocks." in k and "scale" not in k)
+    for k in range(0, n, 3):
+        model = make(seed=0)  # real weights, different from the checkpoint's
+        fp = fingerprint(model)
+        calls = [0]
+        orig = loading._read_into
+
+        def failing(stored, out, orig=orig, k=k):
+            calls[0] += 1
+            if calls[0] == k + 1:
+                raise OSError(f"injected read error {k}")
+            return orig(stored, out)
+
+        monkeypatch.setattr(loading, "_read_into", failing)
+        with pytest.raises(OSError, match="injected read error"):
+            layerwise.load_offloaded(model, path, GROUPS, device="cpu")
+        monkeypatch.undo()
+        assert_fingerprint(model, fp)
+        assert no_trace_of_layerwise(model)
+
+
+# ---------------------------------------------------------- state_dict
+def configured(seed=0, depth=1, resident=0, delay=None, **kw):
+    model = make(seed, **kw)
+    ref = copy.deepcopy(model)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=depth,
+                                          resident_layers=resident, debug_copy_delay_us=delay)
+    return model, ref, sd
+
+
+@pytest.mark.parametrize("depth,resident", [(0, 0), (1, 0), (2, 1)])
+def test_state_dict_gives_the_true_weights(depth, resident):
+    model, ref, sd = configured(depth=depth, resident=resident)
+    for _ in range(2):
+        run(model, inputs(1))
+        now = model.state_dict()
+        assert set(now) == set(sd)
+        for k, v in now.items():
+            assert torch.equal(v, sd[k]) and v.stride() == sd[k].stride(), k
+    # a sub-module's state_dict, and torch.save / torch.load of it
+    blk = model.transformer_blocks[3].state_dict()
+    assert torch.equal(blk["up.weight"], sd["transformer_blocks.3.up.weight"])
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    for k, v in loaded.items():
+        assert torch.equal(v, sd[k]), k
+
+
+def test_state_dict_saves_with_safetensors_without_shared_tensor_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, ref, sd = configured()
+    run(model, inputs(1))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    back = load_file(str(tmp_path / "m.safetensors"))
+    for k, v in back.items():
+        assert torch.equal(v, sd[k]), k
+
+
+def test_llama_save_pretrained_while_offloaded_round_trips(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).eval()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    layerwise.configure_layerwise_offload(model, "model.layers", device="cpu")
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        model(ids)
+    model.save_pretrained(tmp_path)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+
+# ------------------------------------------------------ load_state_dict
+def test_load_state_dict_takes_effect_exactly():
+    model, ref, sd = configured(delay=200)
+    xs = inputs()
+    run(model, xs)  # the ring is full of old weights
+    new = make(seed=7)
+    missing_unexpected = model.load_state_dict(new.state_dict())
+    assert not missing_unexpected.missing_keys and not missing_unexpected.unexpected_keys
+    for a, b in zip(run(model, xs), run(new, xs)):
+        assert torch.equal(a, b)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, new.state_dict()[k]), k
+    layerwise.remove_layerwise_offload(model)
+    for a, b in zip(run(model, xs), run(new, xs)):
+        assert torch.equal(a, b)
+
+
+def test_load_state_dict_strict_and_assign_behave_as_in_pytorch():
+    model, ref, sd = configured()
+    new = make(seed=8)
+    part = {k: v for k, v in new.state_dict().items() if k.startswith("transformer_blocks.1.")}
+    res = model.load_state_dict(part, strict=False)
+    assert "transformer_blocks.2.up.weight" in res.missing_keys and not res.unexpected_keys
+    ref.load_state_dict(part, strict=False)
+    xs = inputs()
+    for a, b in zip(run(model, xs), run(ref, xs)):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict(part)
+    bad = dict(new.state_dict())
+    bad["transformer_blocks.0.up.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="size mismatch for transformer_blocks.0.up.weight"):
+        model.load_state_dict(bad)
+    # assign=True with the same dtypes: the values are taken
+    model2, ref2, _ = configured()
+    model2.load_state_dict(make(seed=9).state_dict(), assign=True)
+    ref2.load_state_dict(make(seed=9).state_dict(), assign=True)
+    for a, b in zip(run(model2, xs), run(ref2, xs)):
+        assert torch.equal(a, b)
+    # assign=True that would change a streamed dtype: refused, named
+    wrong = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in make(seed=9).state_dict().items()}
+    with pytest.raises(RuntimeError, match="streamed dtypes are fixed while offloaded"):
+        model2.load_state_dict(wrong, assign=True)
+
+
+def test_writes_through_state_dict_views_reach_the_model_like_a_resident_one():
+    model, ref, sd = configured()
+    xs = inputs()
+    run(model, xs)
+    with torch.no_grad():
+        model.state_dict()["transformer_blocks.4.up.weight"].mul_(2)
+        ref.state_dict()["transformer_blocks.4.up.weight"].mul_(2)
+    for a, b in zip(run(model, xs), run(ref, xs)):
+        assert torch.equal(a, b)
+
+
+def test_in_place_write_into_a_streamed_weight_is_refused_and_discarded():
+    model, ref, sd = configured()
+    xs = inputs()
+    expect = run(ref, xs)
+    run(model, xs)
+    with torch.no_grad():
+        model.transformer_blocks[1].up.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="in-place write to a streamed parameter.*load_state_dict"):
+        run(model, xs)
+    for _ in range(2):  # the old weights, exactly, from then on
+        for a, b in zip(run(model, xs), expect):
+            assert torch.equal(a, b)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+
+# ------------------------------------------------------------------ casts
+@pytest.mark.parametrize("cast", [lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double(),
+                                  lambda m: m.float(), lambda m: m.transformer_blocks[0].half(),
+                                  lambda m: m.to("meta")])
+def test_casts_of_streamed_weights_are_refused_with_the_model_unchanged(cast):
+    model, ref, sd = configured()
+    xs = inputs()
+    expect = run(ref, xs)
+    run(model, xs)
+    with pytest.raises(RuntimeError, match="remove_layerwise_offload"):
+        cast(model)
+    for k, v in model.state_dict().items():
+        assert v.dtype == sd[k].dtype and torch.equal(v, sd[k]), k
+    for a, b in zip(run(model, xs), expect):
+        assert torch.equal(a, b)
+
+
+def test_moves_that_leave_streamed_weights_alone_are_allowed():
+    model, ref, sd = configured()
+    xs = inputs()
+    model.to("cpu")
+    model.cpu()
+    model.requires_grad_(False)
+    for a, b in zip(run(model, xs), run(ref, xs)):
+        assert torch.equal(a, b)
+    layerwise.remove_layerwise_offload(model)
+    assert no_trace_of_layerwise(model)
+    model.half()  # an ordinary model again
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+
+
+# --------------------------------------------------------------- backward
+@pytest.mark.parametrize("depth,resident", [(0, 0), (1, 0), (2, 1)])
+def test_backward_gives_exact_gradients(depth, resident):
+    model, ref, sd = configured(depth=depth, resident=resident, delay=100)
+    for step in range(2):
+        x = inputs(1, seed=step)[0]
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        model.zero_grad()
+        ref.zero_grad()
+        model(x1).square().sum().backward()
+        ref(x2).square().sum().backward()
+        assert torch.equal(x1.grad, x2.grad)
+        grads = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            assert p.grad is not None and torch.equal(p.grad, grads[n].grad), n
+
+
+# ---------------------------------------------------------- deepcopy, pickle
+def test_deepcopy_and_pickle_are_refused_with_the_remedy():
+    model, ref, sd = configured()
+    with pytest.raises(TypeError, match="remove_layerwise_offload"):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match="remove_layerwise_offload"):
+        pickle.dumps(model)
+    with pytest.raises(TypeError, match="remove_layerwise_offload"):
+        torch.save(model, io.BytesIO())
+    xs = inputs()
+    for a, b in zip(run(model, xs), run(ref, xs)):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------- nested calls, threads
+class Caller(nn.Module):
+    """A block that calls another block of its own list (held outside the module tree)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.callee = None
+
+    def forward(self, x):
+        x = torch.tanh(self.lin(x))
+        if self.callee is not None:
+            x = self.callee[0](x)
+        return x
+
+
+def nested_model(pairs, n=6, d=16):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([Caller(d) for _ in range(n)])
+    for a, b in pairs:
+        model.blocks[a].callee = [model.blocks[b]]
+
+    def forward(x):
+        for blk in model.blocks:
+            x = blk(x)
+        return x
+
+    model.forward = forward
+    return model
+
+
+def test_nested_block_calls_are_exact():
+    model = nested_model([(0, 1), (3, 4)])
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expect = model(x)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=1, debug_copy_delay_us=100)
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(model(x), expect)
+
+
+def test_nested_call_into_a_shared_slot_raises_instead_of_computing_wrong():
+    model = nested_model([(0, 2)], n=4)  # depth 1: slots 0,1,0,1: layers 0 and 2 share slot 0
+    x = torch.randn(4, 16)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=1)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"blocks\[2\].*shares its ring slot"):
+        model(x)
+    model.blocks[0].callee = None  # the user fixes the model: exact again
+    with torch.no_grad():
+        out = model(x)
+    layerwise.remove_layerwise_offload(model)
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
+
+
+def test_two_threads_get_exact_outputs():
+    model, ref, sd = configured(depth=1, delay=50)
+    xs = [inputs(4, seed=s) for s in (1, 2)]
+    expect = [run(ref, x) for x in xs]
+    wrong, errors = [0, 0], []
+
+    def worker(t):
+        try:
+            with torch.no_grad():
+                for k in range(150):
+                    out = model(xs[t][k % 4])
+                    wrong[t] += not torch.equal(out, expect[t][k % 4])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in (0, 1)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave the threads inside forwards, not only between them
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=300)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and wrong == [0, 0]
+
+
+# ------------------------------------------------------------ real SIGINTs
+SIGINT_SCRIPT = textwrap.dedent(r"""
+    import os, random, signal, sys, threading, time, copy
+    import torch
+    sys.path.insert(0, {tests!r})
+    torch.set_num_threads(1)
+    import layerwise
+    from layerwise.configure import _prepare, managers_of
+    from models import TwoGroupModel
+    GROUPS = ["transformer_blocks", "single_transformer_blocks"]
+    mode, n = sys.argv[1], int(sys.argv[2])
+    rng = random.Random(int(sys.argv[3]))
+    pid = os.getpid()
+
+    def interrupted_during(window, fn):
+        # fn under a real SIGINT sent at a random moment within `window` s of its start
+        go, stop, delay = threading.Event(), threading.Event(), rng.uniform(0, window)
+
+        def fire():
+            go.wait()
+            if not stop.wait(delay):
+                os.kill(pid, signal.SIGINT)
+
+        t = threading.Thread(target=fire)
+        t.start()
+        try:
+            try:
+                go.set()
+                fn()
+            finally:
+                stop.set()
+                t.join()
+        except KeyboardInterrupt:
+            return True
+        return False
+
+    interrupted = bad = 0
+    if mode == "configure":
+        times = []
+        for _ in range(5):  # warm: the first configure imports and allocates for the first time
+            m = TwoGroupModel()
+            t0 = time.perf_counter()
+            layerwise.configure_layerwise_offload(m, GROUPS, device="cpu")
+            times.append(time.perf_counter() - t0)
+            layerwise.remove_layerwise_offload(m)
+        window = 1.3 * min(times)
+        for k in range(n):
+            torch.manual_seed(k)
+            model = TwoGroupModel()
+            sd = {{k2: (v.clone(), v.stride()) for k2, v in model.state_dict().items()}}
+            interrupted += interrupted_during(
+                window, lambda: layerwise.configure_layerwise_offload(model, GROUPS, device="cpu"))
+            if managers_of(model):
+                layerwise.remove_layerwise_offload(model)
+            for k2, v in model.state_dict().items():
+                if not torch.equal(v, sd[k2][0]) or v.stride() != sd[k2][1]:
+                    bad += 1
+                    print("WRONG", k, k2, flush=True)
+    else:
+        torch.manual_seed(0)
+        model = TwoGroupModel(n_a=7, n_b=4)
+        ref = copy.deepcopy(model)
+        layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=int(mode[-1]),
+                                              debug_copy_delay_us=300)
+        xs = [torch.randn(2, 32) for _ in range(4)]
+        with torch.no_grad():
+            expect = [ref(x) for x in xs]
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter(); model(xs[0]); times.append(time.perf_counter() - t0)
+            window = 1.2 * min(times)
+        for k in range(n):
+            def forward():
+                with torch.no_grad():
+                    model(xs[k % 4])
+
+            interrupted += interrupted_during(window, forward)
+            with torch.no_grad():
+                out = model(xs[(k + 1) % 4])
+            if not torch.equal(out, expect[(k + 1) % 4]):
+                bad += 1
+                print("WRONG after", k, flush=True)
+    print("RESULT", interrupted, bad, flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode,n", [("configure", 120), ("forward1", 300), ("forward2", 300)])
+def test_real_sigints_never_leave_a_wrong_model(mode, n, tmp_path):
+    import os
+
+    script = tmp_path / "sigint.py"
+    script.write_text(SIGINT_SCRIPT.format(tests=os.path.dirname(__file__)))
+    proc = subprocess.run([sys.executable, str(script), mode, str(n), "7"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    interrupted, bad = map(int, line.split()[1:])
+    assert bad == 0, proc.stdout[-3000:]
+    assert interrupted >= n // 4, f"only {interrupted} of {n} interrupts landed inside the operation"
+
+
+# ------------------------------------------------------------------- LoRA
+def _flux(seed=0):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(seed)
+    return diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(4, 6, 6),
+    ).eval()
+
+
+def _flux_run(model, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(hidden_states=torch.randn(1, 16, 8, generator=g), encoder_hidden_states=torch.randn(1, 6, 16, generator=g),
+              pooled_projections=torch.randn(1, 8, generator=g), timestep=torch.rand(1, generator=g),
+              img_ids=torch.randint(0, 8, (16, 3), generator=g).float(), txt_ids=torch.zeros(6, 3),
+              return_dict=False)
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+def _add_lora(model, seed=3):
+    peft = pytest.importorskip("peft")
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "proj_out"]))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in sorted(model.named_parameters()):
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_lora_adapters_and_fusing_match_the_resident_model(when):
+    pytest.importorskip("peft")
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    ref = _flux()
+    _add_lora(ref)
+    model = _flux()
+    if when == "before":
+        _add_lora(model)
+    layerwise.configure_layerwise_offload(model, ["transformer_blocks", "single_transformer_blocks"], device="cpu",
+                                          debug_copy_delay_us=100)
+    if when == "after":
+        _add_lora(model)
+    assert torch.equal(_flux_run(model), _flux_run(ref))
+    for m in (model, ref):  # fuse, as diffusers' fuse_lora does
+        for mod in m.modules():
+            if isinstance(mod, BaseTunerLayer):
+                mod.merge()
+    assert torch.equal(_flux_run(model), _flux_run(ref))
+    assert torch.equal(_flux_run(model, seed=6), _flux_run(ref, seed=6))
+    for m in (model, ref):
+        for mod in m.modules():
+            if isinstance(mod, BaseTunerLayer):
+                mod.unmerge()
+    assert torch.equal(_flux_run(model), _flux_run(ref))
+    sd_ref = ref.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd_ref[k]), k
