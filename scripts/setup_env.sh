@@ -1,32 +1,54 @@
 #!/usr/bin/env bash
 # Idempotent set-up for `make test` / `make bench`: a .venv that reuses an
 # importable torch (system site-packages) or installs one, plus what the tests
-# and benchmark import. Re-running it when everything is there costs ~2 s.
+# and benchmark import. Prints one line per step with its expected duration;
+# pip shows its own progress for the torch install (the step that takes long).
+# Re-running it when everything is there costs ~2 s and prints one line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 TORCH_SPEC=${LAYERWISE_TORCH_SPEC:-torch==2.13.0}
+# module:package, for what the tests and the benchmark import
+PACKAGES=(triton:triton pybind11:pybind11 ninja:ninja pytest:pytest numpy:numpy safetensors:safetensors
+          tqdm:tqdm psutil:psutil matplotlib:matplotlib rich:rich setuptools:setuptools wheel:wheel
+          diffusers:diffusers transformers:transformers accelerate:accelerate peft:peft)
+start=$SECONDS
 
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "setup: creating $VENV (reusing the system's packages where importable)"
+  echo "setup: creating $VENV, reusing the system's packages where importable (~5 s)"
   "$PY" -m venv --system-site-packages "$VENV"
 fi
 VPY="$VENV/bin/python"
 
-if ! "$VPY" -c "import torch" 2>/dev/null; then
-  echo "setup: no importable torch; installing $TORCH_SPEC"
-  "$VPY" -m pip install -q "$TORCH_SPEC"
+# One interpreter checks everything: torch by importing it (a broken install
+# counts as missing), the rest by locating the module without importing it.
+missing=$("$VPY" - "${PACKAGES[@]}" <<'EOF'
+import importlib.util, sys
+try:
+    import torch  # noqa: F401
+except Exception:
+    print("torch")
+for mod_pkg in sys.argv[1:]:
+    mod, pkg = mod_pkg.split(":")
+    if importlib.util.find_spec(mod) is None:
+        print(pkg)
+EOF
+)
+
+if grep -qx torch <<<"$missing"; then
+  echo "setup: installing $TORCH_SPEC (CPU wheel where the index has one; ~35 s, more to download a CUDA build)"
+  "$VPY" -m pip install --progress-bar on "$TORCH_SPEC"
 fi
 
-need=()
-for mod_pkg in triton:triton pybind11:pybind11 ninja:ninja pytest:pytest numpy:numpy safetensors:safetensors \
-               tqdm:tqdm psutil:psutil matplotlib:matplotlib rich:rich setuptools:setuptools wheel:wheel \
-               diffusers:diffusers transformers:transformers accelerate:accelerate; do
-  mod=${mod_pkg%%:*}; pkg=${mod_pkg##*:}
-  "$VPY" -c "import $mod" 2>/dev/null || need+=("$pkg")
-done
+need=($(grep -vx torch <<<"$missing" || true))
 if [ ${#need[@]} -gt 0 ]; then
-  echo "setup: installing ${need[*]}"
+  echo "setup: installing ${#need[@]} package(s): ${need[*]} (~10-60 s, quiet)"
   "$VPY" -m pip install -q "${need[@]}"
+fi
+
+if [ -z "$missing" ]; then
+  echo "setup: $VENV has torch and the ${#PACKAGES[@]} other packages; nothing to do ($((SECONDS - start)) s)"
+else
+  echo "setup: done in $((SECONDS - start)) s"
 fi

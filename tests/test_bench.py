@@ -1,15 +1,20 @@
 """Smoke test of `python -m layerwise.bench`: every CPU suite at test sizes
 (the hidden --tiny flag), the JSON it writes, the plot, and the exit status
-when a suite fails."""
+when a suite fails; the table a human reads: 120 columns by default, every
+column with --wide, quantiles that stay within what was measured, a legend."""
+import io
 import json
 import math
+import random
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from layerwise.bench import cli
-from layerwise.bench.common import Row, Skip, SuiteResult
+from layerwise.bench import cli, hooks, report, stream
+from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
 
 CPU_SUITES = ["h2d", "stream", "startup", "hooks"]
 
@@ -41,11 +46,14 @@ def test_cli_runs_every_cpu_suite(tiny_run):
         assert f"[{name}]" in proc.stderr
     assert "met" in proc.stdout and "stream" in proc.stdout  # the table
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    md = (plot_path.parent / "bench.md").read_text().splitlines()
-    assert md[0].startswith("`python -m layerwise.bench --tiny") and " (cpu, " in md[0]  # command, machine
-    assert md[2].startswith("| suite | measured |") and md[3].startswith("|---|")
-    rows = [line for line in md[4:] if line.startswith("| ")]
-    assert {r.split(" | ")[0][2:] for r in rows} == {"h2d", "scatter", "stream", "startup", "hooks"}
+    md_text = (plot_path.parent / "bench.md").read_text()
+    md = md_text.splitlines()
+    assert md[0].startswith("Command: `python -m layerwise.bench --tiny") and " (cpu, " in md_text  # command, machine
+    header = md.index("| measured | ours: median [q20, q80] | unit | vs baseline | met |")
+    assert md[header + 1] == "|---|---|---|---|---|"
+    sections = [re.match(r"\| [*_]+(\w+): ", line) for line in md if line.startswith("| **") or line.startswith("| _")]
+    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "startup", "hooks"}
+    assert "| _scatter: skipped: " in md_text
 
 
 def test_json_has_environment_and_finite_positive_figures(tiny_run):
@@ -68,10 +76,12 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
             for key in ("suite", "measure", "unit", "ours", "baselines", "ratios", "targets", "met"):
                 assert key in row, (name, key)
             ours = _median(row["ours"])
-            # a difference of two timings (hook time less the copy wait) may be <= 0 at tiny sizes
-            assert _finite(ours) and (ours > 0 or "without the copy wait" in row["measure"]), (name, row)
+            # a difference of two timings (hook time less the copy wait) may come out 0 at tiny sizes
+            assert _finite(ours) and (ours > 0 or "without the copy wait" in row["measure"] and ours == 0), (name, row)
             if isinstance(row["ours"], dict):
-                assert row["ours"]["q20"] <= ours <= row["ours"]["q80"]
+                q = row["ours"]
+                assert min(q["samples"]) <= q["q20"] <= ours <= q["q80"] <= max(q["samples"]), (name, row)
+                assert q["q20"] >= 0, (name, row)  # every figure here is a time, a rate or a size
             assert all(_finite(_median(v)) for v in row["baselines"].values()), (name, row)
             assert all(_finite(v) for v in row["ratios"].values()), (name, row)
             assert row["met"] in (True, False, None)
@@ -125,3 +135,232 @@ def test_unknown_suite_is_a_usage_error(capsys):
         cli.main(["nope"])
     assert e.value.code == 2
     assert "unknown suite" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ the table
+WIDTH = 120
+
+
+def _cuda_like_results() -> list[SuiteResult]:
+    """A realistic GPU run (the rows the suites write on CUDA, the stream rows
+    made by the suite's own code): the widest case the default table meets,
+    with three ratios per stream row, notes and a missed target."""
+    rng = random.Random(0)
+
+    def st(m, spread=0.03):
+        return Stat.of([m * (1 + rng.uniform(-spread, spread)) for _ in range(9)])
+
+    h2d = SuiteResult("h2d")
+    for mb, bw in ((1, 21.5), (16, 48.2), (64, 52.7), (256, 53.1), (1024, 53.0)):
+        targets = [Target.at_least(bw / 53.4, 0.95, "pinned copy_")] if mb >= 64 else []
+        h2d.rows.append(Row("h2d", f"{mb} MB copy", "GB/s", st(bw),
+                            {"pinned copy_": st(53.4), "pageable copy_": st(24.9)},
+                            {"/pinned copy_": bw / 53.4}, targets,
+                            note="" if targets else "small copy: latency-bound, no target"))
+    h2d.rows.append(Row("h2d", "peak over sizes", "GB/s", 53.1, {"pinned copy_": 53.4, "pageable copy_": 25.0},
+                        {"/pinned copy_": 0.994}, [Target.at_least(0.994, 0.95, "pinned copy_")]))
+    scatter = SuiteResult("scatter", rows=[
+        Row("scatter", "layer of 200 small tensors", "us/layer", st(41.2), {"copy_ loop": st(1480.0)},
+            {"speedup": 35.9}, [Target(">= 5x faster than copy_ loop", True)]),
+        Row("scatter", "100 MB into 100 contiguous tensors", "GB/s", st(1650.0),
+            {"copy_ loop": st(1480.0), "d2d copy_": st(1890.0)}, {"/d2d copy_": 0.873},
+            [Target.at_least(0.873, 0.8, "d2d copy_")]),
+        Row("scatter", "96 MB into 6 transposed tensors", "GB/s", st(1210.0), {"copy_ loop": st(1190.0)},
+            {"/copy_ loop": 1.017}),
+    ])
+    rows = []
+    managers = {"layerwise d=1": None, "layerwise d=2": None}
+    others = ["accelerate cpu_offload", "diffusers group offload"]
+    for tokens, resident, transfer in ((256, 0.31, 10.7), (4096, 5.2, 10.7), (16384, 21.9, 10.7), (65536, 88.5, 10.7)):
+        ms = {"resident": st(resident), "layerwise d=1": st(max(resident, transfer) * 1.02),
+              "layerwise d=2": st(max(resident, transfer) * 1.01),
+              "accelerate cpu_offload": st(resident + 4 * transfer),
+              "diffusers group offload": st(max(resident, transfer) * (1.3 if tokens < 65536 else 0.99))}
+        c = resident / transfer
+        point = {"tokens": tokens, "compute_transfer_ratio": c, "regime": stream.regime(c), "step_ms": ms,
+                 "floor_ms": max(resident, transfer)}
+        rows += stream._rows(Context(torch.device("cuda")), point, managers, others, "diffusers group offload")
+    sweep = SuiteResult("stream", rows=rows)
+    startup = SuiteResult("startup")
+    for label, n in (("2 groups", 2), ("3 groups", 6)):
+        startup.rows += [
+            Row("startup", f"{label}: bytes moved by model.to, worst of {n} orders", "MB", 268.4,
+                {"naive worst": 4563.0, "naive best": 805.3, "non-layer": 268.4}, {"/non-layer": 1.0},
+                [Target("= non-layer, 1 call, every order", True)]),
+            Row("startup", f"{label}: device peak during configure, worst order", "MB", 1342.2,
+                {"naive worst": 4831.8, "naive best": 1073.7, "non-layer + ring": 1342.2}, {"/expected": 1.0},
+                [Target("= non-layer + ring, every order", True)]),
+            Row("startup", f"{label}: configure time, over orders", "ms", st(1234.5, 0.1),
+                {"naive per-group": st(1450.2, 0.1)}, {"/naive per-group": 0.851}),
+            Row("startup", f"{label}: peak host RSS growth, worst order", "MB", 1088.0,
+                {"naive per-group": 2210.0, "largest layer": 1073.7, "model": 4563.0}, {"/model": 0.238},
+                [Target("<= largest layer + 5% of model", False)]),
+            Row("startup", f"{label}: host arena bytes per streamed byte", "B/B", 1.0, {"per model byte": 0.941}),
+        ]
+    hook = SuiteResult("hooks")
+    for p in (8, 200):
+        hook.rows.append(Row("hooks", f"pre+post hook time per layer, {p} params", "us", st(18.5, 0.2),
+                             {"naive hooks": st(30.0 * p), "accelerate cpu_offload": st(41.0 * p)},
+                             {"/naive hooks": 18.5 / (30.0 * p), "/accelerate cpu_offload": 18.5 / (41.0 * p)},
+                             short=f"hook time, {p} params"))
+    hook.rows.append(Row("hooks", "hook time growth, 200 vs 8 params", "x", 1.02,
+                         {"naive hooks": 25.0, "accelerate cpu_offload": 25.1}, {"200/8": 1.02},
+                         [Target.at_most(1.02, 1.5, "8-param cost")]))
+    return [h2d, scatter, sweep, startup, hook]
+
+
+def _cpu_results(json_path) -> list[SuiteResult]:
+    """The tiny run's rows, read back from its JSON (what the CPU suites really wrote)."""
+    def stat(v):
+        return Stat(v["median"], v["q20"], v["q80"], v["samples"]) if isinstance(v, dict) else v
+
+    out = []
+    for name, suite in json.loads(json_path.read_text())["suites"].items():
+        rows = [Row(r["suite"], r["measure"], r["unit"], stat(r["ours"]),
+                    {k: stat(v) for k, v in r["baselines"].items()}, r["ratios"],
+                    [Target(t["label"], t["met"]) for t in r["targets"]], r["note"], r["short"])
+                for r in suite["rows"]]
+        out.append(SuiteResult(name, suite["status"], suite["reason"], rows))
+    return out
+
+
+def _renderings(results, tmp_path, wide=False) -> dict[str, str]:
+    """The table as rich prints it (not a terminal), as plain text and as Markdown."""
+    out = {}
+    for name, render in (("rich", report.render_rich), ("plain", report.render_plain)):
+        buf = io.StringIO()
+        render(results, buf, wide)
+        out[name] = buf.getvalue()
+    env = {"argv": ["--device", "cuda", "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "s.png"),
+                    "--markdown", str(tmp_path / "bench.md")],
+           "device_name": "NVIDIA H200", "device": "cuda:0", "cpu_count": 16, "torch": "2.13.0",
+           "torch_threads": 16, "date": "2026-11-30T00:00:00+00:00"}
+    report.write_markdown(str(tmp_path / "bench.md"), results, env, wide=wide)
+    out["markdown"] = (tmp_path / "bench.md").read_text()
+    return out
+
+
+def _too_long(text: str) -> list[str]:
+    return [line for line in text.splitlines() if len(line) > WIDTH]
+
+
+def test_default_table_fits_120_columns(tiny_run, tmp_path):
+    proc, json_path, _ = tiny_run
+    assert not _too_long(proc.stdout), _too_long(proc.stdout)  # what the CLI printed (rich, not a terminal)
+    assert not _too_long((json_path.parent / "bench.md").read_text())
+    for label, results in (("cpu", _cpu_results(json_path)), ("cuda", _cuda_like_results())):
+        for kind, text in _renderings(results, tmp_path).items():
+            assert not _too_long(text), (label, kind, _too_long(text))
+            assert "NO" in text or label == "cpu"
+            for row in (r for res in results for r in res.rows):  # no row left out
+                assert fmt_value(row.ours) in text.replace("\n", " ") or kind != "markdown", (label, kind, row)
+
+
+def test_cuda_rows_keep_their_figures_and_notes(tmp_path):
+    md = _renderings(_cuda_like_results(), tmp_path)["markdown"]
+    assert "[1] small copy: latency-bound, no target" in md  # a note: a footnote, given once
+    assert md.count("small copy: latency-bound") == 1
+    assert "target missed: <= largest layer + 5% of model" in md and "| NO |" in md
+    assert "/resident" in md and "/floor" in md and "/diffusers" in md
+    assert "| 65536 tok, C/T 8.3, d=2 [3] |" in md  # the short label; C/T and d= are in the legend
+    assert "; ..." not in md  # every ratio fits
+
+
+def test_wide_gives_every_column(tiny_run, tmp_path):
+    _, json_path, _ = tiny_run
+    results = _cuda_like_results()
+    default, wide = _renderings(results, tmp_path), _renderings(results, tmp_path, wide=True)
+    header = [line for line in wide["markdown"].splitlines() if line.startswith("| suite")][0]
+    assert header.count(" | ") + 1 == len(report.WIDE_COLUMNS) > len(report.COLUMNS)
+    for kind in default:
+        head_default, head_wide = (next(line for line in t.splitlines() if "measured" in line)
+                                   for t in (default[kind], wide[kind]))
+        for column in ("suite", "baselines", "target"):
+            assert column in head_wide and column not in head_default, (kind, head_default)
+        assert "naive per-group: 1," in wide[kind] and "naive per-group: 1," not in default[kind]
+    assert _too_long(wide["markdown"])  # nothing squeezed: wider than 120
+    assert "compute-bound" in wide["markdown"]  # the full label, regime included
+
+    # the CLI passes --wide on
+    path = tmp_path / "cli.md"
+    suites = {r.name: (lambda ctx, r=r: r) for r in _cpu_results(json_path)}
+    cli.SUITES, saved = suites, cli.SUITES
+    try:
+        assert cli.main(["--device", "cpu", "--tiny", "--markdown", str(path), "--wide"]) == 0
+        assert "| suite | measured | unit |" in path.read_text()
+        assert cli.main(["--device", "cpu", "--tiny", "--markdown", str(path)]) == 0
+        assert "| measured | ours: median [q20, q80] |" in path.read_text()
+    finally:
+        cli.SUITES = saved
+
+
+def test_legend_explains_the_abbreviations(tiny_run, tmp_path):
+    proc, json_path, _ = tiny_run
+    md = (json_path.parent / "bench.md").read_text()
+    for text in (proc.stdout, md):
+        assert "Legend:" in text
+        flat = " ".join(text.split())
+        assert "C/T = time the block's compute takes / time its weights take to cross the bus" in flat
+        assert "above 1 the copy hides behind compute (compute-bound)" in flat
+        assert "below 1 the bus is the limit (transfer-bound)" in flat
+        assert "median [q20, q80]" in flat and "20th and 80th percentiles" in flat
+        assert "d=N: layerwise with prefetch depth N" in flat and "N tok: tokens per step" in flat
+    flat = " ".join(_renderings(_cuda_like_results(), tmp_path)["plain"].split())
+    assert "floor = max(resident step, streamed bytes / measured bandwidth)" in flat
+    assert "d2d = device to device" in flat and "Targets (the met column):" in flat
+    # an entry only for what the table uses
+    only_h2d = _renderings(_cuda_like_results()[:1], tmp_path)["plain"]
+    assert "Legend:" in only_h2d and "C/T" not in only_h2d and "tok" not in only_h2d
+
+
+_RANGE = re.compile(r"^(-?[\d,.e+-]+) \[(-?[\d,.e+-]+), (-?[\d,.e+-]+)\]$")
+
+
+def _shown(stat: Stat) -> tuple[float, float, float]:
+    """(median, q20, q80) read back from the printed figure."""
+    m = _RANGE.match(fmt_value(stat))
+    assert m, fmt_value(stat)  # "median [q20, q80]", a comma between the quantiles
+    return tuple(float(g.replace(",", "")) for g in m.groups())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_quantiles_stay_within_the_measured_samples(seed):
+    rng = random.Random(seed)
+    samples = [rng.lognormvariate(0, 1.5) * 10 ** rng.randint(-2, 3) for _ in range(rng.randint(1, 12))]
+    for s in (Stat.of(samples), Stat.of(samples).map(lambda t: 1 / t)):
+        assert min(s.samples) <= s.q20 <= s.median <= s.q80 <= max(s.samples)
+        med, q20, q80 = _shown(s)
+        assert 0 <= q20 <= med <= q80
+
+
+def test_a_range_is_clamped_to_what_was_measured():
+    # a statistic with quantiles outside its samples (built by hand, or from a difference of
+    # medians) prints within [min, max] of the samples, ordered, without a minus sign
+    s = Stat(14.82, -32.35, 146.4, [3.0, 9.5, 14.82, 20.0, 100.0])
+    assert fmt_value(s) == "14.82 [3.000, 100.0]"
+    assert fmt_value(Stat(5.0, 7.0, 2.0, [1.0, 5.0, 9.0])) == "5.000 [5.000, 5.000]"
+    assert fmt_value(Stat(2.0, 1.0, 3.0)) == "2.000 [1.000, 3.000]"  # no samples: as given
+
+
+def test_hook_cost_is_never_negative():
+    # forwards that came out faster than the plain median (noise) cost 0, not a negative time
+    plain_s, layers = 1e-3, 64
+    forward = Stat.of([plain_s + d * 1e-6 for d in (-2500, -900, -10, 300, 900, 1800, 2600, 4000)])
+    cost = hooks.per_layer_cost(forward, plain_s, layers)
+    assert min(cost.samples) == 0 and cost.q20 >= 0 and cost.q20 <= cost.median <= cost.q80
+    assert cost.median == pytest.approx(((300 + 900) / 2) / layers)  # us per layer
+    for w in (0.0, 5.0, 100.0):
+        less = hooks.less_wait(cost, w)
+        assert min(less.samples) >= 0 and 0 <= less.q20 <= less.median <= less.q80
+        assert "-" not in fmt_value(less)
+
+
+def test_a_markdown_row_too_wide_for_120_columns_loses_ratios_and_says_so(tmp_path):
+    many = {f"/baseline number {k}": 1.0 + k / 10 for k in range(6)}
+    row = Row("stream", "a figure compared with many baselines", "ms", Stat.of([1.0, 1.1, 1.2]), {}, many)
+    md = _renderings([SuiteResult("stream", rows=[row])], tmp_path)["markdown"]
+    assert not _too_long(md)
+    assert "1.000 /baseline number 0; " in md and "; ... |" in md
+    assert "more ratios, too many for 120 columns; --wide shows them all" in " ".join(md.split())
+    wide = _renderings([SuiteResult("stream", rows=[row])], tmp_path, wide=True)["markdown"]
+    assert all(f"{k}" in wide for k in many) and "; ..." not in wide

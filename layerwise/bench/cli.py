@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment to PATH")
     p.add_argument("--plot", metavar="PATH", help="write the stream sweep as a PNG to PATH")
     p.add_argument("--markdown", metavar="PATH", help="write the table as Markdown (with command, machine, date)")
+    p.add_argument("--wide", action="store_true",
+                   help="every column (suite, baselines' figures, targets, notes inline) in the table and the "
+                        "Markdown; default: a table that fits 120 columns, notes and targets under it")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test sizes: seconds
     return p
 
@@ -97,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
                 report.write_json(args.json, results, env)
     finally:
         torch.set_num_threads(threads)
-    report.render_table(results)
+    report.render_table(results, wide=args.wide)
     failed = [r.name for r in results if r.status == "error"]
     if args.json:
         print(f"wrote {args.json}", file=sys.stderr)
     if args.markdown:
-        report.write_markdown(args.markdown, results, env)
+        report.write_markdown(args.markdown, results, env, wide=args.wide)
         print(f"wrote {args.markdown}", file=sys.stderr)
     if args.plot:
         sweep = next((r for r in results if r.name == stream.NAME and r.status == "ok"), None)

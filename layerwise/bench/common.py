@@ -105,8 +105,15 @@ class Stat:
         xs = [float(x) for x in samples]
         if not xs:
             raise ValueError("no samples")
-        q20, med, q80 = np.quantile(xs, [0.2, 0.5, 0.8])
-        return cls(float(med), float(q20), float(q80), xs)
+        q20, med, q80 = (float(q) for q in np.quantile(xs, [0.2, 0.5, 0.8]))
+        return cls(*_ordered(med, q20, q80, min(xs), max(xs)), xs)
+
+    def shown(self) -> tuple[float, float, float]:
+        """(median, q20, q80) as printed: inside the measured range [min, max] of
+        the samples (when they are known) and ordered q20 <= median <= q80."""
+        if not self.samples:
+            return _ordered(self.median, self.q20, self.q80, -math.inf, math.inf)
+        return _ordered(self.median, self.q20, self.q80, min(self.samples), max(self.samples))
 
     def map(self, f: Callable[[float], float]) -> Stat:
         """The statistic of f(sample) (f may be decreasing, e.g. time -> bandwidth)."""
@@ -115,6 +122,13 @@ class Stat:
     def to_json(self) -> dict:
         return {"median": self.median, "q20": self.q20, "q80": self.q80, "n": len(self.samples),
                 "samples": self.samples}
+
+
+def _ordered(med: float, q20: float, q80: float, lo: float, hi: float) -> tuple[float, float, float]:
+    """Clamp the three to [lo, hi] and order them around the median (guards
+    against float rounding and against statistics built by hand or read back)."""
+    med = min(max(med, lo), hi)
+    return med, min(max(q20, lo), med), max(min(q80, hi), med)
 
 
 def median(v) -> float | None:
@@ -216,7 +230,10 @@ class Row:
 
     ours / baselines: a Stat (timed, median shown) or a plain number;
     ratios: name -> value, e.g. {"/pinned": 0.97}; targets: the criteria that
-    apply on this device (none: the table says "n/a").
+    apply on this device (none: the table says "n/a"); note: shown with the
+    row (a footnote in the default table); short: a shorter label for the
+    default 120-column table (``measure`` when empty; --wide and the JSON
+    always carry ``measure``).
     """
 
     suite: str
@@ -227,6 +244,7 @@ class Row:
     ratios: dict = field(default_factory=dict)
     targets: list = field(default_factory=list)
     note: str = ""
+    short: str = ""
 
     @property
     def met(self) -> bool | None:
@@ -237,7 +255,7 @@ class Row:
             "suite": self.suite, "measure": self.measure, "unit": self.unit,
             "ours": self.ours, "baselines": self.baselines, "ratios": self.ratios,
             "targets": [{"label": t.label, "met": t.met} for t in self.targets],
-            "met": self.met, "note": self.note,
+            "met": self.met, "note": self.note, "short": self.short,
         }
 
 
@@ -277,6 +295,9 @@ def fmt_num(x) -> str:
 
 
 def fmt_value(v) -> str:
+    """A plain number, or a Stat as ``median [q20, q80]`` (a comma between the
+    quantiles, so a minus sign cannot pass for a dash)."""
     if isinstance(v, Stat):
-        return f"{fmt_num(v.median)} [{fmt_num(v.q20)}-{fmt_num(v.q80)}]"
+        med, q20, q80 = v.shown()
+        return f"{fmt_num(med)} [{fmt_num(q20)}, {fmt_num(q80)}]"
     return fmt_num(v)

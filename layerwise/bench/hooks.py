@@ -6,7 +6,9 @@ forward costs the module calls plus whatever the hooks do. Every layer holds
 the same bytes (200 x 256 B: 8 parameters of 1600 floats or 200 of 64), so only
 the parameter count changes between the two cases. Cost per layer =
 (host time of an offloaded forward - median host time of the plain forward) / N,
-the two interleaved in one run. Device work is synchronised outside the clock.
+the two interleaved in one run, per sample; a sample that came out below the
+plain median (timing noise) counts as 0, since a cost is never negative.
+Device work is synchronised outside the clock.
 
 Ours: layerwise (each layer's parameters stay bound to views of its ring slot,
 so a hook does O(1) work). Baselines: the naive per-tensor hooks
@@ -20,7 +22,7 @@ import torch
 import layerwise
 
 from . import baselines, models
-from .common import Context, Row, Skip, SuiteResult, Target, compare, host_timer, inference_step, ratio
+from .common import Context, Row, Skip, Stat, SuiteResult, Target, compare, host_timer, inference_step, ratio
 
 NAME = "hooks"
 OURS, PLAIN = "layerwise", "no offload"
@@ -31,6 +33,19 @@ LAYERS = {"full": 64, "quick": 64, "tiny": 16}
 REPEATS = {"full": 25, "quick": 40, "tiny": 5}
 FLATNESS_LIMIT = 1.5
 LAYER_BYTES = 200 * 256  # the same for every parameter count
+
+
+def per_layer_cost(forward: Stat, plain_s: float, layers: int) -> Stat:
+    """Microseconds per layer that offloading adds to a forward: each timed
+    forward (seconds) less the plain forward's median, over the layers, floored
+    at 0. Its median and quantiles therefore never fall below 0 or below the
+    smallest (floored) measured difference."""
+    return forward.map(lambda t: max(0.0, (t - plain_s) / layers * 1e6))
+
+
+def less_wait(cost: Stat, wait_us: float) -> Stat:
+    """A per-layer cost less the copy wait the stall counter saw, floored at 0."""
+    return cost.map(lambda t: max(0.0, t - wait_us))
 
 
 def _stack(layers: int, num_params: int) -> models.HolderStack:
@@ -76,7 +91,7 @@ def run(ctx: Context) -> SuiteResult:
         plain = times[(PLAIN, p)].median
         for (k, q), s in times.items():
             if q == p and k != PLAIN:
-                cost[p][k] = s.map(lambda t, plain=plain: (t - plain) / layers * 1e6)
+                cost[p][k] = per_layer_cost(s, plain, layers)
         result.data[f"{p} params"] = {"plain_forward_s": plain, "hook_us_per_layer": cost[p]}
     # With a block that computes nothing, no copy is hidden: the hook time includes
     # waiting for the next layer's copy. Our own stall counter separates the two.
@@ -91,11 +106,12 @@ def run(ctx: Context) -> SuiteResult:
     for p in PARAM_COUNTS:
         result.rows.append(Row(NAME, f"pre+post hook time per layer, {p} params", "us", cost[p][OURS],
                                {k: cost[p][k] for k in others},
-                               {f"/{k}": ratio(cost[p][OURS], cost[p][k]) for k in others}))
+                               {f"/{k}": ratio(cost[p][OURS], cost[p][k]) for k in others},
+                               short=f"hook time, {p} params"))
         if ctx.device.type == "cpu":  # on CUDA the stall is device time, not host time: no difference to take
             result.rows.append(Row(NAME, f"hook CPU time per layer without the copy wait, {p} params", "us",
-                                   cost[p][OURS].map(lambda t, w=stall_us[p]: t - w), {"copy wait": stall_us[p]},
-                                   {}))
+                                   less_wait(cost[p][OURS], stall_us[p]), {"copy wait": stall_us[p]},
+                                   {}, short=f"hook time less the copy wait, {p} params"))
     lo, hi = PARAM_COUNTS
     growth = {k: ratio(cost[hi][k], cost[lo][k]) for k in cost[lo]}
     result.rows.append(Row(NAME, f"hook time growth, {hi} vs {lo} params", "x", growth[OURS],

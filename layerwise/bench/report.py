@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 import sys
+import textwrap
 
 import torch
 
@@ -16,81 +17,302 @@ import layerwise
 
 from .common import Row, Stat, SuiteResult, fmt_num, fmt_value
 
-COLUMNS = ("suite", "measured", "unit", "ours [q20-q80]", "baselines", "ratio", "target", "met")
+WIDTH = 120  # the default table, its notes and its legend fit this many columns
+
+# The default table: one column per question a reader asks (what, how fast,
+# compared with what, target met?). The suite is a section row, baselines'
+# own figures and target labels move to --wide (targets are listed under the
+# table), notes become numbered footnotes.
+COLUMNS = ("measured", "ours: median [q20, q80]", "unit", "vs baseline", "met")
+# Widest each column may be (plain text: 109 + 4 gaps of 2 = 117; rich shrinks them to fit WIDTH).
+CAPS = (44, 23, 8, 30, 4)
+WIDE_COLUMNS = ("suite", "measured", "unit", "ours: median [q20, q80]", "baselines", "ratio", "target", "met")
+
+SUITE_TITLES = {
+    "h2d": "copy bandwidth out of layerwise's pinned host arena (to the device; on a CPU, host to host)",
+    "scatter": "Triton scatter of a packed layer into its tensors",
+    "stream": "step time of a DiT-like stack whose layers are streamed",
+    "startup": "configuring a multi-group model: bytes moved, memory, time",
+    "hooks": "CPU time of the offload hooks per layer",
+}
 
 
 def _met(row: Row) -> str:
     return {None: "n/a", True: "yes", False: "NO"}[row.met]
 
 
-def _cells(row: Row, sep: str) -> list[str]:
+def _baselines(row: Row, sep: str) -> str:
+    return sep.join(f"{k}: {fmt_value(v.median if isinstance(v, Stat) else v)}" for k, v in row.baselines.items())
+
+
+def _ratios(row: Row, sep: str) -> str:
+    return sep.join(f"{fmt_num(v)} {k}" for k, v in row.ratios.items())
+
+
+def _wide_cells(row: Row, sep: str) -> list[str]:
     return [
         row.suite, row.measure + (f" ({row.note})" if row.note else ""), row.unit, fmt_value(row.ours),
-        sep.join(f"{k}: {fmt_value(v.median if isinstance(v, Stat) else v)}" for k, v in row.baselines.items()),
-        sep.join(f"{fmt_num(v)} {k}" for k, v in row.ratios.items()),
-        sep.join(t.label for t in row.targets) or "n/a", _met(row),
+        _baselines(row, sep), _ratios(row, sep), sep.join(t.label for t in row.targets) or "n/a", _met(row),
     ]
+
+
+class _Notes:
+    """Footnotes of the default table, numbered in order of first use; the same text shares a number."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.cut = False  # a Markdown row lost ratios to fit WIDTH
+
+    def mark(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"[{self.texts.index(text) + 1}]"
+
+
+def _cells(row: Row, notes: _Notes) -> list[str]:
+    """The default table's cells: a short label with footnote marks (the row's note,
+    the targets it missed), our figure, the unit, the ratios to the baselines (or,
+    without ratios, the baselines' figures) and whether the targets are met."""
+    marks = []
+    if row.note:
+        marks.append(notes.mark(row.note))
+    missed = [t.label for t in row.targets if not t.met]
+    if missed:
+        marks.append(notes.mark("target missed: " + "; ".join(missed)))
+    label = " ".join([row.short or row.measure, *marks])
+    return [label, fmt_value(row.ours), row.unit, _ratios(row, "; ") or _baselines(row, "; "), _met(row)]
+
+
+def _section(res: SuiteResult) -> str:
+    """The section line of a suite: what it measures, or why it did not run."""
+    if res.status != "ok":
+        return f"{res.name}: {res.status}: {res.reason}"
+    title = SUITE_TITLES.get(res.name)
+    return f"{res.name}: {title}" if title else res.name
 
 
 def _status_line(res: SuiteResult) -> str:
     return f"{res.status}: {res.reason}"
 
 
-def render_table(results: list[SuiteResult], file=None) -> None:
-    """Every row of every suite; skipped and failed suites get one line saying why."""
+# ----------------------------------------------------------------- legend
+def _wrap(text: str, width: int = WIDTH, indent: str = "") -> list[str]:
+    """`text` wrapped at spaces; continuation lines under the text after a bullet
+    ("- "), else indented 2 more."""
+    more = " " * len(indent) if indent.strip() else indent + "  "
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=more,
+                         break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str]:
+    """What the table's columns and abbreviations mean; an entry only when the
+    table uses what it explains (`text`: everything the table shows)."""
+    from .stream import COMPUTE_BOUND, TRANSFER_BOUND
+
+    rows = [row for res in results for row in res.rows]
+    units = {row.unit for row in rows}
+    items = [
+        "ours: layerwise's figure; median [q20, q80] over the timed repetitions (20th and 80th percentiles, "
+        "always within the measured range); a figure without a range is a single value (a count, a peak, a "
+        "worst case).",
+        ("ratio" if wide else "vs baseline") + ": ours divided by the named baseline's figure (\"0.810 /torch "
+        "copy_\": 0.81 times what torch's copy_ achieved); for times below 1 is better, for GB/s above 1."
+        + ("" if wide else " A row without a ratio shows the baselines' own figures."),
+        "met: yes = every target of the row holds, NO = one is missed"
+        + (" (its footnote names it)" if not wide else "") + ", n/a = no target for this row on this device.",
+    ]
+    if "C/T" in text:
+        items.append(
+            "C/T = time the block's compute takes / time its weights take to cross the bus (resident step time "
+            "over streamed bytes at the bandwidth measured in the same run); above 1 the copy hides behind "
+            f"compute (compute-bound), below 1 the bus is the limit (transfer-bound). A point counts as "
+            f"compute-bound from C/T {COMPUTE_BOUND:g}, as transfer-bound up to {TRANSFER_BOUND:g} (balanced in "
+            "between); that decides its target on CUDA. On a CPU the \"bus\" is a host memory copy.")
+    if " tok" in text:
+        items.append("N tok: tokens per step, the batch each block processes.")
+    if "d=" in text:
+        items.append("d=N: layerwise with prefetch depth N, the copies of the next N layers in flight while a layer "
+                     "computes.")
+    if "floor" in text:
+        items.append("floor = max(resident step, streamed bytes / measured bandwidth): the fastest a streamed step "
+                     "can be.")
+    if "resident" in text:
+        items.append("resident: the whole model kept on the device, no streaming.")
+    if "RSS" in text:
+        items.append("RSS: resident set size, the host memory the process holds.")
+    glossary = [("us", "microseconds"), ("ms", "milliseconds"), ("GB/s", "10^9 bytes per second"),
+                ("MB", "2^20 bytes"), ("B/B", "bytes per byte"), ("x", "times (a ratio)")]
+    tokens = {row.unit for row in rows} | {row.unit.split("/")[0] for row in rows}
+    used = [f"{u} = {meaning}" for u, meaning in glossary if u in tokens]
+    if used:
+        items.append("Units: " + ", ".join(used) + ".")
+    if "d2d" in text:
+        items.append("d2d = device to device.")
+    return items
+
+
+def _targets_items(results: list[SuiteResult]) -> list[str]:
+    """The targets behind the met column, per suite (the default table has no target column)."""
+    items = []
+    for res in results:
+        labels = list(dict.fromkeys(t.label for row in res.rows for t in row.targets))
+        if labels:
+            items.append(f"{res.name}: " + "; ".join(labels) + ".")
+    return items
+
+
+def _below(results: list[SuiteResult], notes: _Notes | None, text: str, wide: bool, bullet: str) -> list[str]:
+    """The lines under the table: footnotes, targets, legend, each entry wrapped to WIDTH."""
+    lines: list[str] = []
+    if notes is not None and notes.texts:
+        lines += ["", "Notes:"]
+        for k, note in enumerate(notes.texts, 1):
+            lines += _wrap(f"[{k}] {note}", indent=bullet)
+    targets = [] if wide else _targets_items(results)
+    if targets:
+        lines += ["", "Targets (the met column):"]
+        for item in targets:
+            lines += _wrap(item, indent=bullet)
+    lines += ["", "Legend:"]
+    items = _legend_items(results, text, wide)
+    if notes is not None and notes.cut:
+        items.append("...: more ratios, too many for 120 columns; --wide shows them all.")
+    for item in items:
+        lines += _wrap(item, indent=bullet)
+    return lines
+
+
+# ------------------------------------------------------------------ table
+def render_table(results: list[SuiteResult], file=None, wide: bool = False) -> None:
+    """Every row of every suite, then notes, targets and the legend. The default
+    table fits WIDTH columns; `wide`: every column, as wide as it takes."""
     file = file or sys.stdout
     try:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
+        import rich  # noqa: F401
     except ImportError:
-        _render_plain(results, file)
+        render_plain(results, file, wide)
         return
+    render_rich(results, file, wide)
+
+
+def _table_text(results: list[SuiteResult], cells: list[list[str]]) -> str:
+    return " ".join([_section(res) for res in results] + [c for row in cells for c in row])
+
+
+def render_rich(results: list[SuiteResult], file, wide: bool = False) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    tty = file.isatty()
+    if wide:
+        console = Console(file=file, width=None if tty else 1000)
+    else:
+        console = Console(file=file, width=min(Console(file=file).width, WIDTH) if tty else WIDTH)
     table = Table(title="layerwise benchmark", show_lines=True)
-    for c in COLUMNS:
-        table.add_column(escape(c), overflow="fold")
+    columns, caps = (WIDE_COLUMNS, [None] * len(WIDE_COLUMNS)) if wide else (COLUMNS, CAPS)
+    for c, cap in zip(columns, caps):
+        table.add_column(escape(c), overflow="fold", max_width=cap)
+    notes = None if wide else _Notes()
+    shown = []
     for res in results:
-        if res.status != "ok":
-            style = "red" if res.status == "error" else "yellow"
-            table.add_row(res.name, f"[{style}]{escape(_status_line(res))}[/{style}]", *[""] * (len(COLUMNS) - 2))
+        if not wide or res.status != "ok":
+            style = {"ok": "bold", "error": "red", "skipped": "yellow"}[res.status]
+            text = _section(res) if not wide else res.name
+            first = [f"[{style}]{escape(text)}[/{style}]"]
+            if wide:
+                first.append(f"[{style}]{escape(_status_line(res))}[/{style}]")
+            table.add_row(*first, *[""] * (len(columns) - len(first)))
         for row in res.rows:
-            cells = [escape(c) for c in _cells(row, "\n")]
-            cells[-1] = {"yes": "[green]yes[/green]", "NO": "[bold red]NO[/bold red]"}.get(cells[-1], cells[-1])
-            table.add_row(*cells)
-    width = None if file.isatty() else 200
-    Console(file=file, width=width).print(table)
+            cells = _wide_cells(row, "\n") if wide else _cells(row, notes)
+            shown.append(cells)
+            marked = [escape(c) for c in cells]
+            marked[-1] = {"yes": "[green]yes[/green]", "NO": "[bold red]NO[/bold red]"}.get(cells[-1], marked[-1])
+            table.add_row(*marked)
+    console.print(table)
+    for line in _below(results, notes, _table_text(results, shown), wide, "  "):
+        print(line, file=file)
 
 
-def _render_plain(results: list[SuiteResult], file) -> None:
-    lines = [list(COLUMNS)]
+def render_plain(results: list[SuiteResult], file, wide: bool = False) -> None:
+    """The table as plain text (no rich). Default: a suite's line, then its rows
+    indented under it, every cell wrapped to CAPS (continuations indented)."""
+    columns = WIDE_COLUMNS if wide else COLUMNS
+    notes = None if wide else _Notes()
+    body: list[tuple[str, list[str]]] = []  # ("section", [text]) or ("row", cells)
+    shown = []
     for res in results:
-        if res.status != "ok":
-            lines.append([res.name, _status_line(res)] + [""] * (len(COLUMNS) - 2))
-        lines += [_cells(row, "; ") for row in res.rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
-    for k, line in enumerate(lines):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip(), file=file)
-        if k == 0:
-            print("  ".join("-" * w for w in widths), file=file)
+        if wide:
+            if res.status != "ok":
+                body.append(("row", [res.name, _status_line(res)] + [""] * (len(columns) - 2)))
+        else:
+            body.append(("section", [_section(res)]))
+        for row in res.rows:
+            cells = _wide_cells(row, "; ") if wide else _cells(row, notes)
+            shown.append(cells)
+            body.append(("row", cells if wide else ["  " + cells[0]] + cells[1:]))
+    rows = [cells for kind, cells in body if kind == "row"] + [list(columns)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    if not wide:
+        widths = [min(w, cap) for w, cap in zip(widths, CAPS)]
+
+    def emit(cells: list[str]) -> None:
+        wrapped = [textwrap.wrap(c, w, subsequent_indent="    " if i == 0 else "", break_on_hyphens=False) or [""]
+                   for i, (c, w) in enumerate(zip(cells, widths))]
+        for k in range(max(len(w) for w in wrapped)):
+            parts = [(w[k] if k < len(w) else "").ljust(width) for w, width in zip(wrapped, widths)]
+            print("  ".join(parts).rstrip(), file=file)
+
+    emit(list(columns))
+    print("  ".join("-" * w for w in widths), file=file)
+    for kind, cells in body:
+        if kind == "section":
+            for line in _wrap(cells[0]):
+                print(line, file=file)
+        else:
+            emit(cells)
+    for line in _below(results, notes, _table_text(results, shown), wide, "  "):
+        print(line, file=file)
 
 
-def write_markdown(path: str, results: list[SuiteResult], env: dict) -> None:
-    """The table as Markdown, headed by the command, machine and date (for BENCHMARKS.md)."""
+def write_markdown(path: str, results: list[SuiteResult], env: dict, wide: bool = False) -> None:
+    """The table as Markdown, headed by the command, machine and date (for
+    BENCHMARKS.md), then notes, targets and the legend. By default every line
+    fits WIDTH columns: a suite is a section row, and a row that would still
+    be too long loses its last ratios ("..."; --wide has them all)."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
-    lines = [
-        f"`python -m layerwise.bench {' '.join(env['argv'])}` on {env['device_name']} "
-        f"({env['device']}, {env['cpu_count']} CPUs, torch {env['torch']}, {env['torch_threads']} compute thread(s)), "
-        f"{env['date']}",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell(c) for c in cells) + " |"
+
+    head = (f"Command: `python -m layerwise.bench {' '.join(env['argv'])}` on {env['device_name']} "
+            f"({env['device']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
+            f"{env['torch_threads']} compute thread(s)), {env['date']}")
+    columns = WIDE_COLUMNS if wide else COLUMNS
+    lines = (_wrap(head, indent="") if not wide else [head]) + ["", line(list(columns)), "|" + "---|" * len(columns)]
+    notes = None if wide else _Notes()
+    shown = []
     for res in results:
-        if res.status != "ok":
-            lines.append("| " + " | ".join([res.name, cell(_status_line(res))] + [""] * (len(COLUMNS) - 2)) + " |")
-        lines += ["| " + " | ".join(cell(c) for c in _cells(row, "; ")) + " |" for row in res.rows]
+        if wide:
+            if res.status != "ok":
+                lines.append(line([res.name, _status_line(res)] + [""] * (len(columns) - 2)))
+        else:
+            style = "**" if res.status == "ok" else "_"
+            lines.append(line([f"{style}{_section(res)}{style}"] + [""] * (len(columns) - 1)))
+        for row in res.rows:
+            cells = _wide_cells(row, "; ") if wide else _cells(row, notes)
+            shown.append(cells)
+            text = line(cells)
+            if not wide:
+                ratios = [f"{fmt_num(v)} {k}" for k, v in row.ratios.items()]
+                while len(text) > WIDTH and len(ratios) > 1:
+                    ratios.pop()
+                    cells = cells[:3] + ["; ".join(ratios) + "; ..."] + cells[4:]
+                    text = line(cells)
+                    notes.cut = True
+            lines.append(text)
+    lines += _below(results, notes, _table_text(results, shown), wide, "- ")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -169,5 +169,7 @@ def _rows(ctx: Context, point: dict, managers: dict, others: list, diffusers: st
                 ratios["/diffusers"] = ratio(ours, ms[diffusers])
                 targets.append(Target("< diffusers", bool(median(ours) < median(ms[diffusers]))))
         measure = f"step, {point['tokens']} tok (C/T {c:.2g}, {point['regime']}), {name}"
-        rows.append(Row(NAME, measure, "ms", ours, base, ratios, targets))
+        # the default table's label: the legend says what C/T, its regimes and d=N are
+        short = f"{point['tokens']} tok, C/T {c:.2g}, {name.removeprefix('layerwise ')}"
+        rows.append(Row(NAME, measure, "ms", ours, base, ratios, targets, short=short))
     return rows
