@@ -63,7 +63,8 @@ def attach(model: nn.Module, managers) -> None:
     """Record the managers on the model and install the model-level guards once."""
     model.__dict__.setdefault(_MANAGERS, []).extend(managers)
     if _HANDLES not in model.__dict__:
-        handles = [model.register_forward_pre_hook(torch.compiler.disable(_root_pre_hook), prepend=True)]
+        handles = [model.register_forward_pre_hook(torch.compiler.disable(_root_pre_hook), prepend=True),
+                   model.register_forward_hook(torch.compiler.disable(_root_post_hook), always_call=True)]
         model.__dict__[_HANDLES] = handles
     _install_cast_guards(model)
 
@@ -188,6 +189,14 @@ def _root_pre_hook(model, args):
                 m._reset_entered()
             if m._handed_out:
                 check_handed_out(m)
+
+
+def _root_post_hook(model, args, output):
+    """The end of the model's forward closes the step of every group, so that
+    report() has per-step figures after the first forward."""
+    for m in managers_of(model):
+        if m._finalized and m._step_open:
+            m._end_step()
 
 
 # ----------------------------------------------------------- casts, moves

@@ -48,6 +48,18 @@ log = logging.getLogger("layerwise")
 _PROGRESS_MIN_BYTES = 1 << 30
 
 
+def _stream_capturing(device: torch.device) -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+_CAPTURE_REFUSED = (
+    "layerwise: layer {group}[{i}] was called inside CUDA graph capture (torch.cuda.graph, or the CUDA graphs "
+    "of torch.compile(mode='reduce-overhead')). A streamed layer's copies are issued by hooks on the host and "
+    "wait on events recorded outside the capture, so a graph cannot replay them. Run the streamed model "
+    "eagerly or under torch.compile without CUDA graphs (mode='default' or 'max-autotune-no-cudagraphs')."
+)
+
+
 class LayerwiseOffloadManager:
     """Streams the layers of `model.<layer_name>` to `device` (see module doc)."""
 
@@ -391,6 +403,8 @@ class LayerwiseOffloadManager:
             )
 
     def _pre_hook(self, i: int, module, args):
+        if self._engine.is_cuda and _stream_capturing(self.device):
+            raise RuntimeError(_CAPTURE_REFUSED.format(group=self.layer_name, i=i))
         self._lock.acquire()  # released by the post-hook (which also runs when a forward raises)
         if self._dirty:
             self._resync()
@@ -405,11 +419,11 @@ class LayerwiseOffloadManager:
             ev = self._copy_event[i]
             if ev is not None:
                 stream = self._stream()
-                if self.measure_stalls:
+                if self._timing:
                     if self._engine.is_cuda:
                         start = self._engine.record(stream, True)
                         self._engine.wait(ev, stream)
-                        self._stall_pairs.append((start, self._engine.record(stream, True)))
+                        self._stall_pairs.append((self._steps, start, self._engine.record(stream, True)))
                     else:
                         t0 = time.perf_counter()
                         self._engine.wait(ev, stream)
@@ -443,45 +457,80 @@ class LayerwiseOffloadManager:
             self._lock.release()
 
     # ---------------------------------------------------------------- stats
+    # A step runs from layer 0's pre-hook to the end of the model's forward (the
+    # root post-hook, contract.py) or, for blocks called without it, to the next
+    # step's start. On CUDA the compute-stream stall is timed with event pairs on
+    # one step in `stall_sample_every` (each pair costs two events and two native
+    # calls per layer); pairs resolve when they have completed, never by a sync.
+    stall_sample_every = 8
+
     def _reset_stats(self) -> None:
         self._bytes = self._copies = self._sync_loads = 0
         self._stall_s = 0.0
-        self._stall_pairs = []
+        self._stall_pairs = []  # (step, start event, end event), CUDA
+        self._step_stall: dict[int, float] = {}
         self._steps = 0
         self._step_mark = (0, 0, 0, 0.0)
         self._step_t0 = None
+        self._step_open = False
+        self._timing = self.measure_stalls
         self._last_step = None
 
     def _resolve_stalls(self) -> None:
         pending = []
-        for a, b in self._stall_pairs:
+        for step, a, b in self._stall_pairs:
             if b.query():
-                self._stall_s += a.elapsed_ms(b) / 1e3
+                dt = a.elapsed_ms(b) / 1e3
+                self._stall_s += dt
+                self._step_stall[step] = self._step_stall.get(step, 0.0) + dt
             else:
-                pending.append((a, b))
+                pending.append((step, a, b))
         self._stall_pairs = pending
 
     def _new_step(self) -> None:
         if self._handed_out:
             contract.check_handed_out(self)
+        if self._step_open:
+            self._end_step()
         self._resolve_stalls()
-        now = (self._bytes, self._copies, self._sync_loads, self._stall_s)
-        t = time.perf_counter()
-        if self._steps:
-            self._last_step = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s"),
-                                       (a - b for a, b in zip(now, self._step_mark))))
-            self._last_step["wall_s"] = t - self._step_t0  # host time from one step's start to the next
-        self._step_mark = now
-        self._step_t0 = t
+        self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s)
+        self._step_t0 = time.perf_counter()
+        self._step_open = True
         self._steps += 1
+        cuda = self._finalized and self._engine.is_cuda
+        self._timing = self.measure_stalls and (not cuda or self._steps % self.stall_sample_every == 1)
 
-    def stats(self) -> dict:
+    def _end_step(self) -> None:
+        """Close the step: its figures are the last complete step's from now on."""
+        self._step_open = False
+        now = (self._bytes, self._copies, self._sync_loads, self._stall_s)
+        last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s"),
+                        (a - b for a, b in zip(now, self._step_mark))))
+        last["step"] = self._steps
+        last["wall_s"] = time.perf_counter() - self._step_t0  # host time of the step alone
+        cuda = self._finalized and self._engine.is_cuda
+        last["stall_measured"] = self._timing
+        if cuda:
+            last["stall_s"] = None  # filled from its event pairs as they complete (stats())
+            self._step_stall = {k: v for k, v in self._step_stall.items() if k >= self._steps}
+        self._last_step = last
+
+    def stats(self, sync: bool = False) -> dict:
         """Bytes copied, copies, synchronous loads and compute-stream stall time,
-        in total and for the last complete step, plus the memory this group uses."""
-        if self.enabled and self._finalized and self._engine.is_cuda:
+        in total and for the last complete step, plus the memory this group uses.
+        Never waits for the device unless `sync=True` (then every copy and the
+        compute stream are drained first, so every figure is final)."""
+        if sync and self.enabled and self._finalized and self._engine.is_cuda:
             self._engine.synchronize()
             torch.cuda.synchronize(self.device)
-        self._resolve_stalls()
+        if self._finalized:
+            self._resolve_stalls()
+        last = self._last_step
+        if last is not None and last["stall_measured"] and last["stall_s"] is None:
+            pending = any(step == last["step"] for step, _, _ in self._stall_pairs)
+            if not pending:
+                last["stall_s"] = self._step_stall.get(last["step"], 0.0)
+        arena = self._arena
         return {
             "group": self.layer_name,
             "device": str(self.device),
@@ -491,15 +540,16 @@ class LayerwiseOffloadManager:
             "slots": getattr(self, "num_slots", 0),
             "ring_bytes": sum(t.numel() for t in getattr(self, "_ring", [])),
             "resident_bytes": self._resident_bytes,
-            "arena_bytes": self._arena.capacity if self._arena is not None else 0,
-            "arena_pinned": bool(self._arena.pinned) if self._arena is not None else False,
+            "arena_bytes": arena.capacity if arena is not None else 0,
+            "arena_pinned": bool(arena.pinned) if arena is not None else False,
+            "arena_pin_error": (getattr(arena, "pin_error", None) or None) if arena is not None else None,
             "managed_bytes": self._managed_parameter_bytes(),
             "steps": self._steps,
             "bytes_copied": self._bytes,
             "copies": self._copies,
             "sync_loads": self._sync_loads,
             "stall_s": self._stall_s,
-            "last_step": self._last_step,
+            "last_step": dict(last) if last is not None else None,
         }
 
     # --------------------------------------------------------------- remove

@@ -597,3 +597,79 @@ def test_lora_adapters_and_fusing_match_the_resident_model(when):
     sd_ref = ref.state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, sd_ref[k]), k
+
+
+# -------------------------------------------------------------- hook order
+def _weight_normed_stack(n=6, d=16):
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.blocks = nn.ModuleList([torch.nn.utils.weight_norm(nn.Linear(d, d)) for _ in range(n)])
+
+    def forward(x):
+        for blk in model.blocks:
+            x = torch.tanh(blk(x))
+        return x
+
+    model.forward = forward
+    return model
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_weight_normed_blocks_are_exact_under_copy_delays(depth):
+    # weight_norm computes `weight` in a forward pre-hook registered before configure:
+    # it must run after our wait, so it reads this layer's weight_g / weight_v.
+    model = _weight_normed_stack()
+    xs = [torch.randn(3, 16) for _ in range(3)]
+    with torch.no_grad():
+        expect = [model(x) for x in xs]
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=depth,
+                                          debug_copy_delay_us=2000)
+    with torch.no_grad():
+        for _ in range(3):
+            for x, e in zip(xs, expect):
+                assert torch.equal(model(x), e)
+
+
+def test_user_hooks_before_and_after_configure_see_their_layers_weights():
+    model, ref, sd = configured(depth=1, delay=2000)
+    seen = {"pre": [], "post": []}
+    truth = [sd[f"transformer_blocks.{i}.up.weight"].float().sum().item() for i in range(5)]
+
+    def pre(i):
+        return lambda m, a: seen["pre"].append((i, m.up.weight.float().sum().item()))
+
+    def post(i):
+        return lambda m, a, o: seen["post"].append((i, m.up.weight.float().sum().item()))
+
+    layerwise.remove_layerwise_offload(model)
+    for i, blk in enumerate(model.transformer_blocks):  # registered before configure
+        blk.register_forward_pre_hook(pre(i))
+    layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", debug_copy_delay_us=2000)
+    for i, blk in enumerate(model.transformer_blocks):  # and after
+        blk.register_forward_hook(post(i))
+    run(model, inputs(4))
+    assert len(seen["pre"]) == len(seen["post"]) == 20
+    for kind in ("pre", "post"):
+        for i, s in seen[kind]:
+            assert s == truth[i], (kind, i)
+
+
+def test_cuda_graph_capture_is_refused_clearly(monkeypatch):
+    # A fake capture flag on a CPU model: the check is the same code path as on CUDA.
+    model, ref, sd = configured()
+    m = managers_of(model)[0]
+
+    class FakeCudaEngine:
+        is_cuda = True
+
+    monkeypatch.setattr(m, "_engine", FakeCudaEngine())
+    monkeypatch.setattr(manager_mod, "_stream_capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="CUDA graph capture.*without CUDA graphs"):
+        run(model, inputs(1))
+    monkeypatch.undo()
+    for a, b in zip(run(model, inputs()), run(ref, inputs())):
+        assert torch.equal(a, b)

@@ -97,7 +97,7 @@ def run(ctx: Context) -> SuiteResult:
     # waiting for the next layer's copy. Our own stall counter separates the two.
     stall_us = {}
     for p, model in ours.items():
-        st = layerwise.configure.managers_of(model)[0].stats()
+        st = layerwise.configure.managers_of(model)[0].stats(sync=True)
         stall_us[p] = st["stall_s"] / max(1, st["steps"]) / layers * 1e6
     del ours
     ctx.free_memory()

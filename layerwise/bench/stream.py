@@ -133,7 +133,7 @@ def run(ctx: Context) -> SuiteResult:
             samplers = {name: device_timer(ctx, step, inner=sw.steps, prepare=step) for name, step in steps.items()}
             ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, sw.repeats, warmup=1, bar=bar).items()}
 
-            last = {name: mgrs[0].stats()["last_step"] for name, mgrs in managers.items()}
+            last = {name: mgrs[0].stats(sync=True)["last_step"] for name, mgrs in managers.items()}
             streamed = last["layerwise d=1"]["bytes_copied"]
             transfer_ms = streamed / bandwidth * 1e3
             floor_ms = max(ms[RESIDENT].median, transfer_ms)
