@@ -1,11 +1,14 @@
 #include "layerwise.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 
 namespace layerwise {
@@ -20,6 +23,45 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // should not span two registrations, so a chunk is larger than any one layer
 // block is likely to be (a 70B-parameter model's layer is ~1.7 GB in bf16).
 constexpr size_t kPinChunk = size_t(8) << 30;
+
+std::string mib(rlim_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+// 1: has CAP_IPC_LOCK, 0: has not, -1: cannot tell (no /proc).
+int has_cap_ipc_lock() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("CapEff:", 0) == 0) {
+      unsigned long long caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+      return (caps >> 14) & 1;  // CAP_IPC_LOCK = 14
+    }
+  }
+  return -1;
+}
+
+// Why mlock failed, in terms a user can act on. No sizes or addresses: one
+// text per cause, so that a warning about it is given once.
+std::string mlock_failure(int err) {
+  std::ostringstream s;
+  s << "mlock failed: " << std::strerror(err) << " (errno " << err << ")";
+  rlimit rl{};
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
+    s << "; the RLIMIT_MEMLOCK soft limit (ulimit -l) is ";
+    if (rl.rlim_cur == RLIM_INFINITY)
+      s << "unlimited";
+    else
+      s << mib(rl.rlim_cur) << " (" << rl.rlim_cur << " bytes)";
+  }
+  const int cap = has_cap_ipc_lock();
+  s << (cap == 1   ? " and the process has CAP_IPC_LOCK, so the limit does not apply: the system is short of memory"
+        : cap == 0 ? " and the process does not have CAP_IPC_LOCK"
+                   : "; whether the process has CAP_IPC_LOCK is unknown");
+  return s.str();
+}
 }  // namespace
 
 struct HostArena::Block {
@@ -27,12 +69,22 @@ struct HostArena::Block {
   size_t capacity = 0;
   std::vector<std::pair<void*, size_t>> mlocked;
   std::vector<void*> cuda_registered;
-  ~Block() {
+  const Origin origin;
+
+  void unpin_all() {
 #ifdef LAYERWISE_WITH_CUDA
-    if (!cuda_registered.empty()) cuda_wait_for_device();
-    for (void* p : cuda_registered) cuda_host_unregister(p);
+    // A forked child has no CUDA context: the parent's registrations are not its to undo.
+    if (!cuda_registered.empty() && !origin.forked()) {
+      cuda_wait_for_device();  // its pages may be the source of a copy in flight
+      for (void* p : cuda_registered) cuda_host_unregister(p);
+    }
 #endif
+    cuda_registered.clear();
     for (auto& r : mlocked) munlock(r.first, r.second);
+    mlocked.clear();
+  }
+  ~Block() {
+    unpin_all();
     if (base) munmap(base, capacity);
   }
 };
@@ -72,7 +124,18 @@ HostArena::HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda) {
 int64_t HostArena::capacity() const { return static_cast<int64_t>(block_->capacity); }
 uintptr_t HostArena::data_ptr() const { return reinterpret_cast<uintptr_t>(block_->base); }
 
+int64_t HostArena::used() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return static_cast<int64_t>(used_);
+}
+
+bool HostArena::pinned() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return pin_kind_ != PinKind::None;
+}
+
 std::string HostArena::pin_kind() const {
+  std::lock_guard<std::mutex> l(mu_);
   switch (pin_kind_) {
     case PinKind::Mlock: return "mlock";
     case PinKind::Cuda: return "cuda";
@@ -80,50 +143,76 @@ std::string HostArena::pin_kind() const {
   }
 }
 
+std::optional<std::string> HostArena::pin_error() const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (pin_error_.empty()) return std::nullopt;
+  return pin_error_;
+}
+
 at::Tensor HostArena::allocate(int64_t nbytes, int64_t alignment) {
   TORCH_CHECK_VALUE(nbytes >= 0, "HostArena.allocate: nbytes must be >= 0, got ", nbytes);
   TORCH_CHECK_VALUE(alignment > 0 && (alignment & (alignment - 1)) == 0,
                     "HostArena.allocate: alignment must be a power of two, got ", alignment);
+  std::lock_guard<std::mutex> l(mu_);
   const uintptr_t base = reinterpret_cast<uintptr_t>(block_->base);
-  const size_t offset = round_up(base + used_, static_cast<size_t>(alignment)) - base;
-  if (offset + static_cast<size_t>(nbytes) > block_->capacity) {
+  const size_t cap = block_->capacity;
+  const size_t a = static_cast<size_t>(alignment);
+  // Compared without sums that could wrap: an alignment or size near 2^63 is an error, not a small offset.
+  const size_t at = base + used_;
+  const size_t pad = (a - at % a) % a;
+  if (pad > cap - used_ || static_cast<size_t>(nbytes) > cap - used_ - pad) {
     std::ostringstream msg;
-    msg << "HostArena exhausted: asked for " << nbytes << " bytes at alignment " << alignment
-        << ", but only " << (block_->capacity > used_ ? block_->capacity - used_ : 0) << " of "
-        << block_->capacity << " bytes are free (" << used_ << " used)";
+    msg << "HostArena exhausted: asked for " << nbytes << " bytes at alignment " << alignment << ", but only "
+        << cap - used_ << " of " << cap << " bytes are free (" << used_ << " used)";
     throw std::runtime_error(msg.str());
   }
+  const size_t offset = used_ + pad;
   used_ = offset + static_cast<size_t>(nbytes);
-  if (pin_kind_ != PinKind::None && nbytes > 0) pin_range(static_cast<int64_t>(offset), nbytes);
+  if (pin_kind_ != PinKind::None && nbytes > 0) pin_locked(offset, static_cast<size_t>(nbytes));
   auto keep = block_;
   return torch::from_blob(static_cast<char*>(block_->base) + offset, {nbytes}, [keep](void*) {},
                           torch::TensorOptions().dtype(torch::kUInt8));
 }
 
 void HostArena::pin_range(int64_t offset, int64_t nbytes) {
-  TORCH_CHECK_VALUE(offset >= 0 && nbytes >= 0 && static_cast<size_t>(offset + nbytes) <= block_->capacity,
-                    "HostArena.pin_range: [", offset, ", ", offset + nbytes, ") is outside the arena of ",
-                    block_->capacity, " bytes");
-  if (pin_kind_ == PinKind::None || !pin_ok_) return;
+  const int64_t cap = static_cast<int64_t>(block_->capacity);
+  TORCH_CHECK_VALUE(offset >= 0 && nbytes >= 0 && offset <= cap && nbytes <= cap - offset,
+                    "HostArena.pin_range: offset ", offset, ", nbytes ", nbytes, " is outside the arena of ", cap,
+                    " bytes (both must be >= 0 and offset + nbytes <= ", cap, ")");
+  std::lock_guard<std::mutex> l(mu_);
+  pin_locked(static_cast<size_t>(offset), static_cast<size_t>(nbytes));
+}
+
+void HostArena::pin_locked(size_t offset, size_t nbytes) {
+  if (pin_kind_ == PinKind::None) return;
   // Pages are pinned once, in increasing order: a range that starts below the
   // high-water mark only pins what lies above it.
-  size_t begin = std::max(static_cast<size_t>(offset) / page_size() * page_size(), pinned_upto_);
-  const size_t end = round_up(static_cast<size_t>(offset + nbytes), page_size());
+  size_t begin = std::max(offset / page_size() * page_size(), pinned_upto_);
+  const size_t end = round_up(offset + nbytes, page_size());
   char* base = static_cast<char*>(block_->base);
   while (begin < end) {
     const size_t n = std::min(kPinChunk, end - begin);
-    bool ok = false;
+    std::string failure;
     if (pin_kind_ == PinKind::Mlock) {
-      ok = mlock(base + begin, n) == 0;
-      if (ok) block_->mlocked.emplace_back(base + begin, n);
+      if (mlock(base + begin, n) == 0)
+        block_->mlocked.emplace_back(base + begin, n);
+      else
+        failure = mlock_failure(errno);
+    } else if (block_->origin.forked()) {
+      failure = "cudaHostRegister not tried: the arena was created in process " +
+                std::to_string(block_->origin.pid) + " before fork(), and a forked child cannot use its CUDA context";
     } else {
 #ifdef LAYERWISE_WITH_CUDA
-      ok = cuda_host_register(base + begin, n);
-      if (ok) block_->cuda_registered.push_back(base + begin);
+      failure = cuda_host_register(base + begin, n);
+      if (failure.empty()) block_->cuda_registered.push_back(base + begin);
 #endif
     }
-    if (!ok) {  // not allowed here (memlock limit): plain memory from now on
-      pin_ok_ = false;
+    if (!failure.empty()) {
+      // Half a pinned arena would hold locked memory and still copy at pageable
+      // speed: give it all back and say why.
+      block_->unpin_all();
+      pin_kind_ = PinKind::None;
+      pin_error_ = std::move(failure);
       return;
     }
     begin += n;

@@ -3,6 +3,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -25,6 +26,8 @@ void check_copy_args(const CopyEngine& engine, const at::Tensor& dst, const at::
                     src.nbytes(), " (dst ", describe(dst), ", src ", describe(src), ")");
   for (const at::Tensor* t : {&dst, &src}) {
     const char* name = t == &dst ? "dst" : "src";
+    TORCH_CHECK_VALUE(t->has_storage(), "copy_async: ", name, " has no storage of its own (", describe(*t),
+                      "); pass a plain dense tensor");
     if (engine.is_cuda()) {
       TORCH_CHECK_VALUE(t->is_cpu() || (t->is_cuda() && t->get_device() == engine.device_index()), "copy_async: ",
                         name, " is on ", t->device(), " but this engine copies between the host and cuda:",
@@ -36,14 +39,27 @@ void check_copy_args(const CopyEngine& engine, const at::Tensor& dst, const at::
   }
 }
 
-int64_t delay_from_env(int64_t arg) {
-  if (arg >= 0) return arg;
+// A debug delay is per copy: more than a second only turns a test into a hang.
+constexpr int64_t kMaxDebugDelayUs = 1000000;
+
+int64_t debug_delay(std::optional<int64_t> arg) {
+  if (arg && *arg != -1) {  // -1: from the environment, as None
+    TORCH_CHECK_VALUE(*arg >= 0 && *arg <= kMaxDebugDelayUs, "CopyEngine: debug_delay_us must lie in [0, ",
+                      kMaxDebugDelayUs, "] microseconds (a random delay of up to that much per copy), got ", *arg,
+                      "; pass None or -1 to read LAYERWISE_DEBUG_COPY_DELAY_US");
+    return *arg;
+  }
   const char* v = std::getenv("LAYERWISE_DEBUG_COPY_DELAY_US");
   if (!v || !*v) return 0;
-  char* end = nullptr;
-  long long d = std::strtoll(v, &end, 10);
-  TORCH_CHECK_VALUE(end && *end == '\0' && d >= 0,
-                    "LAYERWISE_DEBUG_COPY_DELAY_US must be a non-negative integer, got '", v, "'");
+  int64_t d = 0;
+  bool ok = true;
+  for (const char* c = v; *c && ok; ++c) {
+    ok = *c >= '0' && *c <= '9';
+    d = std::min<int64_t>(d * 10 + (*c - '0'), kMaxDebugDelayUs + 1);  // saturates: no overflow
+  }
+  TORCH_CHECK_VALUE(ok && d <= kMaxDebugDelayUs, "LAYERWISE_DEBUG_COPY_DELAY_US must be a whole number of "
+                    "microseconds from 0 to ", kMaxDebugDelayUs, " (digits only), got '", v,
+                    "'; unset it for no delay");
   return d;
 }
 
@@ -78,18 +94,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("used", &HostArena::used)
       .def_property_readonly("pinned", &HostArena::pinned)
       .def_property_readonly("pin_kind", &HostArena::pin_kind)
+      .def_property_readonly("pin_error", &HostArena::pin_error,
+                             "Why pinning that was asked for failed (the arena is then pageable), else None")
       .def_property_readonly("data_ptr", &HostArena::data_ptr);
 
   py::class_<PyEngine>(m, "CopyEngine")
-      .def(py::init([](const std::string& device, int num_streams, int64_t debug_delay_us) {
+      .def(py::init([](const std::string& device, int num_streams, std::optional<int64_t> debug_delay_us) {
              c10::Device d(device);
              PyEngine e;
              if (d.is_cpu()) {
-               e.debug_delay_us = delay_from_env(debug_delay_us);
+               e.debug_delay_us = debug_delay(debug_delay_us);
                e.impl = make_cpu_engine(num_streams, e.debug_delay_us);
              } else if (d.is_cuda()) {
 #ifdef LAYERWISE_WITH_CUDA
-               TORCH_CHECK_VALUE(debug_delay_us <= 0, "CopyEngine: debug_delay_us is a CPU-backend mode");
+               TORCH_CHECK_VALUE(debug_delay_us.value_or(-1) <= 0, "CopyEngine: debug_delay_us is a CPU-backend mode");
                e.impl = make_cuda_engine(d.has_index() ? d.index() : 0, num_streams);
 #else
                TORCH_CHECK(false, "CopyEngine('", device,
@@ -98,21 +116,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              } else {
                TORCH_CHECK_VALUE(false, "CopyEngine: unsupported device '", device, "' (use 'cpu' or 'cuda[:N]')");
              }
+             register_engine(e.impl);
              e.device = e.impl->is_cuda() ? "cuda:" + std::to_string(e.impl->device_index()) : "cpu";
              return e;
            }),
-           py::arg("device"), py::arg("num_streams") = 1, py::arg("debug_delay_us") = -1)
+           py::arg("device"), py::arg("num_streams") = 1, py::arg("debug_delay_us") = py::none())
       .def(
           "copy_async",
           [](PyEngine& self, const at::Tensor& dst, const at::Tensor& src, EventPtr after) {
             check_copy_args(*self.impl, dst, src);
-            EventPtr ev;
-            {
-              py::gil_scoped_release r;
-              ev = self.impl->copy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes(), after);
-            }
-            ev->keepalive = {dst, src};
-            return ev;
+            // The storages are marked in flight before their addresses are read:
+            // from here on neither can be reallocated under the copy.
+            auto keep = std::make_unique<InFlight>(std::vector<c10::Storage>{dst.storage(), src.storage()});
+            void* to = dst.data_ptr();
+            const void* from = src.data_ptr();
+            py::gil_scoped_release r;
+            return self.impl->copy_async(to, from, dst.nbytes(), after, std::move(keep));
           },
           py::arg("dst"), py::arg("src"), py::arg("after") = py::none())
       .def(
@@ -140,6 +159,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
     return d;
   });
+  m.def("shutdown_all", &shutdown_all,
+        "Finish every queued copy and stop every copy engine's threads (layerwise._native runs it at exit)");
   m.def("cuda_device_count", []() {
 #ifdef LAYERWISE_WITH_CUDA
     try {

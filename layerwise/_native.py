@@ -1,6 +1,10 @@
 """The one module that imports the compiled extension layerwise._C."""
 from __future__ import annotations
 
+import atexit
+import threading
+import warnings
+
 import torch
 
 try:
@@ -15,6 +19,44 @@ except ImportError as e:  # pragma: no cover - exercised by hand on a broken ins
 HostArena = _C.HostArena
 CopyEngine = _C.CopyEngine
 Event = _C.Event
+
+# Copy worker threads must be finished and joined while the interpreter is still
+# whole: a thread that outlives it is ended mid-way by finalisation (SIGABRT,
+# "terminate called without an active exception"). atexit handlers run before
+# finalisation, and in reverse order of registration: this one runs before
+# torch's own.
+atexit.register(_C.shutdown_all)
+
+
+class LayerwisePinningWarning(UserWarning):
+    """Host memory asked to be pinned (pin_memory=True) stayed pageable."""
+
+
+_pin_warned: set[str] = set()
+_pin_warned_lock = threading.Lock()
+
+
+def warn_unpinned(arena, what: str) -> bool:
+    """Warn, once per process and reason, when `arena` was asked to be pinned and
+    is not. `what` names what the arena holds (a layer group). True if it warned."""
+    reason = arena.pin_error
+    if not reason:
+        return False
+    with _pin_warned_lock:
+        if reason in _pin_warned:
+            return False
+        _pin_warned.add(reason)
+    warnings.warn(
+        f"layerwise: the host memory of {what} ({arena.capacity / 2**20:.1f} MiB) could not be pinned and stays "
+        f"pageable: {reason}. Copies to the device from pageable memory run at about half the bandwidth of pinned "
+        "memory, and on CUDA they block the host, so copies and compute no longer overlap. To pin it, raise the "
+        "locked-memory limit (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf or the container's "
+        "--ulimit memlock=-1) or grant the process CAP_IPC_LOCK; to choose pageable memory and silence this, pass "
+        "pin_memory=False.",
+        LayerwisePinningWarning,
+        stacklevel=2,
+    )
+    return True
 
 
 def build_info() -> dict:

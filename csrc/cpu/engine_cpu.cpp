@@ -2,9 +2,15 @@
 // queue. The copy runs off the calling thread, events are real, and a debug
 // mode delays every copy by a random amount so that a missing wait in the
 // layers above shows up as a wrong output instead of passing by luck.
-#include "../layerwise.h"
+//
+// A worker never drops a reference that could be the last one to an event:
+// that would free the copy's storages on the worker, and freeing a storage that
+// has a Python object takes the GIL, which a finalising interpreter answers by
+// ending the thread (pthread_exit through noexcept code: std::terminate).
+// Finished jobs' events are handed back ("retired") to be dropped on a Python
+// thread instead.
+#include "../engine.h"
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -51,6 +57,9 @@ struct CpuEvent : Event {
   }
   bool query() override { return done.load(std::memory_order_acquire); }
   void synchronize() override {
+    if (query()) return;
+    // Its worker stayed behind in the parent: it would never complete here.
+    if (origin.forked()) origin.throw_forked("the copy this event waits for");
     if (spin_until([&] { return query(); })) return;
     std::unique_lock<std::mutex> l(m);
     waiters++;
@@ -74,23 +83,47 @@ struct Job {
   std::shared_ptr<CpuEvent> done;
 };
 
+// Events whose copies are finished, to be dropped on a Python thread.
+struct Retired {
+  std::mutex m;
+  std::vector<EventPtr> events;
+  void add(EventPtr a, EventPtr b) {
+    std::lock_guard<std::mutex> l(m);
+    if (a) events.push_back(std::move(a));
+    if (b) events.push_back(std::move(b));
+  }
+  void drop() {
+    std::vector<EventPtr> gone;
+    {
+      std::lock_guard<std::mutex> l(m);
+      gone.swap(events);
+    }
+  }
+};
+
 class Worker {
  public:
-  explicit Worker(int64_t delay_us) : delay_us_(delay_us), rng_(std::random_device{}()) {
+  Worker(int64_t delay_us, std::shared_ptr<Retired> retired)
+      : delay_us_(delay_us), rng_(std::random_device{}()), retired_(std::move(retired)) {
     thread_ = std::thread([this] { loop(); });
   }
-  ~Worker() {
+  // Not called in a forked child, where the thread does not exist (the engine
+  // leaks its workers there instead).
+  ~Worker() { stop(); }
+  // Finishes the queue without the debug delay, then ends the thread.
+  void stop() {
     {
       std::lock_guard<std::mutex> l(m_);
       stop_ = true;
     }
     cv_.notify_all();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   void push(Job job) {
     bool wake;
     {
       std::lock_guard<std::mutex> l(m_);
+      if (stop_) throw_shut_down();  // a job queued now would never run
       last_ = job.done;
       queue_.push_back(std::move(job));
       pending_.store(queue_.size());
@@ -118,19 +151,26 @@ class Worker {
         queue_.pop_front();
         pending_.store(queue_.size());
       }
-      if (job.after) job.after->synchronize();
-      if (delay_us_ > 0) {
-        std::uniform_int_distribution<int64_t> d(0, delay_us_);
-        std::this_thread::sleep_for(std::chrono::microseconds(d(rng_)));
+      // An exception must not end the thread (std::terminate): the event completes regardless.
+      try {
+        if (job.after) job.after->synchronize();
+        if (delay_us_ > 0) {
+          std::uniform_int_distribution<int64_t> d(0, delay_us_);
+          std::unique_lock<std::mutex> l(m_);
+          cv_.wait_for(l, std::chrono::microseconds(d(rng_)), [&] { return stop_; });
+        }
+      } catch (...) {
       }
       if (job.n) std::memcpy(job.dst, job.src, job.n);
-      job.after.reset();
+      if (job.done->keepalive) job.done->keepalive->release();  // resizable again once the copy is done
       job.done->set();
+      retired_->add(std::move(job.after), std::move(job.done));
     }
   }
 
   int64_t delay_us_;
   std::mt19937_64 rng_;
+  std::shared_ptr<Retired> retired_;
   std::mutex m_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
@@ -143,30 +183,62 @@ class Worker {
 
 class CpuEngine : public CopyEngine {
  public:
-  CpuEngine(int num_streams, int64_t delay_us) {
+  CpuEngine(int num_streams, int64_t delay_us) : retired_(std::make_shared<Retired>()) {
     TORCH_CHECK_VALUE(num_streams >= 1, "CopyEngine: num_streams must be >= 1, got ", num_streams);
-    for (int i = 0; i < num_streams; ++i) workers_.emplace_back(std::make_unique<Worker>(delay_us));
+    for (int i = 0; i < num_streams; ++i) workers_.emplace_back(std::make_unique<Worker>(delay_us, retired_));
+  }
+  ~CpuEngine() override {
+    if (origin_.forked()) {
+      // The threads stayed in the parent: joining them here would wait forever,
+      // and destroying a joinable std::thread calls std::terminate. Leak them.
+      for (auto& w : workers_) (void)w.release();
+      return;
+    }
+    for (auto& w : workers_) w->stop();
+    retired_->drop();
   }
 
-  EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after) override {
-    if (after) TORCH_CHECK_TYPE(dynamic_cast<CpuEvent*>(after.get()), "copy_async: `after` is not a CPU event");
+  EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
+                      std::unique_ptr<InFlight> keep) override {
+    check_usable();
+    if (after) {
+      TORCH_CHECK_TYPE(dynamic_cast<CpuEvent*>(after.get()), "copy_async: `after` is not a CPU event");
+      if (!after->query() && after->origin.forked()) after->origin.throw_forked("the copy `after` waits for");
+    }
+    retired_->drop();
     auto done = std::make_shared<CpuEvent>();
-    Worker& w = *workers_[next_++ % workers_.size()];
+    done->keepalive = std::move(keep);
+    Worker& w = *workers_[next_.fetch_add(1, std::memory_order_relaxed) % workers_.size()];
     w.push(Job{dst, src, n, after, done});
     return done;
   }
 
-  void wait(const EventPtr& ev, uintptr_t) override { ev->synchronize(); }
+  void wait(const EventPtr& ev, uintptr_t) override {
+    check_usable();
+    ev->synchronize();
+  }
 
   EventPtr record(uintptr_t, bool) override {
+    check_usable();
+    retired_->drop();
     auto ev = std::make_shared<CpuEvent>();
     ev->set();  // CPU compute is synchronous: everything before this point is done
     return ev;
   }
 
   void synchronize() override {
+    // Nothing of this engine runs in a forked child, and after shutdown every
+    // copy has finished: returning lets remove_layerwise_offload work there.
+    if (origin_.forked() || shut_down_.load()) return;
     for (auto& w : workers_)
       if (auto last = w->last()) last->synchronize();
+    retired_->drop();
+  }
+
+  void shutdown() override {
+    if (shut_down_.exchange(true) || origin_.forked()) return;
+    for (auto& w : workers_) w->stop();
+    retired_->drop();
   }
 
   bool is_cuda() const override { return false; }
@@ -174,8 +246,16 @@ class CpuEngine : public CopyEngine {
   int num_streams() const override { return static_cast<int>(workers_.size()); }
 
  private:
+  void check_usable() const {
+    if (origin_.forked()) origin_.throw_forked("this copy engine");
+    if (shut_down_.load()) throw_shut_down();
+  }
+
+  const Origin origin_;
+  std::shared_ptr<Retired> retired_;
   std::vector<std::unique_ptr<Worker>> workers_;
-  size_t next_ = 0;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> shut_down_{false};
 };
 
 }  // namespace

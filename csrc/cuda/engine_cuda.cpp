@@ -2,10 +2,12 @@
 // CUDA runtime API alone (no c10/ATen CUDA headers), so that it compiles and
 // links with the toolkit even where torch is a CPU build. torch's compute
 // stream is handed in as a raw cudaStream_t.
-#include "../layerwise.h"
+#include "../engine.h"
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <mutex>
 #include <string>
 
 namespace layerwise {
@@ -42,24 +44,40 @@ struct CudaEvent : Event {
     LW_CUDA(cudaEventCreateWithFlags(&ev, timing ? cudaEventDefault : cudaEventDisableTiming));
   }
   ~CudaEvent() override {
-    if (ev) cudaEventDestroy(ev);  // safe while pending: freed once it completes
+    // Safe while pending: freed once it completes. A forked child has no CUDA context to free it in.
+    if (ev && !origin.forked()) cudaEventDestroy(ev);
   }
   bool query() override {
+    check_here();
     cudaError_t e = cudaEventQuery(ev);
-    if (e == cudaSuccess) return true;
+    if (e == cudaSuccess) return completed();
     if (e == cudaErrorNotReady) {
       cudaGetLastError();  // NotReady is not sticky, but clear it for later checks
       return false;
     }
     throw_cuda("cudaEventQuery", e);
   }
-  void synchronize() override { LW_CUDA(cudaEventSynchronize(ev)); }
+  void synchronize() override {
+    check_here();
+    LW_CUDA(cudaEventSynchronize(ev));
+    completed();
+  }
   double elapsed_ms(Event& end) override {
     auto* e = dynamic_cast<CudaEvent*>(&end);
     TORCH_CHECK_TYPE(e != nullptr, "Event.elapsed_ms: both events must come from the same backend");
+    check_here();
+    e->check_here();
     float ms = 0.f;
     LW_CUDA(cudaEventElapsedTime(&ms, ev, e->ev));
     return ms;
+  }
+  // The copy is done: its storages may be resized again.
+  bool completed() {
+    if (keepalive) keepalive->release();
+    return true;
+  }
+  void check_here() const {
+    if (origin.forked()) origin.throw_forked("this CUDA event");
   }
 };
 
@@ -78,33 +96,42 @@ class CudaEngine : public CopyEngine {
     }
   }
   ~CudaEngine() override {
+    if (origin_.forked()) return;  // the parent's CUDA context: not this process's to touch
     for (cudaStream_t s : streams_) {
       cudaStreamSynchronize(s);
       cudaStreamDestroy(s);
     }
   }
 
-  EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after) override {
+  EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
+                      std::unique_ptr<InFlight> keep) override {
+    check_usable();
     DeviceGuard g(device_);
-    cudaStream_t s = streams_[next_++ % streams_.size()];
+    cudaStream_t s = streams_[next_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
     if (after) {
       auto* a = dynamic_cast<CudaEvent*>(after.get());
       TORCH_CHECK_TYPE(a != nullptr, "copy_async: `after` is not a CUDA event");
+      a->check_here();
       LW_CUDA(cudaStreamWaitEvent(s, a->ev, 0));
     }
-    if (n) LW_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
     auto ev = std::make_shared<CudaEvent>(device_, false);
+    ev->keepalive = std::move(keep);
+    if (n) LW_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
     LW_CUDA(cudaEventRecord(ev->ev, s));
+    track(ev);
     return ev;
   }
 
   void wait(const EventPtr& ev, uintptr_t stream) override {
+    check_usable();
     auto* e = dynamic_cast<CudaEvent*>(ev.get());
     TORCH_CHECK_TYPE(e != nullptr, "wait: not a CUDA event");
+    e->check_here();
     LW_CUDA(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), e->ev, 0));
   }
 
   EventPtr record(uintptr_t stream, bool timing) override {
+    check_usable();
     DeviceGuard g(device_);
     auto ev = std::make_shared<CudaEvent>(device_, timing);
     LW_CUDA(cudaEventRecord(ev->ev, reinterpret_cast<cudaStream_t>(stream)));
@@ -112,8 +139,24 @@ class CudaEngine : public CopyEngine {
   }
 
   void synchronize() override {
-    DeviceGuard g(device_);
-    for (cudaStream_t s : streams_) LW_CUDA(cudaStreamSynchronize(s));
+    // See the CPU backend: nothing to wait for in a forked child or after shutdown.
+    if (origin_.forked() || shut_down_.load()) return;
+    {
+      DeviceGuard g(device_);
+      for (cudaStream_t s : streams_) LW_CUDA(cudaStreamSynchronize(s));
+    }
+    release_tracked();
+  }
+
+  void shutdown() override {
+    if (shut_down_.exchange(true) || origin_.forked()) return;
+    int prev = -1;
+    if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
+      for (cudaStream_t s : streams_) cudaStreamSynchronize(s);  // errors ignored: the process is ending
+      cudaSetDevice(prev);
+    }
+    cudaGetLastError();
+    release_tracked();
   }
 
   bool is_cuda() const override { return true; }
@@ -121,9 +164,38 @@ class CudaEngine : public CopyEngine {
   int num_streams() const override { return static_cast<int>(streams_.size()); }
 
  private:
+  void check_usable() const {
+    if (origin_.forked()) origin_.throw_forked("this CUDA copy engine");
+    if (shut_down_.load()) throw_shut_down();
+  }
+  // A CUDA copy is seen complete only when someone asks its event; synchronize()
+  // knows every copy is, and makes their storages resizable again.
+  void track(const std::shared_ptr<CudaEvent>& ev) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (issued_.size() >= prune_at_) {
+      std::erase_if(issued_, [](const std::weak_ptr<CudaEvent>& w) { return w.expired(); });
+      prune_at_ = std::max<size_t>(64, 2 * issued_.size());
+    }
+    issued_.push_back(ev);
+  }
+  void release_tracked() {
+    std::vector<std::weak_ptr<CudaEvent>> done;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      done.swap(issued_);
+    }
+    for (auto& w : done)
+      if (auto e = w.lock()) e->completed();
+  }
+
+  const Origin origin_;
   int device_;
   std::vector<cudaStream_t> streams_;
-  size_t next_ = 0;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> shut_down_{false};
+  std::mutex mu_;
+  std::vector<std::weak_ptr<CudaEvent>> issued_;
+  size_t prune_at_ = 64;
 };
 
 }  // namespace
@@ -141,14 +213,12 @@ int cuda_device_count_or_throw(const char* what) {
   return count;
 }
 
-bool cuda_host_register(void* ptr, size_t n) {
+std::string cuda_host_register(void* ptr, size_t n) {
   // Portable: pinned for every device's context, not only the current one.
   cudaError_t e = cudaHostRegister(ptr, n, cudaHostRegisterPortable);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return true;
+  if (e == cudaSuccess) return "";
+  cudaGetLastError();
+  return std::string("cudaHostRegister failed: ") + cudaGetErrorString(e) + " (" + cudaGetErrorName(e) + ")";
 }
 
 void cuda_wait_for_device() {

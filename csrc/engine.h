@@ -1,0 +1,101 @@
+// The copy engine interface shared by both backends, and what keeps a copy
+// safe while it is in flight: the storages it touches, fork() and process exit.
+// Only light c10 headers here: the backends compile without all of torch.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/core/Storage.h>
+#include <c10/util/Exception.h>
+
+namespace layerwise {
+
+// Where an object was created. Worker threads and CUDA contexts do not survive
+// fork(): in a forked child an object of the parent's must not touch them.
+struct Origin {
+  uint64_t generation;  // bumped in the child on every fork
+  int pid;
+  Origin();
+  bool forked() const;
+  // "created in process X before fork()": names `what` and says what to do.
+  [[noreturn]] void throw_forked(const char* what) const;
+};
+
+// The storages a copy reads and writes. They live as long as the copy's event;
+// until release() (the copy is known complete) they cannot be resized, so that
+// `resize_` raises torch's "not resizable" error instead of freeing memory
+// under the copy. Counted per storage: several copies may share one.
+class InFlight {
+ public:
+  explicit InFlight(std::vector<c10::Storage> storages);
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+  ~InFlight() { release(); }
+  void release();  // idempotent, any thread; touches no Python object
+
+ private:
+  std::vector<c10::Storage> storages_;
+  std::vector<char> counted_;  // whether storages_[i] was made non-resizable here
+  std::atomic<bool> held_{true};
+};
+
+// An event marks the completion of a copy, or a point on a compute stream.
+struct Event {
+  virtual ~Event() = default;
+  virtual bool query() = 0;
+  virtual void synchronize() = 0;
+  // Milliseconds from this event to `end`; both must be complete (CUDA: both
+  // recorded with timing enabled).
+  virtual double elapsed_ms(Event& end) = 0;
+  // The storages of this event's copy (none for a recorded event). Dropping
+  // the last reference to a storage may need the GIL: an event is only ever
+  // destroyed on a thread that may take it, never on a copy worker.
+  std::unique_ptr<InFlight> keepalive;
+  const Origin origin;
+};
+using EventPtr = std::shared_ptr<Event>;
+
+struct CopyEngine {
+  virtual ~CopyEngine() = default;
+  // Copies n bytes src -> dst on one of the engine's streams, after `after`
+  // (if given) has completed. Returns the event that completes with the copy
+  // and owns `keep` (taken before dst/src were read, so they cannot move).
+  virtual EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
+                              std::unique_ptr<InFlight> keep) = 0;
+  // Makes the compute stream (CUDA: handle `stream`) wait for `ev` (CPU: blocks).
+  virtual void wait(const EventPtr& ev, uintptr_t stream) = 0;
+  // An event recorded on the compute stream (CPU: already complete).
+  virtual EventPtr record(uintptr_t stream, bool timing) = 0;
+  // Blocks until every copy issued so far has completed.
+  virtual void synchronize() = 0;
+  // Finishes every queued copy and stops the engine's threads; later use
+  // raises. Called for every live engine before the interpreter finalises.
+  virtual void shutdown() = 0;
+  virtual bool is_cuda() const = 0;
+  virtual int device_index() const = 0;
+  virtual int num_streams() const = 0;
+};
+using EnginePtr = std::shared_ptr<CopyEngine>;
+
+// Live engines, so that shutdown_all() (an atexit hook) can stop them all.
+void register_engine(const EnginePtr& engine);
+void shutdown_all();
+[[noreturn]] void throw_shut_down();
+
+EnginePtr make_cpu_engine(int num_streams, int64_t debug_delay_us);
+
+#ifdef LAYERWISE_WITH_CUDA
+EnginePtr make_cuda_engine(int device, int num_streams);
+int cuda_device_count_or_throw(const char* what);
+std::string cuda_host_register(void* ptr, size_t n);  // "" when pinned, else why not
+void cuda_host_unregister(void* ptr);
+void cuda_wait_for_device();
+int cuda_runtime_version_compiled();
+#endif
+
+}  // namespace layerwise
