@@ -5,6 +5,18 @@ device budget.
 The plan is a single fraction of resident layers shared by every group (the
 largest that fits), spread by the residency policy. It is computed from the
 plan alone, before anything in the model changes.
+
+Rules (see apply_device_budget):
+
+- The planner never overrides an explicit argument silently. `device_budget`
+  and a non-zero `resident_layers` together are a ValueError: pass one of them.
+- Every change it makes to what was asked (a lower prefetch depth, layers made
+  resident) is logged as a WARNING on the "layerwise" logger, with the figures
+  behind it; a plan that changes nothing is logged at INFO.
+- On a CPU device, `device_budget="auto"` plans nothing: the "device" is host
+  memory, which already holds the arena, so free RAM is no reason to make a
+  layer resident. Residency and prefetch depth stay as asked (INFO says so).
+  A number of bytes is planned against on CPU as on CUDA.
 """
 from __future__ import annotations
 
@@ -41,6 +53,16 @@ def free_device_bytes(device: torch.device) -> tuple[int, int]:
     return vm.available, vm.total
 
 
+def fmt_bytes(n: int | float) -> str:
+    """1536 -> '1.5 KiB' (bytes below 1 KiB as such)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
     if isinstance(device_budget, str):
         if device_budget != "auto":
@@ -53,12 +75,47 @@ def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
     return int(device_budget)
 
 
-def apply_device_budget(model, managers, device, device_budget, budget_margin, policy) -> dict:
-    """Re-plan every manager's residency to fit the budget; returns the plan."""
+def check_explicit_residency(device_budget, resident_layers) -> None:
+    """device_budget chooses the resident layers: an explicit non-zero
+    resident_layers next to it is refused rather than overridden."""
+    if device_budget is None or isinstance(resident_layers, bool):
+        return
+    if resident_layers != 0:
+        raise ValueError(
+            f"device_budget={device_budget!r} and resident_layers={resident_layers!r} were both given: pass one "
+            "of them. device_budget lets the planner choose the resident layers to fit the budget; "
+            "resident_layers fixes them yourself (then leave device_budget=None)"
+        )
+
+
+def apply_device_budget(model, managers, device, device_budget, budget_margin, policy, resident_layers=0) -> dict:
+    """Re-plan every manager's residency to fit the budget; returns the plan.
+
+    `device_budget` is a number of bytes, or "auto": free device memory less
+    `budget_margin` (default 10% of the device's memory). The planner keeps the
+    prefetch depth that was asked if the rings fit with nothing resident, else
+    the deepest that fits (a WARNING with the ring bytes at each depth; depth 0
+    means every layer loads synchronously, with no overlap), then makes the
+    largest share of layers resident that still fits (a WARNING with the
+    figures). If even depth 0 with nothing resident does not fit: RuntimeError.
+
+    A non-zero `resident_layers` together with a budget is a ValueError: the
+    planner never overrides an explicit argument. On a CPU device "auto" plans
+    nothing (host memory already holds the arena; see the module docstring).
+    """
+    check_explicit_residency(device_budget, resident_layers)
+    enabled = [m for m in managers if m.enabled]
+    asked_depth = max((m.prefetch_depth for m in enabled), default=0)
+    if isinstance(device_budget, str) and device_budget == "auto" and device.type == "cpu":
+        log.info(
+            "layerwise: device_budget='auto' on a CPU device plans nothing: the device is host memory, which "
+            "already holds the arena, so no layer is made resident and prefetch depth stays %d. "
+            "Pass device_budget=<bytes> to plan against a budget on CPU.", asked_depth,
+        )
+        return {"budget": None, "needed": None, "non_layer_bytes": None, "prefetch_depth": asked_depth,
+                "ring_bytes": None, "resident": {m.layer_name: len(m.resident) for m in managers}}
     budget = resolve_budget(device, device_budget, budget_margin)
     fixed = non_layer_bytes(model, managers)
-    enabled = [m for m in managers if m.enabled]
-    depth0 = max((m.prefetch_depth for m in enabled), default=0)
 
     def cost(fraction: float, depth: int):
         plans = []
@@ -68,16 +125,21 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
             plans.append((m, resident))
         return fixed + sum(m._device_bytes(r, depth) for m, r in plans), plans
 
+    # Ring bytes (nothing resident) at each depth from the one asked down to 0.
+    rings = {d: cost(0.0, d)[0] - fixed for d in range(asked_depth, -1, -1)}
+    ring_text = ", ".join(f"{fmt_bytes(r)} at depth {d}" for d, r in rings.items())
+    head = (f"layerwise: device_budget {fmt_bytes(budget)} ({budget} bytes): non-layer weights and buffers "
+            f"{fmt_bytes(fixed)}; slot rings with nothing resident: {ring_text}")
+
     # Deepest prefetch that fits with nothing resident, then the most residency at that depth.
-    for depth in range(depth0, -1, -1):
-        need, plans = cost(0.0, depth)
-        if need <= budget:
-            break
-    else:
+    fitting = [d for d, r in rings.items() if fixed + r <= budget]
+    if not fitting:
         raise RuntimeError(
             f"device_budget of {budget} bytes is too small: even streaming every layer at prefetch depth 0 "
-            f"needs {need} bytes ({fixed} for non-layer weights and buffers, {need - fixed} for the slot rings)"
+            f"needs {fixed + rings[0]} bytes ({fixed} for non-layer weights and buffers, {rings[0]} for the "
+            f"slot rings)"
         )
+    depth = fitting[0]
     steps = [k / 64 for k in range(65)]
     lo = 0
     for k in range(1, len(steps)):  # the cost is monotone in the resident fraction
@@ -90,11 +152,25 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
         m._set_residency(resident, depth)
     plan = {
         "budget": budget, "needed": need, "non_layer_bytes": fixed, "prefetch_depth": depth,
-        "resident": {m.layer_name: len(r) for m, r in plans},
+        "ring_bytes": rings, "resident": {m.layer_name: len(r) for m, r in plans},
     }
-    log.info(
-        "layerwise: device budget %.1f MiB: non-layer %.1f MiB + rings/resident %.1f MiB = %.1f MiB; "
-        "prefetch depth %d; resident layers %s",
-        budget / 2**20, fixed / 2**20, (need - fixed) / 2**20, need / 2**20, depth, plan["resident"],
-    )
+
+    if depth < asked_depth:
+        msg = (f"{head}. prefetch_depth={asked_depth} does not fit ({fmt_bytes(fixed + rings[asked_depth])} needed): "
+               f"lowered to {depth}")
+        if depth == 0:
+            msg += (". At prefetch depth 0 every layer loads synchronously when it is called, with no overlap of "
+                    f"copies and compute; a budget of {fixed + rings[1]} bytes would allow prefetch depth 1")
+        log.warning(msg)
+    n_res = sum(len(r) for _, r in plans)
+    res_bytes = sum(m.plan.layers[i].nbytes for m, r in plans for i in r)
+    per_group = ", ".join(f"{m.layer_name}: {len(r)} of {m.num_layers}" for m, r in plans)
+    if n_res:
+        log.warning(
+            "%s. At prefetch depth %d the planner made %d layer(s) resident (%s; %s): %s of %s used",
+            head, depth, n_res, per_group, fmt_bytes(res_bytes), fmt_bytes(need), fmt_bytes(budget),
+        )
+    elif depth == asked_depth:
+        log.info("%s. Prefetch depth %d as asked; no layer fits resident on top: %s of %s used",
+                 head, depth, fmt_bytes(need), fmt_bytes(budget))
     return plan

@@ -73,7 +73,8 @@ def configure_layerwise_offload(
     if device_budget is not None:
         from .budget import apply_device_budget
 
-        apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy)
+        apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
+                            resident_layers)
     return _build(model, managers, dev)
 
 

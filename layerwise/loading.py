@@ -382,7 +382,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     if device_budget is not None:
         from .budget import apply_device_budget
 
-        apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy)
+        apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
+                            resident_layers)
 
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
     total = sum(s.nbytes for s in stored.values())

@@ -1,68 +1,199 @@
-"""layerwise.report(model): what streaming costs and moves, across every group."""
+"""layerwise.report(model): what streaming costs and moves, across every group.
+
+The Report is a dict ({"groups": [...], "total": {...}}); printed, it is a
+table (within 120 columns) followed by one plain-language line per group that
+says what the figures mean and what, if anything, is off.
+"""
 from __future__ import annotations
 
+import inspect
+import textwrap
+
+from .budget import fmt_bytes
 from .configure import managers_of
 
+WIDTH = 120  # the table and the plain lines stay within this many columns
+
+
+# (header, key, format). Per-step figures are those of the last complete step.
 _COLUMNS = [
-    ("group", "group", str), ("layers", "layers", str), ("resident", "resident", str), ("slots", "slots", str),
-    ("MiB/step", "mib_per_step", "{:.1f}".format), ("copies/step", "copies_per_step", str),
-    ("sync loads", "sync_loads", str), ("stall ms/step", "stall_ms_per_step", "{:.2f}".format),
-    ("GB/s", "gbps", "{:.2f}".format), ("arena MiB", "arena_mib", "{:.1f}".format),
-    ("pinned", "arena_pinned", str), ("ring MiB", "ring_mib", "{:.1f}".format),
-    ("resident MiB", "resident_mib", "{:.1f}".format),
+    ("group", "group", str),
+    ("resident", "resident_of", str),
+    ("per step", "bytes_per_step", fmt_bytes),
+    ("stall/step", "stall_ms_per_step", "{:.2f} ms".format),
+    ("sync loads", "sync_loads", str),
+    ("GB/s", "gbps", "{:.2f}".format),
+    ("arena", "arena_bytes", fmt_bytes),
+    ("ring", "ring_bytes", fmt_bytes),
+    ("resident size", "resident_bytes", fmt_bytes),
 ]
+_LEGEND = ("per step: the last complete step; stall: compute waiting on copies; sync loads: all steps; "
+           "GB/s: over copy time")
+
+
+def _wrap(parts: list[str], width: int, indent: str = "    ") -> list[str]:
+    """Join `parts` with "; ", breaking lines between parts (within one only if it alone is too long)."""
+    lines: list[str] = []
+    cur = ""
+    for i, part in enumerate(parts):
+        piece = part + (";" if i < len(parts) - 1 else "")
+        cand = f"{cur} {piece}" if cur else (indent if lines else "") + piece
+        if len(cand) <= width:
+            cur = cand
+            continue
+        if cur:
+            lines.append(cur)
+        first = indent if lines else ""
+        cur = first + piece
+        if len(cur) > width:
+            *full, cur = textwrap.wrap(piece, width, initial_indent=first, subsequent_indent=indent,
+                                       break_on_hyphens=False)
+            lines += full
+    if cur:
+        lines.append(cur)
+    return lines
+
+
+def _elide(text: str, width: int) -> str:
+    return text if len(text) <= width else "..." + text[len(text) - width + 3:]
 
 
 class Report(dict):
-    """A dict ({"groups": [...], "total": {...}}) that prints as a table."""
+    """A dict ({"groups": [...], "total": {...}}) that prints as a table, then
+    one plain-language line per group."""
 
-    def __str__(self) -> str:
+    def table(self) -> str:
         rows = self["groups"] + [self["total"]]
         cells = [[h for h, _, _ in _COLUMNS]]
         for r in rows:
-            cells.append([fmt(r[k]) if r.get(k) is not None else "-" for _, k, fmt in _COLUMNS])
+            cells.append(["-" if r.get(k) is None else fmt(r[k]) for _, k, fmt in _COLUMNS])
         widths = [max(len(row[c]) for row in cells) for c in range(len(_COLUMNS))]
+        over = sum(widths) + 2 * (len(widths) - 1) - WIDTH
+        if over > 0:  # long group names: elide their start, keep their distinctive end
+            widths[0] = max(len("group"), widths[0] - over)
+            for row in cells:
+                row[0] = _elide(row[0], widths[0])
         lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
+    def lines(self) -> list[str]:
+        """The plain-language lines, each wrapped to WIDTH columns."""
+        out = []
+        for g in self["groups"]:
+            out += _wrap(g["summary"].split("; "), WIDTH)
+        return out
 
-def _row(s: dict) -> dict:
-    last = s["last_step"] or {}
-    wall = last.get("wall_s")
-    return {
-        "group": s["group"], "layers": s["layers"], "resident": len(s["resident_layers"]), "slots": s["slots"],
-        "steps": s["steps"], "bytes_per_step": last.get("bytes_copied"),
-        "mib_per_step": last["bytes_copied"] / 2**20 if last else None,
-        "copies_per_step": last.get("copies"), "sync_loads": s["sync_loads"],
-        "stall_ms_per_step": last["stall_s"] * 1e3 if last else None,
-        "gbps": last["bytes_copied"] / wall / 1e9 if wall else None,
-        "bytes_copied": s["bytes_copied"], "copies": s["copies"], "stall_s": s["stall_s"],
+    def __str__(self) -> str:
+        return "\n".join([self.table(), *textwrap.wrap(_LEGEND, WIDTH), "", *self.lines()])
+
+
+def _pin_error(manager, s: dict):
+    err = s.get("arena_pin_error", s.get("pin_error"))
+    if err is None:
+        err = getattr(getattr(manager, "_arena", None), "pin_error", None)
+    return err or None
+
+
+def _summary(r: dict) -> str:
+    """One plain sentence list about a group's row."""
+    streamed = r["layers"] - r["resident"]
+    parts = [f"{r['group']}: {streamed} of {r['layers']} layers streamed ({r['resident']} resident), "
+             f"{r['slots']} slot{'' if r['slots'] == 1 else 's'}, prefetch depth {r['prefetch_depth']}"]
+    if r["has_last_step"]:
+        per = f"{fmt_bytes(r['bytes_per_step'])} per step in {r['copies_per_step']} copies"
+        if r["gbps"] is not None:
+            per += f" at {r['gbps']:.2f} GB/s while copies were in flight"
+        parts.append(per)
+        stall = r["stall_ms_per_step"]
+        parts.append((f"compute waited {stall:.2f} ms per step on copies" if stall is not None else
+                      "compute's wait on copies was not timed in the last step")
+                     + f" (sync loads: {r['sync_loads_per_step']})")
+    else:
+        parts.append(f"no complete step yet ({r['steps']} started): per-step figures appear after the first "
+                     "complete forward")
+    if r["arena_pinned"]:
+        parts.append(f"arena {fmt_bytes(r['arena_bytes'])} pinned")
+    elif r["arena_bytes"]:
+        why = r["pin_error"] or ("pin_memory=False" if r["pin_memory"] is False else "no reason reported")
+        text = f"arena {fmt_bytes(r['arena_bytes'])} NOT pinned: {why}"
+        if r["device"].startswith("cuda"):
+            text += " (copies from pageable memory are slower and may not overlap compute)"
+        else:
+            text += " (on a CPU device this only means its pages may be swapped out)"
+        parts.append(text)
+    parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
+    if r["sync_loads"]:
+        n, last = r["sync_loads"], r["sync_loads_per_step"]
+        where = f" ({last} in the last step)" if last is not None else ""
+        why = ("prefetch_depth is 0, so every streamed layer loads when it is called, with no overlap"
+               if r["prefetch_depth"] == 0 else
+               "layers were called out of order (or again), so their copies were not prefetched")
+        parts.append(f"{n} synchronous loads{where}: {why}")
+    return "; ".join(parts)
+
+
+def _row(m, s: dict) -> dict:
+    last = s["last_step"]
+    has = last is not None
+    copy_s = last.get("copy_s") if has else None
+    row = {
+        "group": s["group"], "device": s.get("device", ""), "layers": s["layers"],
+        "resident": len(s["resident_layers"]), "resident_of": f"{len(s['resident_layers'])} of {s['layers']}",
+        "slots": s["slots"], "prefetch_depth": s.get("prefetch_depth"), "steps": s["steps"], "has_last_step": has,
+        "bytes_per_step": last["bytes_copied"] if has else None,
+        "mib_per_step": last["bytes_copied"] / 2**20 if has else None,
+        "copies_per_step": last.get("copies") if has else None,
+        "sync_loads_per_step": last.get("sync_loads") if has else None,
+        # None where the engine did not time this step's stall (sampled, or events still pending).
+        "stall_ms_per_step": last["stall_s"] * 1e3 if has and last.get("stall_s") is not None else None,
+        # Over the time copies were in flight, never over wall time (which includes compute).
+        "copy_s_per_step": copy_s,
+        "gbps": last["bytes_copied"] / copy_s / 1e9 if copy_s else None,
+        "sync_loads": s["sync_loads"], "bytes_copied": s["bytes_copied"], "copies": s["copies"],
+        "stall_s": s["stall_s"],
         "arena_bytes": s["arena_bytes"], "arena_mib": s["arena_bytes"] / 2**20, "arena_pinned": s["arena_pinned"],
+        "pin_memory": getattr(m, "pin_memory", None), "pin_error": _pin_error(m, s),
         "ring_bytes": s["ring_bytes"], "ring_mib": s["ring_bytes"] / 2**20,
         "resident_bytes": s["resident_bytes"], "resident_mib": s["resident_bytes"] / 2**20,
     }
+    row["summary"] = _summary(row)
+    return row
+
+
+def _stats(m) -> dict:
+    """The manager's stats, final (device drained) where stats() can be asked to sync."""
+    try:
+        takes_sync = "sync" in inspect.signature(m.stats).parameters
+    except (TypeError, ValueError):
+        takes_sync = False
+    return m.stats(sync=True) if takes_sync else m.stats()
 
 
 def report(model) -> Report:
     """Telemetry of every group streamed in `model`: per step (the last complete
-    one) and in total; bytes streamed, copies, synchronous loads, compute-stream
-    stall, achieved GB/s over the step, arena / ring / resident bytes."""
+    one, once a forward has completed) and in total; bytes streamed, copies,
+    synchronous loads, compute-stream stall, GB/s while copies were in flight
+    (where the engine measures that time; never over wall time), arena / ring /
+    resident bytes. Printed: a table, then a plain line per group."""
     managers = managers_of(model)
     if not managers:
         raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
-    stats = [m.stats() for m in managers]  # each synchronises the device on CUDA: once
-    groups = [_row(st) for st in stats]
+    stats = [_stats(m) for m in managers]  # each synchronises the device on CUDA: once
+    groups = [_row(m, st) for m, st in zip(managers, stats)]
     total = {"group": "total", "layers": sum(g["layers"] for g in groups),
              "resident": sum(g["resident"] for g in groups), "slots": sum(g["slots"] for g in groups),
-             "arena_pinned": all(g["arena_pinned"] for g in groups)}
-    for key in ("bytes_per_step", "mib_per_step", "copies_per_step", "stall_ms_per_step"):
+             "arena_pinned": all(g["arena_pinned"] for g in groups if g["arena_bytes"])}
+    total["steps"] = max((g["steps"] for g in groups), default=0)
+    total["resident_of"] = f"{total['resident']} of {total['layers']}"
+    for key in ("bytes_per_step", "mib_per_step", "copies_per_step", "sync_loads_per_step", "stall_ms_per_step",
+                "copy_s_per_step"):
         vals = [g[key] for g in groups]
         total[key] = sum(vals) if all(v is not None for v in vals) else None
     for key in ("sync_loads", "bytes_copied", "copies", "stall_s", "arena_bytes", "arena_mib", "ring_bytes",
                 "ring_mib", "resident_bytes", "resident_mib"):
         total[key] = sum(g[key] for g in groups)
-    walls = [st["last_step"] for st in stats]
-    wall = max((w.get("wall_s") or 0) for w in walls if w) if any(walls) else 0
-    total["gbps"] = total["bytes_per_step"] / wall / 1e9 if wall and total["bytes_per_step"] else None
+    # Copy time summed over groups: copies of consecutive groups rarely overlap, so this errs low.
+    copy_s = total["copy_s_per_step"]
+    total["gbps"] = total["bytes_per_step"] / copy_s / 1e9 if copy_s and total["bytes_per_step"] else None
     return Report(groups=groups, total=total)

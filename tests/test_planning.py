@@ -1,9 +1,12 @@
-"""Device-memory planner (device_budget) and layerwise.report, on the CPU engine's accounting."""
+"""Device-memory planner (device_budget), on the CPU engine's accounting: it never
+overrides an explicit argument, and every change it makes is a WARNING with the figures."""
+import logging
+
 import pytest
 import torch
 
 import layerwise
-from layerwise.budget import non_layer_bytes
+from layerwise.budget import fmt_bytes, non_layer_bytes
 from models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
@@ -24,24 +27,53 @@ def layer_bytes(model):
     return probe.plan.layers[0].nbytes
 
 
+def needs(model, depth):
+    """(non-layer bytes, ring bytes with nothing resident at `depth`) of the two groups."""
+    probe = [layerwise.LayerwiseOffloadManager(model, g, device="cpu", initialize=False) for g in GROUPS]
+    return non_layer_bytes(model, probe), sum(m._device_bytes([], depth) for m in probe)
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.name == "layerwise" and r.levelno >= logging.WARNING]
+
+
+def infos_of(caplog):
+    return [r for r in caplog.records if r.name == "layerwise" and r.levelno == logging.INFO]
+
+
 @pytest.mark.parametrize("extra_layers", [0, 3, 7, 100])
-def test_budget_picks_the_most_resident_layers_that_fit(extra_layers):
+def test_budget_picks_the_most_resident_layers_that_fit(extra_layers, caplog):
     model, ref = make(), make()
     lb = layer_bytes(model)
-    probe = [layerwise.LayerwiseOffloadManager(model, g, device="cpu", initialize=False) for g in GROUPS]
-    floor = non_layer_bytes(model, probe) + sum(m._device_bytes([], 1) for m in probe)
-    budget = floor + extra_layers * lb
-    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=1,
-                                                     device_budget=budget)
+    fixed, ring = needs(model, 1)
+    budget = fixed + ring + extra_layers * lb
+    with caplog.at_level(logging.INFO, logger="layerwise"):
+        managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=1,
+                                                         device_budget=budget)
     used = used_device_bytes(model, managers)
     assert used <= budget
+    assert all(m.prefetch_depth == 1 for m in managers)
     resident = sum(len(m.resident) for m in managers)
     if extra_layers == 0:
         assert resident == 0
+        # Nothing changed from what was asked: INFO only, no warning.
+        assert warnings_of(caplog) == []
+        assert any("as asked" in r.getMessage() for r in infos_of(caplog))
     elif extra_layers >= 100:
         assert resident == 12  # everything fits: everything stays
     else:
         assert resident > 0
+    if resident:
+        # Residency the planner chose is a WARNING with the figures behind it.
+        (w,) = warnings_of(caplog)
+        msg = w.getMessage()
+        assert f"made {resident} layer(s) resident" in msg
+        for m in managers:
+            assert f"{m.layer_name}: {len(m.resident)} of {m.num_layers}" in msg
+        assert f"device_budget {fmt_bytes(budget)} ({budget} bytes)" in msg
+        assert f"non-layer weights and buffers {fmt_bytes(fixed)}" in msg
+        assert f"{fmt_bytes(ring)} at depth 1" in msg
+        assert f"{fmt_bytes(used)} of {fmt_bytes(budget)} used" in msg
     x = torch.randn(2, 32)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
@@ -55,47 +87,126 @@ def test_budget_too_small_names_the_bytes_and_changes_nothing():
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
 
 
-def test_budget_lowers_the_prefetch_depth_before_giving_up():
+def test_budget_lowering_the_prefetch_depth_is_a_warning_with_the_ring_bytes(caplog):
     model = make()
-    probe = [layerwise.LayerwiseOffloadManager(model, g, device="cpu", initialize=False) for g in GROUPS]
-    need_depth0 = non_layer_bytes(model, probe) + sum(m._device_bytes([], 0) for m in probe)
-    need_depth2 = non_layer_bytes(model, probe) + sum(m._device_bytes([], 2) for m in probe)
-    assert need_depth0 < need_depth2
-    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=2,
-                                                     device_budget=need_depth0)
+    fixed, ring2 = needs(model, 2)
+    _, ring1 = needs(model, 1)
+    _, ring0 = needs(model, 0)
+    assert ring0 < ring1 < ring2
+    with caplog.at_level(logging.INFO, logger="layerwise"):
+        managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=2,
+                                                         device_budget=fixed + ring1)
+    assert all(m.prefetch_depth == 1 for m in managers)
+    assert sum(len(m.resident) for m in managers) == 0
+    (w,) = warnings_of(caplog)
+    msg = w.getMessage()
+    assert "prefetch_depth=2 does not fit" in msg and "lowered to 1" in msg
+    for d, r in ((2, ring2), (1, ring1), (0, ring0)):
+        assert f"{fmt_bytes(r)} at depth {d}" in msg
+    assert "synchronously" not in msg  # depth 1 still overlaps
+
+
+def test_budget_dropping_to_depth_0_warns_that_every_load_is_synchronous(caplog):
+    model = make()
+    fixed, ring0 = needs(model, 0)
+    _, ring1 = needs(model, 1)
+    with caplog.at_level(logging.INFO, logger="layerwise"):
+        managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=2,
+                                                         device_budget=fixed + ring0)
     assert all(m.prefetch_depth == 0 for m in managers)
-    assert used_device_bytes(model, managers) <= need_depth0
+    assert used_device_bytes(model, managers) <= fixed + ring0
+    (w,) = warnings_of(caplog)
+    msg = w.getMessage()
+    assert "lowered to 0" in msg
+    assert "every layer loads synchronously" in msg and "no overlap" in msg
+    assert f"a budget of {fixed + ring1} bytes would allow prefetch depth 1" in msg
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        model(x)
+        model(x)
+    assert sum(m.stats()["sync_loads"] for m in managers) > 0  # what the warning said
 
 
-def test_auto_budget_and_bad_values(monkeypatch):
+@pytest.mark.parametrize("resident", [2, 0.5])
+def test_budget_and_explicit_resident_layers_is_an_error(resident):
+    model = make()
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    for budget in (10 << 30, "auto"):
+        with pytest.raises(ValueError, match=r"device_budget=.* and resident_layers=.* were both given: pass one"):
+            layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", resident_layers=resident,
+                                                  device_budget=budget)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert not layerwise.configure.managers_of(model)
+    # Without a budget the explicit residency is used as given.
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", resident_layers=resident)
+    assert [len(m.resident) for m in managers] == ([2, 2] if resident == 2 else [4, 2])
+
+
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_budget_with_resident_layers_zero_is_the_default(zero):
+    model = make()
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", resident_layers=zero,
+                                                     device_budget=10 << 30)
+    assert sum(len(m.resident) for m in managers) == 12
+
+
+def test_load_offloaded_refuses_budget_with_explicit_resident_layers(tmp_path):
+    from safetensors.torch import save_file
+
+    sd = {k: v.contiguous() for k, v in make().state_dict().items()}
+    path = tmp_path / "model.safetensors"
+    save_file(sd, str(path))
+    with torch.device("meta"):
+        model = TwoGroupModel(n_a=8, n_b=4)
+    with pytest.raises(ValueError, match="pass one of them"):
+        layerwise.load_offloaded(model, path, GROUPS, device="cpu", resident_layers=1, device_budget=10 << 30)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_auto_budget_arithmetic_and_bad_values(monkeypatch):
     import layerwise.budget as B
 
     monkeypatch.setattr(B, "free_device_bytes", lambda dev: (10 << 30, 16 << 30))
-    assert B.resolve_budget(torch.device("cpu"), "auto", None) == (10 << 30) - int(0.1 * (16 << 30))
-    assert B.resolve_budget(torch.device("cpu"), "auto", 1 << 30) == 9 << 30
+    cuda = torch.device("cuda", 0)  # only a device object: nothing runs on it
+    assert B.resolve_budget(cuda, "auto", None) == (10 << 30) - int(0.1 * (16 << 30))
+    assert B.resolve_budget(cuda, "auto", 1 << 30) == 9 << 30
     for bad in ("lots", -1, True):
         with pytest.raises(ValueError, match="device_budget"):
             B.resolve_budget(torch.device("cpu"), bad, None)
-    model = make()
-    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", device_budget="auto")
-    assert sum(len(m.resident) for m in managers) == 12  # a tiny model fits in 10 GiB
+    with pytest.raises(ValueError, match="device_budget"):
+        layerwise.configure_layerwise_offload(make(), GROUPS, device="cpu", device_budget="lots")
 
 
-def test_report_is_a_table_and_a_dict():
-    model = make()
-    lb = layer_bytes(model)
-    layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=1)
+@pytest.mark.parametrize("depth", [0, 2])
+def test_auto_budget_on_cpu_plans_nothing_and_says_so(monkeypatch, caplog, depth):
+    import layerwise.budget as B
+
+    def no_probe(dev):
+        raise AssertionError("free RAM must not drive the plan on a CPU device")
+
+    monkeypatch.setattr(B, "free_device_bytes", no_probe)
+    model, ref = make(), make()
+    with caplog.at_level(logging.INFO, logger="layerwise"):
+        managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=depth,
+                                                         device_budget="auto")
+    assert [len(m.resident) for m in managers] == [0, 0]  # nothing made resident for free RAM
+    assert all(m.prefetch_depth == depth for m in managers)
+    assert warnings_of(caplog) == []
+    assert any("device_budget='auto' on a CPU device plans nothing" in r.getMessage()
+               and f"prefetch depth stays {depth}" in r.getMessage() for r in infos_of(caplog))
     x = torch.randn(2, 32)
     with torch.no_grad():
-        for _ in range(3):
-            model(x)
-    r = layerwise.report(model)
-    a, b = r["groups"]
-    assert a["group"] == GROUPS[0] and a["copies_per_step"] == 8 and a["bytes_per_step"] == 8 * lb
-    assert r["total"]["bytes_per_step"] == a["bytes_per_step"] + b["bytes_per_step"]
-    assert r["total"]["ring_bytes"] == a["ring_bytes"] + b["ring_bytes"] > 0
-    assert a["gbps"] > 0 and r["total"]["sync_loads"] == 0
-    text = str(r)
-    assert "transformer_blocks" in text and "total" in text and "GB/s" in text
-    with pytest.raises(RuntimeError, match="not configured"):
-        layerwise.report(make())
+        assert torch.equal(model(x), ref(x))
+
+
+def test_bytes_budget_on_cpu_is_planned_as_on_cuda():
+    model = make()
+    fixed, ring = needs(model, 1)
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu",
+                                                     device_budget=fixed + ring + 2 * layer_bytes(model))
+    assert sum(len(m.resident) for m in managers) > 0
+
+
+def test_fmt_bytes():
+    assert fmt_bytes(0) == "0 B" and fmt_bytes(1023) == "1023 B"
+    assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 << 20) == "3.0 MiB" and fmt_bytes(5 << 40) == "5120.0 GiB"
