@@ -3,7 +3,7 @@ accelerator, one block ahead of the compute that needs it."""
 from ._native import CopyEngine, Event, HostArena, build_info
 from .configure import configure_layerwise_offload, remove_layerwise_offload
 from .detect import detect_layer_groups
-from .loading import load_offloaded
+from .loading import empty_model, load_offloaded
 from .manager import LayerwiseOffloadManager
 from .report import report
 from .scatter import build_scatter_table, scatter_segment
@@ -17,6 +17,7 @@ __all__ = [
     "build_scatter_table",
     "configure_layerwise_offload",
     "detect_layer_groups",
+    "empty_model",
     "load_offloaded",
     "remove_layerwise_offload",
     "report",

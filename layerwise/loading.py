@@ -8,16 +8,27 @@ file mapping that would count against the process), non-layer tensors go
 straight to the device, and the multi-group order of configure holds: every
 group packed, largest first, then one model.to, then finalisation.
 
+Weights the model declares tied are tied first (one checkpoint name fills
+them all), buffers left on meta that no checkpoint holds are recomputed from
+the config of the module that owns them (layerwise.empty_model builds a model
+whose buffers need no recomputing), and `dtype=` casts floating-point tensors
+while reading, as `model.to(dtype)` would.
+
 Everything (keys, shapes, dtypes, buffers the checkpoint cannot supply) is
 checked before the model changes; a failure half way puts it back.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import inspect
 import json
 import logging
 import os
 import stat
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -284,10 +295,16 @@ def _checkpoint_files(checkpoint) -> list[str]:
     return files
 
 
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous host tensor `t`, writable, whatever its shape (0-dim
+    and empty included: a 0-dim tensor cannot be viewed as bytes directly)."""
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def _read_into(stored: _Stored, out: torch.Tensor) -> None:
-    """Read a stored tensor's bytes into the contiguous tensor `out` (host), with
-    positioned reads on the file's open descriptor."""
-    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    """Read a stored tensor's bytes into the contiguous tensor `out` (host, of the
+    stored dtype), with positioned reads on the file's open descriptor."""
+    view = _bytes_of(out)
     got = 0
     while got < stored.nbytes:
         n = os.preadv(stored.fd, [view[got:]], stored.start + got)
@@ -296,18 +313,220 @@ def _read_into(stored: _Stored, out: torch.Tensor) -> None:
         got += n
 
 
-def _host_tensor(stored: _Stored) -> torch.Tensor:
+def _host_tensor(stored: _Stored, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The stored tensor on the host, cast to `dtype` (exactly as `.to(dtype)`) if given."""
     t = torch.empty(stored.shape, dtype=stored.dtype)  # torch's allocator: 64-byte aligned
     _read_into(stored, t)
-    return t
+    return t if dtype is None or dtype == t.dtype else t.to(dtype)
 
 
+def _names(items, what: str) -> str:
+    items = list(items)
+    more = f" (and {len(items) - 8} more)" if len(items) > 8 else ""
+    return f"{what} {len(items)} tensor(s): {', '.join(items[:8])}{more}"
+
+
+# ------------------------------------------------------------ empty models
+_EMPTY_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """While active, every parameter a module registers moves to the meta device
+    (the same Python object under every name it is registered by, so weights tied
+    in __init__ stay tied); buffers are left where their code puts them."""
+    with _EMPTY_LOCK:
+        original = nn.Module.register_parameter
+        made: dict[int, tuple] = {}  # id(host parameter) -> (weak ref to it, its meta replacement)
+
+        def register_parameter(module, name, param):
+            original(module, name, param)
+            p = module._parameters.get(name)
+            if p is None or p.is_meta:  # a meta one registered again (a tie): kept, so the tie holds
+                return
+            ref, meta = made.get(id(p), (None, None))
+            if ref is None or ref() is not p:  # (a dead one's id may have been reused)
+                meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+                meta.__dict__.update(p.__dict__)
+                made[id(p)] = (weakref.ref(p), meta)
+            module._parameters[name] = meta
+
+        nn.Module.register_parameter = register_parameter
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original
+
+
+def empty_model(factory, *args, **kwargs):
+    """`factory(*args, **kwargs)` (a model class, a `from_config`, any callable) with
+    every parameter on the meta device and every buffer computed for real: what
+    `load_offloaded` needs for a model whose buffers (RoPE tables, say) are computed
+    in `__init__` and not saved in checkpoints. Like
+    `accelerate.init_empty_weights()`, but weights tied in `__init__` stay tied."""
+    with _parameters_on_meta():
+        return factory(*args, **kwargs)
+
+
+def _config_factory(mod: nn.Module):
+    """A way to build a fresh `mod` from its config, or None: a diffusers model
+    (`from_config`) or a module whose only required argument is `config`
+    (transformers models, and their rotary embeddings)."""
+    config = getattr(mod, "config", None)
+    if config is None or isinstance(config, (int, float, str, bool)):
+        return None
+    cls = type(mod)
+    if callable(getattr(cls, "from_config", None)) and hasattr(cls, "register_to_config"):  # diffusers
+        return lambda: cls.from_config(config)
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    rest_optional = all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params[1:])
+    if params and params[0].name == "config" and rest_optional:
+        return lambda: cls(config)
+    return None
+
+
+def _recompute_buffers(model: nn.Module, wanted: dict) -> tuple[dict, dict]:
+    """Values for meta buffers no checkpoint holds ({full name: meta buffer}): each is
+    taken from a fresh copy of the nearest module on its path that can be rebuilt
+    from its config (built with parameters on meta, so it costs no weights).
+    Returns ({name: host tensor}, {name: why it could not be recomputed})."""
+    modules = dict(model.named_modules())
+    twins: dict[str, object] = {}
+    values, why = {}, {}
+    for full, meta in wanted.items():
+        prefix = full.rpartition(".")[0]
+        reasons = []
+        while True:
+            mod = modules[prefix]
+            make = _config_factory(mod)
+            if make is not None:
+                if prefix not in twins:
+                    try:
+                        with torch.device("cpu"):
+                            twins[prefix] = empty_model(make)
+                    except Exception as e:  # noqa: BLE001  (any failure: the buffer is unrecoverable)
+                        twins[prefix] = e
+                twin = twins[prefix]
+                rel = full[len(prefix) + 1:] if prefix else full
+                what = f"{type(mod).__name__}(config)"
+                if isinstance(twin, Exception):
+                    reasons.append(f"building {what} failed: {type(twin).__name__}: {twin}")
+                else:
+                    try:
+                        t = twin.get_buffer(rel)
+                    except AttributeError:
+                        t = None
+                    if t is None or t.is_meta:
+                        reasons.append(f"{what} has no buffer {rel!r} with values")
+                    elif tuple(t.shape) != tuple(meta.shape):
+                        reasons.append(f"{what} computes {rel!r} with shape {list(t.shape)}, not "
+                                       f"{list(meta.shape)}")
+                    else:
+                        values[full] = (t.to(meta.dtype), what)
+                        break
+            if not prefix:
+                break
+            prefix = prefix.rpartition(".")[0]
+        if full not in values:
+            owner = type(modules[full.rpartition(".")[0]]).__name__
+            why[full] = "; ".join(reasons) or f"neither {owner} nor a module above it has a config to rebuild it from"
+    return values, why
+
+
+# ------------------------------------------------------------ tied weights
+def _declared_ties(model: nn.Module) -> list[tuple[str, str]]:
+    """(target, source) parameter names that the model says share one tensor: the
+    tied weights of a transformers model, as its config has them now."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)  # transformers >= 5
+    if callable(expand):
+        try:
+            return list(expand(all_submodels=True).items())
+        except Exception:  # noqa: BLE001  (a mapping it cannot expand: fall back on what post_init found)
+            ties = getattr(model, "all_tied_weights_keys", None)
+            return list(ties.items()) if isinstance(ties, dict) else []
+    config = getattr(model, "config", None)  # transformers 4: word embeddings, when the config ties them
+    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    if not getattr(config, "tie_word_embeddings", False) or not callable(get_out) or not callable(get_in):
+        return []
+    try:
+        out, inp = get_out(), get_in()
+    except Exception:  # noqa: BLE001
+        return []
+    where = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    if out is None or inp is None or id(out) not in where or id(inp) not in where:
+        return []
+    return [(f"{where[id(out)]}.weight".lstrip("."), f"{where[id(inp)]}.weight".lstrip("."))]
+
+
+def _tie_declared(model: nn.Module) -> bool:
+    """Tie the weights the model declares tied but holds as separate parameters (as a
+    model built under accelerate.init_empty_weights does): model.tie_weights(), then
+    by hand whatever that left. True if anything changed."""
+    def param(name):
+        try:
+            return model.get_parameter(name)
+        except AttributeError:
+            return None
+
+    loose = [(t, s) for t, s in _declared_ties(model)
+             if param(t) is not None and param(s) is not None and param(t) is not param(s)]
+    if not loose:
+        return False
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    for target, source in loose:
+        if param(target) is not param(source):
+            mod_name, _, attr = target.rpartition(".")
+            model.get_submodule(mod_name)._parameters[attr] = param(source)
+    log.info("layerwise: %s declares tied weights that are separate parameters (%s): tied them%s before loading",
+             type(model).__name__, ", ".join(f"{t} -> {s}" for t, s in loose),
+             " with model.tie_weights()" if callable(tie) else "")
+    return True
+
+
+def _retype(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Give every floating-point parameter of another dtype a fresh meta parameter of
+    `dtype` (same shape and strides), under every name it has. True if any changed."""
+    new: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for attr, p in mod._parameters.items():
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype, device="meta"),
+                                          requires_grad=p.requires_grad)
+            mod._parameters[attr] = new[id(p)]
+    return bool(new)
+
+
+def _parameter_entries(model: nn.Module):
+    """[(module, attr, parameter)] for every registration of a parameter."""
+    return [(mod, attr, p) for mod in model.modules(remove_duplicate=False)
+            for attr, p in mod._parameters.items() if p is not None]
+
+
+# ------------------------------------------------------------ load_offloaded
 def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefetch_depth: int = 1,
                    resident_layers=0, residency_policy: str = "leading", pin_memory: bool = True,
-                   device_budget=None, budget_margin=None, strict: bool = True, **kwargs):
+                   device_budget=None, budget_margin=None, strict: bool = True, dtype: torch.dtype | None = None,
+                   **kwargs):
     """Load `checkpoint` (a .safetensors file, a list of them, or an index JSON)
     into `model` (built on the meta device) and stream `layer_names` to `device`.
-    Returns the managers, as configure_layerwise_offload does."""
+    Returns the managers, as configure_layerwise_offload does.
+
+    Weights the model declares tied are tied first (one checkpoint name fills them
+    all); non-persistent buffers left on meta are recomputed from the config of the
+    module that owns them. `dtype` (a floating-point dtype) casts every floating-point
+    parameter and buffer to it while reading, as `model.to(dtype)` would; without it
+    the checkpoint's dtypes must be the model's.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
+                        f"torch.float32, ...), got {dtype!r}")
     files = _checkpoint_files(checkpoint)
     stored: dict[str, _Stored] = {}
     for path in files:
@@ -316,12 +535,38 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
                 raise ValueError(f"checkpoint: tensor {key!r} is in both {stored[key].path} and {path}")
             stored[key] = s
 
-    managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
-                             pin_memory, kwargs.pop("num_copy_streams", 1), kwargs.pop("debug_copy_delay_us", None))
+    num_copy_streams = kwargs.pop("num_copy_streams", 1)
+    debug_copy_delay_us = kwargs.pop("debug_copy_delay_us", None)
     if kwargs:
         raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
 
-    # Every name of every parameter and persistent buffer, and where it sits.
+    def prepare():
+        return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
+                        num_copy_streams, debug_copy_delay_us)
+
+    managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
+    # Ties and dtype change which parameter objects the model holds (and so the
+    # plan): done now, put back if anything later fails.
+    registered = _parameter_entries(model)
+    try:
+        changed = _tie_declared(model)
+        if dtype is not None:
+            changed = _retype(model, dtype) or changed
+        if changed:
+            managers, dev = prepare()
+        return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
+                     residency_policy)
+    except BaseException:
+        for mod, attr, p in registered:
+            mod._parameters[attr] = p
+        raise
+
+
+def _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin, residency_policy):
+    def want(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    # Every name of every parameter and buffer, and where it sits.
     param_names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     places: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -351,33 +596,53 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     known = {n for names in param_names.values() for n in names} | {full for _, _, full, _ in buffers}
     unexpected = sorted(k for k in stored if k not in known)
     if missing or (strict and unexpected):
-        raise KeyError(
-            "checkpoint does not match the model: "
-            + (f"missing {len(missing)} tensor(s): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; "
-               if missing else "")
-            + (f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}"
-               f"{' ...' if len(unexpected) > 8 else ''}" if strict and unexpected else "")
-        )
+        problems = ([_names(missing, "missing")] if missing else []) + \
+                   ([_names(unexpected, "unexpected")] if strict and unexpected else [])
+        hint = " (strict=False ignores unexpected tensors)" if strict and unexpected and not missing else ""
+        raise KeyError(f"checkpoint does not match the model: {'; '.join(problems)}{hint}")
 
-    def check(name, s: _Stored, shape, dtype):
+    def check(name, s: _Stored, shape, expected: torch.dtype):
         if not isinstance(s.dtype, torch.dtype):
             raise TypeError(f"checkpoint tensor {name!r} has dtype {s.dtype}, which layerwise cannot read")
-        if tuple(shape) != s.shape or dtype != s.dtype:
+        castable = dtype is not None and expected.is_floating_point and s.dtype.is_floating_point
+        if tuple(shape) != s.shape or (expected != s.dtype and not castable):
+            hint = ""
+            if tuple(shape) == s.shape and expected.is_floating_point and s.dtype.is_floating_point:
+                hint = (f": pass dtype={expected} to load_offloaded to cast it while reading (or "
+                        f"dtype={s.dtype} to run the model in the checkpoint's dtype)")
             raise ValueError(f"checkpoint tensor {name!r} is {s.dtype}{list(s.shape)} but the model expects "
-                             f"{dtype}{list(shape)}")
+                             f"{expected}{list(shape)}{hint}")
         if s.nbytes != s.dtype.itemsize * int(torch.Size(s.shape).numel()):
             raise ValueError(f"checkpoint tensor {name!r}: {s.nbytes} bytes stored for shape {list(s.shape)}")
 
     for pid, names in param_names.items():
         key = source_key(names)
         check(key, stored[key], params[pid].shape, params[pid].dtype)
+        present = [n for n in names if n in stored]
+        if len(present) > 1:  # one tensor under two names (tied): the checkpoint must agree with itself
+            _same_values(stored, present)
+
+    meta_buffers = {}
     for mod, attr, full, persistent in buffers:
         b = mod._buffers[attr]
         if full in stored:
-            check(full, stored[full], b.shape, b.dtype)
+            check(full, stored[full], b.shape, want(b))
         elif b.is_meta:
-            raise ValueError(f"buffer {full!r} is on the meta device and not in the checkpoint: build the model "
-                             "with its buffers on the host (e.g. accelerate.init_empty_weights(include_buffers=False))")
+            meta_buffers[full] = b
+    recomputed = {}
+    if meta_buffers:
+        recomputed, why = _recompute_buffers(model, meta_buffers)
+        if why:
+            full, reason = next(iter(why.items()))
+            others = [n for n in why if n != full]
+            raise ValueError(
+                f"buffer {full!r} is on the meta device and not in the checkpoint, and layerwise cannot recompute "
+                f"it ({reason})" + (f"; so are {', '.join(others[:8])}" if others else "") + ". Build the model "
+                f"with its buffers computed and only its parameters on meta: `model = layerwise.empty_model("
+                f"{type(model).__name__}, ...)` (or under accelerate.init_empty_weights()), not under "
+                "`torch.device('meta')`")
+        log.info("layerwise: recomputed %d buffer(s) the checkpoint does not hold: %s", len(recomputed),
+                 ", ".join(f"{n} (from {what})" for n, (_, what) in recomputed.items()))
 
     if device_budget is not None:
         from .budget import apply_device_budget
@@ -428,9 +693,9 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     def fill(e, block):
         s = stored[entry_key[id(e)]]
         dst = e.view_in(block)
-        if dst.is_contiguous():
+        if dst.is_contiguous() and s.dtype == e.dtype:
             _read_into(s, dst)
-        else:
+        else:  # strided, or cast while reading: copy_ rounds exactly as .to(dtype) does
             dst.copy_(_host_tensor(s).view(e.shape))
         if bar is not None:
             bar.update(s.nbytes)
@@ -439,9 +704,9 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         for pid, names in param_names.items():
             if pid in managed:
                 continue
-            s = stored[source_key(names)]
-            t = _host_tensor(s).to(dev)
             p = params[pid]
+            s = stored[source_key(names)]
+            t = _host_tensor(s, p.dtype).to(dev)
             if p.is_meta:
                 swap(pid, nn.Parameter(t, requires_grad=p.requires_grad))
             else:
@@ -450,8 +715,13 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             if bar is not None:
                 bar.update(s.nbytes)
         for mod, attr, full, _ in buffers:
+            b = mod._buffers[attr]
             if full in stored:
-                mod._buffers[attr] = _host_tensor(stored[full]).to(dev)
+                mod._buffers[attr] = _host_tensor(stored[full], want(b)).to(dev)
+            elif full in recomputed:
+                mod._buffers[attr] = recomputed[full][0].to(want(b)).to(dev)
+            elif want(b) != b.dtype:
+                mod._buffers[attr] = b.to(want(b))
 
     fds = {path: os.open(path, os.O_RDONLY) for path in files}
     for st in stored.values():
@@ -463,3 +733,23 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             os.close(fd)
         if bar is not None:
             bar.close()
+
+
+def _same_values(stored: dict[str, _Stored], names: list[str]) -> None:
+    """The checkpoint tensors `names`, which all fill one (tied) parameter, must be equal."""
+    def read(s: _Stored) -> torch.Tensor:
+        fd = os.open(s.path, os.O_RDONLY)
+        try:
+            return _host_tensor(dataclasses.replace(s, fd=fd)).reshape(-1).view(torch.uint8)
+        finally:
+            os.close(fd)
+
+    first = stored[names[0]]
+    ref = read(first)
+    for name in names[1:]:
+        s = stored[name]
+        if s.dtype != first.dtype or s.shape != first.shape or not torch.equal(read(s), ref):
+            raise ValueError(
+                f"checkpoint tensors {names[0]!r} and {name!r} differ, but the model ties them (one parameter "
+                "under both names): build the model untied (for transformers: tie_word_embeddings=False in its "
+                "config), or save the checkpoint from the tied model")
