@@ -50,7 +50,7 @@ def configure_layerwise_offload(
     prefetch_depth: int = 1,
     resident_layers=0,
     residency_policy: str = "leading",
-    pin_memory: bool = True,
+    pin_memory: bool | str = "auto",
     device_budget=None,
     budget_margin=None,
     num_copy_streams: int = 1,

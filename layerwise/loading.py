@@ -511,7 +511,7 @@ def _parameter_entries(model: nn.Module):
 
 # ------------------------------------------------------------ load_offloaded
 def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefetch_depth: int = 1,
-                   resident_layers=0, residency_policy: str = "leading", pin_memory: bool = True,
+                   resident_layers=0, residency_policy: str = "leading", pin_memory: bool | str = "auto",
                    device_budget=None, budget_margin=None, strict: bool = True, dtype: torch.dtype | None = None,
                    **kwargs):
     """Load `checkpoint` (a .safetensors file, a list of them, or an index JSON)

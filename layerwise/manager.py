@@ -72,7 +72,7 @@ class LayerwiseOffloadManager:
         prefetch_depth: int = 1,
         resident_layers=0,
         residency_policy: str = "leading",
-        pin_memory: bool = True,
+        pin_memory: bool | str = "auto",
         initialize: bool = True,
         num_copy_streams: int = 1,
         debug_copy_delay_us: int | None = None,
@@ -90,7 +90,9 @@ class LayerwiseOffloadManager:
         self.num_layers = self.plan.num_layers
         self.resident = resolve_resident(resident_layers, self.num_layers, residency_policy)
         self.residency_policy = residency_policy
-        self.pin_memory = bool(pin_memory)
+        if pin_memory not in (True, False, "auto"):
+            raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
+        self.pin_memory = pin_memory
         self.num_copy_streams = int(num_copy_streams)
         if self.num_copy_streams < 1:
             raise ValueError(f"num_copy_streams must be >= 1, got {num_copy_streams}")
@@ -148,7 +150,7 @@ class LayerwiseOffloadManager:
         if self._packed or not self.enabled:
             return
         total = self._arena_capacity()
-        self._arena = _native.HostArena(total, pinned=self.pin_memory, cuda=self.device.type == "cuda")
+        self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=self.device.type == "cuda")
         self._placeholders = {}
         self._host_blocks = []
         bar = None
@@ -185,9 +187,16 @@ class LayerwiseOffloadManager:
                 bar.close()
         self._packed = True
         self.plan.module_list._layerwise_manager = self
-        warn = getattr(_native, "warn_unpinned", None)
-        if warn is not None and self.pin_memory:
-            warn(self._arena, f"layer group {self.layer_name!r}")
+        if self.pin_memory is True and self._arena.pin_error:
+            # Asked for explicitly: pageable memory would silently cost the overlap. The
+            # caller's rollback gives every parameter back.
+            raise RuntimeError(
+                f"layerwise: pin_memory=True, but the host memory of layer group {self.layer_name!r} could not be "
+                f"pinned: {self._arena.pin_error}. Raise the locked-memory limit or grant CAP_IPC_LOCK, or pass "
+                "pin_memory='auto' (pinned where possible, else pageable with a warning) or pin_memory=False."
+            )
+        if self.pin_memory == "auto":
+            _native.warn_unpinned(self._arena, f"layer group {self.layer_name!r}")
 
     @staticmethod
     def _bind_to_slot(e, view: torch.Tensor) -> None:

@@ -509,3 +509,45 @@ def test_pin_error_is_a_read_only_property():
     with pytest.raises(AttributeError):
         a.pin_error = "x"
     assert re.match(r"^[a-z]+$", a.pin_kind)
+
+
+@pytest.mark.skipif(not (shutil.which("setpriv") and shutil.which("prlimit")), reason="needs setpriv and prlimit")
+def test_manager_pinning_explicit_true_refuses_auto_warns_and_report_says_why():
+    proc = run_python(
+        """
+        import copy, warnings
+        import torch
+        from torch import nn
+        import layerwise
+
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.blocks = nn.ModuleList([nn.Linear(512, 1024) for _ in range(6)])  # ~12.6 MB > the 8 MiB limit
+        model.forward = lambda x: [x := b(x[..., :512]) for b in model.blocks][-1]
+        ref = copy.deepcopy(model)
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            layerwise.configure_layerwise_offload(model, "blocks", device="cpu", pin_memory=True)
+            raise SystemExit("pin_memory=True did not refuse")
+        except RuntimeError as e:
+            assert "pin_memory=True" in str(e) and "RLIMIT_MEMLOCK" in str(e), e
+        assert not layerwise.configure.managers_of(model)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, sd[k]), k
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layerwise.configure_layerwise_offload(model, "blocks", device="cpu")  # pin_memory="auto"
+        assert any("could not be pinned" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        x = torch.randn(2, 512)
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+        st = layerwise.configure.managers_of(model)[0].stats()
+        assert st["arena_pinned"] is False and "RLIMIT_MEMLOCK" in st["arena_pin_error"], st
+        text = str(layerwise.report(model))
+        assert "NOT pinned" in text and "RLIMIT_MEMLOCK" in text, text
+        print("OK")
+        """,
+        timeout=120,
+        argv_prefix=DROP_IPC_LOCK,
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, describe(proc)
