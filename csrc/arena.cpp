@@ -19,10 +19,12 @@ size_t page_size() {
   return p;
 }
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-// Registering very large ranges in one call can fail: pin in chunks. A copy
+// Each allocation (a layer block) is registered in one call, so that one copy
+// never spans two registrations; only if that fails is it registered in
+// pieces, and then split_points() tells the copies where to split. A copy
 // should not span two registrations, so a chunk is larger than any one layer
 // block is likely to be (a 70B-parameter model's layer is ~1.7 GB in bf16).
-constexpr size_t kPinChunk = size_t(8) << 30;
+constexpr size_t kPinChunk = size_t(1) << 30;  // the piece size of the fallback
 
 std::string mib(rlim_t bytes) {
   char buf[64];
@@ -70,12 +72,13 @@ struct HostArena::Block {
   std::vector<std::pair<void*, size_t>> mlocked;
   std::vector<void*> cuda_registered;
   const Origin origin;
+  int device = -1;
 
   void unpin_all() {
 #ifdef LAYERWISE_WITH_CUDA
     // A forked child has no CUDA context: the parent's registrations are not its to undo.
     if (!cuda_registered.empty() && !origin.forked()) {
-      cuda_wait_for_device();  // its pages may be the source of a copy in flight
+      cuda_wait_for_device(device);  // its pages may be the source of a copy in flight
       for (void* p : cuda_registered) cuda_host_unregister(p);
     }
 #endif
@@ -89,7 +92,7 @@ struct HostArena::Block {
   }
 };
 
-HostArena::HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda) {
+HostArena::HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda, int device) : device_(device) {
   TORCH_CHECK_VALUE(nbytes >= 0, "HostArena: nbytes must be >= 0, got ", nbytes);
   bool use_cuda = false;
 #ifdef LAYERWISE_WITH_CUDA
@@ -111,6 +114,7 @@ HostArena::HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda) {
   pin_kind_ = !pinned ? PinKind::None : (use_cuda ? PinKind::Cuda : PinKind::Mlock);
 
   block_ = std::make_shared<Block>();
+  block_->device = device;
   block_->capacity = round_up(static_cast<size_t>(nbytes), page_size());
   if (block_->capacity > 0) {
     // Anonymous pages are committed only when first written: an arena for a
@@ -191,7 +195,7 @@ void HostArena::pin_locked(size_t offset, size_t nbytes) {
   const size_t end = round_up(offset + nbytes, page_size());
   char* base = static_cast<char*>(block_->base);
   while (begin < end) {
-    const size_t n = std::min(kPinChunk, end - begin);
+    size_t n = end - begin;  // the whole allocation in one registration
     std::string failure;
     if (pin_kind_ == PinKind::Mlock) {
       if (mlock(base + begin, n) == 0)
@@ -203,8 +207,24 @@ void HostArena::pin_locked(size_t offset, size_t nbytes) {
                 std::to_string(block_->origin.pid) + " before fork(), and a forked child cannot use its CUDA context";
     } else {
 #ifdef LAYERWISE_WITH_CUDA
-      failure = cuda_host_register(base + begin, n);
-      if (failure.empty()) block_->cuda_registered.push_back(base + begin);
+      failure = cuda_host_register(base + begin, n, device_);
+      if (failure.empty()) {
+        block_->cuda_registered.push_back(base + begin);
+      } else if (n > kPinChunk) {
+        // Too large for one registration: in pieces, each a registration of its own.
+        std::string piece_failure;
+        size_t at = begin;
+        while (at < end && piece_failure.empty()) {
+          const size_t m = std::min(kPinChunk, end - at);
+          piece_failure = cuda_host_register(base + at, m, device_);
+          if (piece_failure.empty()) {
+            block_->cuda_registered.push_back(base + at);
+            if (at != begin) piece_starts_.push_back(at);
+          }
+          at += m;
+        }
+        failure = piece_failure;
+      }
 #endif
     }
     if (!failure.empty()) {
@@ -218,6 +238,15 @@ void HostArena::pin_locked(size_t offset, size_t nbytes) {
     begin += n;
     pinned_upto_ = begin;
   }
+}
+
+std::vector<int64_t> HostArena::split_points(int64_t offset, int64_t nbytes) const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<int64_t> out;
+  for (size_t p : piece_starts_)
+    if (static_cast<int64_t>(p) > offset && static_cast<int64_t>(p) < offset + nbytes)
+      out.push_back(static_cast<int64_t>(p) - offset);
+  return out;
 }
 
 }  // namespace layerwise

@@ -81,11 +81,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("elapsed_ms", [](Event& self, Event& end) {
         py::gil_scoped_release r;
         return self.elapsed_ms(end);
-      });
+      })
+      .def_property_readonly("copy_ms", &Event::copy_ms,
+                             "Milliseconds the event's copy took once it has completed (CUDA: only for a copy "
+                             "issued with timing=True), else -1");
 
   py::class_<HostArena, std::shared_ptr<HostArena>>(m, "HostArena")
-      .def(py::init<int64_t, bool, std::optional<bool>>(), py::arg("nbytes"), py::arg("pinned") = true,
-           py::arg("cuda") = py::none())
+      .def(py::init<int64_t, bool, std::optional<bool>, int>(), py::arg("nbytes"), py::arg("pinned") = true,
+           py::arg("cuda") = py::none(), py::arg("device") = -1)
+      .def("split_points", &HostArena::split_points, py::arg("offset"), py::arg("nbytes"))
       .def("allocate", &HostArena::allocate, py::arg("nbytes"), py::arg("alignment") = 256,
            py::call_guard<py::gil_scoped_release>())
       .def("pin_range", &HostArena::pin_range, py::arg("offset"), py::arg("nbytes"),
@@ -123,7 +127,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("device"), py::arg("num_streams") = 1, py::arg("debug_delay_us") = py::none())
       .def(
           "copy_async",
-          [](PyEngine& self, const at::Tensor& dst, const at::Tensor& src, EventPtr after) {
+          [](PyEngine& self, const at::Tensor& dst, const at::Tensor& src, EventPtr after, bool timing) {
             check_copy_args(*self.impl, dst, src);
             // The storages are marked in flight before their addresses are read:
             // from here on neither can be reallocated under the copy.
@@ -131,9 +135,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             void* to = dst.data_ptr();
             const void* from = src.data_ptr();
             py::gil_scoped_release r;
-            return self.impl->copy_async(to, from, dst.nbytes(), after, std::move(keep));
+            return self.impl->copy_async(to, from, dst.nbytes(), after, std::move(keep), timing);
           },
-          py::arg("dst"), py::arg("src"), py::arg("after") = py::none())
+          py::arg("dst"), py::arg("src"), py::arg("after") = py::none(), py::arg("timing") = false)
       .def(
           "wait", [](PyEngine& self, const EventPtr& ev, uintptr_t stream) { self.impl->wait(ev, stream); },
           py::arg("event"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())

@@ -52,6 +52,9 @@ struct Event {
   // Milliseconds from this event to `end`; both must be complete (CUDA: both
   // recorded with timing enabled).
   virtual double elapsed_ms(Event& end) = 0;
+  // How long this event's copy took, in milliseconds, once it has completed
+  // (CPU: the memcpy; CUDA: only for a copy issued with timing); else -1.
+  virtual double copy_ms() { return -1.0; }
   // The storages of this event's copy (none for a recorded event). Dropping
   // the last reference to a storage may need the GIL: an event is only ever
   // destroyed on a thread that may take it, never on a copy worker.
@@ -65,8 +68,9 @@ struct CopyEngine {
   // Copies n bytes src -> dst on one of the engine's streams, after `after`
   // (if given) has completed. Returns the event that completes with the copy
   // and owns `keep` (taken before dst/src were read, so they cannot move).
+  // `timing` (CUDA): also record when the copy starts, for copy_ms().
   virtual EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
-                              std::unique_ptr<InFlight> keep) = 0;
+                              std::unique_ptr<InFlight> keep, bool timing) = 0;
   // Makes the compute stream (CUDA: handle `stream`) wait for `ev` (CPU: blocks).
   virtual void wait(const EventPtr& ev, uintptr_t stream) = 0;
   // An event recorded on the compute stream (CPU: already complete).
@@ -92,9 +96,9 @@ EnginePtr make_cpu_engine(int num_streams, int64_t debug_delay_us);
 #ifdef LAYERWISE_WITH_CUDA
 EnginePtr make_cuda_engine(int device, int num_streams);
 int cuda_device_count_or_throw(const char* what);
-std::string cuda_host_register(void* ptr, size_t n);  // "" when pinned, else why not
+std::string cuda_host_register(void* ptr, size_t n, int device);  // "" when pinned, else why not
 void cuda_host_unregister(void* ptr);
-void cuda_wait_for_device();
+void cuda_wait_for_device(int device);  // device < 0: the current one
 int cuda_runtime_version_compiled();
 #endif
 

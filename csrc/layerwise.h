@@ -26,7 +26,9 @@ namespace layerwise {
 class HostArena {
  public:
   enum class PinKind { None, Mlock, Cuda };
-  HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda);
+  // `device`: the CUDA device the arena streams to (its pages are registered and,
+  // before they are unregistered, synchronised there); -1 for the current one.
+  HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda, int device = -1);
   at::Tensor allocate(int64_t nbytes, int64_t alignment);
   void pin_range(int64_t offset, int64_t nbytes);
   int64_t capacity() const;
@@ -35,6 +37,10 @@ class HostArena {
   std::string pin_kind() const;
   std::optional<std::string> pin_error() const;  // why pinning asked for failed
   uintptr_t data_ptr() const;
+  // Offsets (from `offset`) where a pinned registration boundary falls strictly
+  // inside [offset, offset + nbytes): a copy must not span one. Empty unless a
+  // block too large to register at once had to be registered in pieces.
+  std::vector<int64_t> split_points(int64_t offset, int64_t nbytes) const;
 
   struct Block;  // the mapping; freed when the arena and all its tensors are gone
 
@@ -45,6 +51,8 @@ class HostArena {
   std::shared_ptr<Block> block_;
   size_t used_ = 0;
   size_t pinned_upto_ = 0;
+  int device_ = -1;
+  std::vector<size_t> piece_starts_;  // registrations that begin inside an allocation
   PinKind pin_kind_ = PinKind::None;
   std::string pin_error_;
 };

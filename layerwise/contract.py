@@ -189,11 +189,13 @@ def _root_pre_hook(model, args):
                 m._reset_entered()
             if m._handed_out:
                 check_handed_out(m)
+            m._root_driven = True
+            m._new_step()
 
 
 def _root_post_hook(model, args, output):
-    """The end of the model's forward closes the step of every group, so that
-    report() has per-step figures after the first forward."""
+    """The end of the model's forward closes the step of every group: report()
+    has per-step figures from the first forward on."""
     for m in managers_of(model):
         if m._finalized and m._step_open:
             m._end_step()

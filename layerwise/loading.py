@@ -555,14 +555,15 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         if changed:
             managers, dev = prepare()
         return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
-                     residency_policy)
+                     residency_policy, resident_layers)
     except BaseException:
         for mod, attr, p in registered:
             mod._parameters[attr] = p
         raise
 
 
-def _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin, residency_policy):
+def _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin, residency_policy,
+          resident_layers):
     def want(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 

@@ -39,7 +39,7 @@ import time
 import torch
 from torch import nn
 
-from . import _native, contract
+from . import _native, contract, stages
 from .options import resolve_device, resolve_resident, validate_depth
 from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_tensor, round_up
 
@@ -150,7 +150,9 @@ class LayerwiseOffloadManager:
         if self._packed or not self.enabled:
             return
         total = self._arena_capacity()
-        self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
+        self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
+                                        device=self.device.index if cuda else -1)
         self._placeholders = {}
         self._host_blocks = []
         bar = None
@@ -288,6 +290,13 @@ class LayerwiseOffloadManager:
                 for e in layers[i].params:
                     self._bind_to_slot(e, e.view_in(self._ring[self._slot_of[i]]))
             self._ring_version = [r._version for r in self._ring]
+            # Where a layer's host block spans two pinned registrations (a block too large
+            # to register at once), its copy is split there: normally none.
+            base = self._arena.data_ptr
+            self._splits = [self._arena.split_points(self._host_blocks[i].data_ptr() - base, layers[i].nbytes)
+                            if i in self._streamed else [] for i in range(self.num_layers)]
+            # The chain of stages that makes a layer ready in its slot (layerwise/stages).
+            self._fetch = stages.Transfer(self._engine, self._host_blocks, self._splits).fetch
             self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
@@ -345,7 +354,10 @@ class LayerwiseOffloadManager:
             after = self._engine.record(stream, False)
         self._dirty = True  # until the records below match what the engine has queued
         self._slot_gen[s] += 1
-        ev = self._engine.copy_async(self._dst[i], block, after)
+        timing = self._timing
+        ev = self._fetch(i, self._dst[i], after, timing)
+        if timing:
+            self._timed_copies.append((self._steps, ev))
         self._slot_holder[s] = i
         self._slot_event[s] = ev
         self._copy_event[i] = ev
@@ -417,8 +429,8 @@ class LayerwiseOffloadManager:
         self._lock.acquire()  # released by the post-hook (which also runs when a forward raises)
         if self._dirty:
             self._resync()
-        if i == 0:
-            self._new_step()
+        if i == 0 and not self._root_driven:
+            self._new_step()  # blocks called without the model's forward: a step per layer 0
         s = self._slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
@@ -466,9 +478,9 @@ class LayerwiseOffloadManager:
             self._lock.release()
 
     # ---------------------------------------------------------------- stats
-    # A step runs from layer 0's pre-hook to the end of the model's forward (the
-    # root post-hook, contract.py) or, for blocks called without it, to the next
-    # step's start. On CUDA the compute-stream stall is timed with event pairs on
+    # A step is one forward of the model (the root hooks, contract.py), prefetches
+    # for the next one included; for blocks called without the model's forward, it
+    # runs from one layer 0 to the next. On CUDA the compute-stream stall is timed with event pairs on
     # one step in `stall_sample_every` (each pair costs two events and two native
     # calls per layer); pairs resolve when they have completed, never by a sync.
     stall_sample_every = 8
@@ -478,14 +490,28 @@ class LayerwiseOffloadManager:
         self._stall_s = 0.0
         self._stall_pairs = []  # (step, start event, end event), CUDA
         self._step_stall: dict[int, float] = {}
+        self._timed_copies = []  # (step, copy event) of the timed steps
+        self._copy_s = 0.0
+        self._step_copy: dict[int, float] = {}
         self._steps = 0
         self._step_mark = (0, 0, 0, 0.0)
         self._step_t0 = None
         self._step_open = False
+        self._root_driven = False  # steps follow the model's forward (contract._root_*_hook)
         self._timing = self.measure_stalls
         self._last_step = None
 
     def _resolve_stalls(self) -> None:
+        pending = []
+        for step, ev in self._timed_copies:
+            if not ev.query():
+                pending.append((step, ev))
+                continue
+            ms = ev.copy_ms
+            if ms >= 0:
+                self._copy_s += ms / 1e3
+                self._step_copy[step] = self._step_copy.get(step, 0.0) + ms / 1e3
+        self._timed_copies = pending
         pending = []
         for step, a, b in self._stall_pairs:
             if b.query():
@@ -499,9 +525,9 @@ class LayerwiseOffloadManager:
     def _new_step(self) -> None:
         if self._handed_out:
             contract.check_handed_out(self)
+        self._resolve_stalls()
         if self._step_open:
             self._end_step()
-        self._resolve_stalls()
         self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s)
         self._step_t0 = time.perf_counter()
         self._step_open = True
@@ -510,18 +536,19 @@ class LayerwiseOffloadManager:
         self._timing = self.measure_stalls and (not cuda or self._steps % self.stall_sample_every == 1)
 
     def _end_step(self) -> None:
-        """Close the step: its figures are the last complete step's from now on."""
+        """Close the step: its figures become the last complete step's."""
         self._step_open = False
         now = (self._bytes, self._copies, self._sync_loads, self._stall_s)
         last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s"),
                         (a - b for a, b in zip(now, self._step_mark))))
         last["step"] = self._steps
-        last["wall_s"] = time.perf_counter() - self._step_t0  # host time of the step alone
-        cuda = self._finalized and self._engine.is_cuda
+        last["wall_s"] = time.perf_counter() - self._step_t0  # host time of the step, not of the pause after it
         last["stall_measured"] = self._timing
-        if cuda:
+        last["copy_s"] = None  # filled from its copies' timings as they complete (stats())
+        if self._finalized and self._engine.is_cuda:
             last["stall_s"] = None  # filled from its event pairs as they complete (stats())
-            self._step_stall = {k: v for k, v in self._step_stall.items() if k >= self._steps}
+        self._step_stall = {k: v for k, v in self._step_stall.items() if k >= self._steps}
+        self._step_copy = {k: v for k, v in self._step_copy.items() if k >= self._steps}
         self._last_step = last
 
     def stats(self, sync: bool = False) -> dict:
@@ -539,6 +566,9 @@ class LayerwiseOffloadManager:
             pending = any(step == last["step"] for step, _, _ in self._stall_pairs)
             if not pending:
                 last["stall_s"] = self._step_stall.get(last["step"], 0.0)
+        if last is not None and last["stall_measured"] and last["copy_s"] is None:
+            if not any(step == last["step"] for step, _ in self._timed_copies):
+                last["copy_s"] = self._step_copy.get(last["step"], 0.0)
         arena = self._arena
         return {
             "group": self.layer_name,
@@ -558,6 +588,7 @@ class LayerwiseOffloadManager:
             "copies": self._copies,
             "sync_loads": self._sync_loads,
             "stall_s": self._stall_s,
+            "copy_s": self._copy_s,
             "last_step": dict(last) if last is not None else None,
         }
 
@@ -597,6 +628,7 @@ class LayerwiseOffloadManager:
         # Events hold the tensors their copies read and wrote (ring slices, arena
         # blocks): drop them, or the ring and the pinned arena outlive the removal.
         self._slot_event, self._copy_event, self._slot_holder, self._stall_pairs = [], [], [], []
+        self._timed_copies = []
         self._grad_hooks = []
         self._placeholders = {}
         if self._packed:

@@ -6,7 +6,6 @@ says what the figures mean and what, if anything, is off.
 """
 from __future__ import annotations
 
-import inspect
 import textwrap
 
 from .budget import fmt_bytes
@@ -161,25 +160,19 @@ def _row(m, s: dict) -> dict:
     return row
 
 
-def _stats(m) -> dict:
-    """The manager's stats, final (device drained) where stats() can be asked to sync."""
-    try:
-        takes_sync = "sync" in inspect.signature(m.stats).parameters
-    except (TypeError, ValueError):
-        takes_sync = False
-    return m.stats(sync=True) if takes_sync else m.stats()
-
-
-def report(model) -> Report:
+def report(model, sync: bool = False) -> Report:
     """Telemetry of every group streamed in `model`: per step (the last complete
     one, once a forward has completed) and in total; bytes streamed, copies,
     synchronous loads, compute-stream stall, GB/s while copies were in flight
     (where the engine measures that time; never over wall time), arena / ring /
-    resident bytes. Printed: a table, then a plain line per group."""
+    resident bytes. Printed: a table, then a plain line per group. Never waits for the
+    device unless sync=True."""
     managers = managers_of(model)
     if not managers:
         raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
-    stats = [_stats(m) for m in managers]  # each synchronises the device on CUDA: once
+    # Non-blocking by default: a server can call this per request without draining the
+    # device; sync=True waits for every copy first so that every figure is final.
+    stats = [m.stats(sync=sync) for m in managers]
     groups = [_row(m, st) for m, st in zip(managers, stats)]
     total = {"group": "total", "layers": sum(g["layers"] for g in groups),
              "resident": sum(g["resident"] for g in groups), "slots": sum(g["slots"] for g in groups),

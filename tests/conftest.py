@@ -24,3 +24,29 @@ def device(request):
     if request.param == "cuda" and not cuda_usable():
         pytest.skip("no CUDA device (or a CPU-only build): the CUDA variant runs in scripts/gpu_check.sh")
     return request.param
+
+
+# LAYERWISE_TEST_TIMEOUT=S (scripts/gpu_check.sh sets it): a test still running
+# after S seconds fails with a TimeoutError instead of eating the stage's time.
+_TEST_TIMEOUT = float(os.environ.get("LAYERWISE_TEST_TIMEOUT", "0") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    import signal
+    import threading
+
+    if _TEST_TIMEOUT <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{item.nodeid} ran past LAYERWISE_TEST_TIMEOUT={_TEST_TIMEOUT:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, _TEST_TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

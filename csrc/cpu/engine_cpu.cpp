@@ -46,6 +46,12 @@ struct CpuEvent : Event {
   std::atomic<bool> done{false};
   std::atomic<int> waiters{0};
   Clock::time_point when{};
+  Clock::time_point started{};
+
+  double copy_ms() override {
+    if (!query() || started == Clock::time_point{}) return -1.0;
+    return std::chrono::duration<double, std::milli>(when - started).count();
+  }
 
   void set() {
     when = Clock::now();
@@ -161,6 +167,7 @@ class Worker {
         }
       } catch (...) {
       }
+      job.done->started = Clock::now();
       if (job.n) std::memcpy(job.dst, job.src, job.n);
       if (job.done->keepalive) job.done->keepalive->release();  // resizable again once the copy is done
       job.done->set();
@@ -199,7 +206,7 @@ class CpuEngine : public CopyEngine {
   }
 
   EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
-                      std::unique_ptr<InFlight> keep) override {
+                      std::unique_ptr<InFlight> keep, bool) override {
     check_usable();
     if (after) {
       TORCH_CHECK_TYPE(dynamic_cast<CpuEvent*>(after.get()), "copy_async: `after` is not a CPU event");

@@ -36,8 +36,23 @@ struct DeviceGuard {
   }
 };
 
+// Every runtime call runs with the engine's device current: a wait or record on
+// the default stream (handle 0) of another device would land on the wrong one.
+struct QuietDeviceGuard {  // for destructors: never throws
+  int prev = -1;
+  bool switched = false;
+  explicit QuietDeviceGuard(int device) {
+    if (cudaGetDevice(&prev) == cudaSuccess && prev != device) switched = cudaSetDevice(device) == cudaSuccess;
+    cudaGetLastError();
+  }
+  ~QuietDeviceGuard() {
+    if (switched) cudaSetDevice(prev);
+  }
+};
+
 struct CudaEvent : Event {
   cudaEvent_t ev = nullptr;
+  cudaEvent_t start = nullptr;  // the copy's start, when issued with timing
   int device;
   CudaEvent(int device, bool timing) : device(device) {
     DeviceGuard g(device);
@@ -45,10 +60,14 @@ struct CudaEvent : Event {
   }
   ~CudaEvent() override {
     // Safe while pending: freed once it completes. A forked child has no CUDA context to free it in.
-    if (ev && !origin.forked()) cudaEventDestroy(ev);
+    if (origin.forked()) return;
+    QuietDeviceGuard g(device);
+    if (ev) cudaEventDestroy(ev);
+    if (start) cudaEventDestroy(start);
   }
   bool query() override {
     check_here();
+    DeviceGuard g(device);
     cudaError_t e = cudaEventQuery(ev);
     if (e == cudaSuccess) return completed();
     if (e == cudaErrorNotReady) {
@@ -59,6 +78,7 @@ struct CudaEvent : Event {
   }
   void synchronize() override {
     check_here();
+    DeviceGuard g(device);
     LW_CUDA(cudaEventSynchronize(ev));
     completed();
   }
@@ -67,8 +87,20 @@ struct CudaEvent : Event {
     TORCH_CHECK_TYPE(e != nullptr, "Event.elapsed_ms: both events must come from the same backend");
     check_here();
     e->check_here();
+    DeviceGuard g(device);
     float ms = 0.f;
     LW_CUDA(cudaEventElapsedTime(&ms, ev, e->ev));
+    return ms;
+  }
+  double copy_ms() override {
+    if (!start || origin.forked()) return -1.0;
+    DeviceGuard g(device);
+    if (cudaEventQuery(ev) != cudaSuccess) {
+      cudaGetLastError();
+      return -1.0;
+    }
+    float ms = 0.f;
+    LW_CUDA(cudaEventElapsedTime(&ms, start, ev));
     return ms;
   }
   // The copy is done: its storages may be resized again.
@@ -104,7 +136,7 @@ class CudaEngine : public CopyEngine {
   }
 
   EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
-                      std::unique_ptr<InFlight> keep) override {
+                      std::unique_ptr<InFlight> keep, bool timing) override {
     check_usable();
     DeviceGuard g(device_);
     cudaStream_t s = streams_[next_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
@@ -114,8 +146,12 @@ class CudaEngine : public CopyEngine {
       a->check_here();
       LW_CUDA(cudaStreamWaitEvent(s, a->ev, 0));
     }
-    auto ev = std::make_shared<CudaEvent>(device_, false);
+    auto ev = std::make_shared<CudaEvent>(device_, timing);
     ev->keepalive = std::move(keep);
+    if (timing) {
+      LW_CUDA(cudaEventCreateWithFlags(&ev->start, cudaEventDefault));
+      LW_CUDA(cudaEventRecord(ev->start, s));
+    }
     if (n) LW_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
     LW_CUDA(cudaEventRecord(ev->ev, s));
     track(ev);
@@ -127,6 +163,7 @@ class CudaEngine : public CopyEngine {
     auto* e = dynamic_cast<CudaEvent*>(ev.get());
     TORCH_CHECK_TYPE(e != nullptr, "wait: not a CUDA event");
     e->check_here();
+    DeviceGuard g(device_);
     LW_CUDA(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), e->ev, 0));
   }
 
@@ -213,17 +250,23 @@ int cuda_device_count_or_throw(const char* what) {
   return count;
 }
 
-std::string cuda_host_register(void* ptr, size_t n) {
-  // Portable: pinned for every device's context, not only the current one.
+std::string cuda_host_register(void* ptr, size_t n, int device) {
+  // Portable: pinned for every device's context. Registered with the target
+  // device current, so that no context is created on another device for it.
+  QuietDeviceGuard g(device < 0 ? 0 : device);
   cudaError_t e = cudaHostRegister(ptr, n, cudaHostRegisterPortable);
   if (e == cudaSuccess) return "";
   cudaGetLastError();
   return std::string("cudaHostRegister failed: ") + cudaGetErrorString(e) + " (" + cudaGetErrorName(e) + ")";
 }
 
-void cuda_wait_for_device() {
+void cuda_wait_for_device(int device) {
   // The arena's pages may still be the source of a copy in flight on some
-  // stream: let every copy finish before they are unpinned and unmapped.
+  // stream of the device it streams to: let every copy finish before they are
+  // unpinned and unmapped.
+  int cur = 0;
+  if (device < 0 && cudaGetDevice(&cur) != cudaSuccess) cur = 0;
+  QuietDeviceGuard g(device < 0 ? cur : device);
   if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
 }
 

@@ -93,31 +93,38 @@ def main(argv: list[str] | None = None) -> int:
     print(f"layerwise {env['layerwise']} bench on {device} ({env['device_name']}), {scale} sizes, "
           f"torch {env['torch']}, {env['torch_threads']} compute thread(s)", file=sys.stderr, flush=True)
     results = []
+    failed = []
+
+    def write_files(final: bool) -> None:
+        # After every suite: a run stopped by a time limit keeps what it measured.
+        if args.json:
+            report.write_json(args.json, results, env)
+        if args.markdown:
+            report.write_markdown(args.markdown, results, env, wide=args.wide)
+        sweep = next((r for r in results if r.name == stream.NAME and r.status == "ok"), None)
+        if args.plot and sweep is not None and (final or results[-1] is sweep):
+            try:
+                report.write_plot(args.plot, sweep, f"layerwise stream sweep on {env['device_name']}")
+            except Exception:  # noqa: BLE001 - e.g. matplotlib missing
+                traceback.print_exc()
+                if final:
+                    failed.append("plot")
+        if final:
+            for path in (args.json, args.markdown, args.plot if sweep is not None else None):
+                if path:
+                    print(f"wrote {path}", file=sys.stderr)
+            if args.plot and sweep is None:
+                print("no plot: the stream suite did not run", file=sys.stderr)
+
     try:
         for name in args.suites or list(SUITES):
             results.append(_run_suite(name, ctx))
-            if args.json:  # after every suite: a run stopped by a time limit keeps what it measured
-                report.write_json(args.json, results, env)
+            write_files(final=False)
     finally:
         torch.set_num_threads(threads)
     report.render_table(results, wide=args.wide)
-    failed = [r.name for r in results if r.status == "error"]
-    if args.json:
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.markdown:
-        report.write_markdown(args.markdown, results, env, wide=args.wide)
-        print(f"wrote {args.markdown}", file=sys.stderr)
-    if args.plot:
-        sweep = next((r for r in results if r.name == stream.NAME and r.status == "ok"), None)
-        if sweep is None:
-            print("no plot: the stream suite did not run", file=sys.stderr)
-        else:
-            try:
-                report.write_plot(args.plot, sweep, f"layerwise stream sweep on {env['device_name']}")
-                print(f"wrote {args.plot}", file=sys.stderr)
-            except Exception:  # noqa: BLE001 - e.g. matplotlib missing
-                traceback.print_exc()
-                failed.append("plot")
+    failed += [r.name for r in results if r.status == "error"]
+    write_files(final=True)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

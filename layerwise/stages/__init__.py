@@ -1,0 +1,18 @@
+"""Stages of a layer's way to its ring slot (DESIGN.md, "Tiers and stages").
+
+The manager asks one question, "make layer i ready in slot s", and gets one
+event back; it does not know how a stage works. A stage object has
+
+    fetch(i, dst, after, timing) -> Event
+
+which queues whatever makes layer i's bytes land in `dst` (the front of its
+slot, a uint8 tensor on the device) once `after` has completed, and returns the
+event that completes when they have. Stages compose by holding the next one:
+a compressed layer read from disk is read -> transfer -> decode. Each stage is
+a small module of this package:
+
+    transfer.py   host arena -> device slot (the copy engine)
+"""
+from .transfer import Transfer
+
+__all__ = ["Transfer"]
