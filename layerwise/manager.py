@@ -556,9 +556,10 @@ class LayerwiseOffloadManager:
         in total and for the last complete step, plus the memory this group uses.
         Never waits for the device unless `sync=True` (then every copy and the
         compute stream are drained first, so every figure is final)."""
-        if sync and self.enabled and self._finalized and self._engine.is_cuda:
+        if sync and self.enabled and self._finalized:
             self._engine.synchronize()
-            torch.cuda.synchronize(self.device)
+            if self._engine.is_cuda:
+                torch.cuda.synchronize(self.device)
         if self._finalized:
             self._resolve_stalls()
         last = self._last_step
@@ -636,6 +637,7 @@ class LayerwiseOffloadManager:
             self._restore_parameters(original_devices)
         self._ring = []
         self._dst = []
+        self._fetch = None  # its stages hold the host blocks
         self._resident_bytes = 0
         self._engine = None
         self._finalized = False
