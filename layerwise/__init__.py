@@ -5,7 +5,7 @@ from .configure import configure_layerwise_offload, remove_layerwise_offload
 from .detect import detect_layer_groups
 from .loading import empty_model, load_offloaded
 from .manager import LayerwiseOffloadManager
-from .report import report
+from .pipelines import offload_pipeline, remove_pipeline_offload, report, report_pipeline
 from .scatter import build_scatter_table, scatter_segment
 
 __all__ = [
@@ -19,8 +19,11 @@ __all__ = [
     "detect_layer_groups",
     "empty_model",
     "load_offloaded",
+    "offload_pipeline",
     "remove_layerwise_offload",
+    "remove_pipeline_offload",
     "report",
+    "report_pipeline",
     "scatter_segment",
 ]
 __version__ = "0.1.0"

@@ -142,6 +142,52 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
     return managers
 
 
+def configure_models(parts, dev) -> None:
+    """Several models' layer groups in one pass (layerwise.offload_pipeline).
+
+    `parts`: [(model, managers)], every manager prepared (initialize=False) and
+    validated; a model with no managers only moves to `dev`. The multi-group
+    rule of configure_layerwise_offload, across models: every group of every
+    model is packed (largest first, whichever model it belongs to) before any
+    `model.to`, then one `model.to(dev)` per model, then every model's managers
+    are finalised in declaration order. Startup device memory therefore does not
+    depend on the order of the models either. A failure or Ctrl-C anywhere puts
+    every model back exactly as it was (contract.rollback_on_failure, one per
+    model, unwound with interrupts held back)."""
+    guards, entered = [contract.rollback_on_failure(model, managers) for model, managers in parts], []
+    try:
+        for guard in guards:
+            guard.__enter__()  # snapshots where every weight lives; changes nothing
+            entered.append(guard)
+        enabled = [m for _, managers in parts for m in managers if m.enabled]
+        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
+            m._initialize_layer_weights()
+        for model, _ in parts:
+            move_non_layer_weights(model, dev)
+        for _, managers in parts:
+            for m in managers:
+                m._finalize_initialization()
+    except BaseException as e:
+        with contract.defer_interrupts():
+            for guard in reversed(entered):
+                try:
+                    guard.__exit__(type(e), e, e.__traceback__)  # rolls its model back, re-raises nothing new
+                except BaseException as rollback_error:  # noqa: BLE001 - keep unwinding the other models
+                    if rollback_error is not e:
+                        log.error("layerwise: rolling back a model failed: %r", rollback_error)
+        raise
+    for guard in reversed(entered):
+        guard.__exit__(None, None, None)  # commit: drop what a rollback would have needed
+    for model, managers in parts:
+        if not managers:
+            continue
+        enabled = [m for m in managers if m.enabled]
+        for a, b in zip(enabled, enabled[1:] + enabled[:1]):
+            a.next_manager = b
+        contract.attach(model, managers)
+        _log_summary(model, managers, dev)
+
+
 def _log_summary(model, managers, dev) -> None:
     per_dtype: dict = {}
     for m in managers:

@@ -13,10 +13,13 @@ import torch
 
 import layerwise
 
-from . import h2d, hooks, report, scatter, startup, stream
+from . import h2d, hooks, pipeline, report, scatter, startup, stream
 from .common import Context, Skip, SuiteResult
 
-SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks)}
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks, pipeline)}
+# Run only when named: it needs diffusers and transformers, and starts a fresh
+# interpreter per method (python -m layerwise.bench pipeline).
+ON_REQUEST = {pipeline.NAME}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Benchmark layerwise weight streaming against torch copies and other offload schemes.",
     )
     p.add_argument("suites", nargs="*", metavar="SUITE",
-                   help=f"suites to run, any of: {', '.join(SUITES)} (default: all)")
+                   help=f"suites to run, any of: {', '.join(SUITES)} (default: all but "
+                        f"{', '.join(sorted(ON_REQUEST))}, which run when named)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when a GPU is visible and layerwise was built with CUDA, else cpu")
     p.add_argument("--quick", action="store_true",
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("no plot: the stream suite did not run", file=sys.stderr)
 
     try:
-        for name in args.suites or list(SUITES):
+        for name in args.suites or [name for name in SUITES if name not in ON_REQUEST]:
             results.append(_run_suite(name, ctx))
             write_files(final=False)
     finally:

@@ -1,0 +1,897 @@
+"""offload_pipeline: a whole diffusers pipeline (or any object holding several
+models) streamed with one call, its host memory spent where it saves the most.
+
+A pipeline's components run one after another and compete for host memory.
+Three decisions are made for the whole pipeline, before anything changes:
+
+placement   which components stream their block lists (layerwise.detect_layer_groups,
+            or the layer names given) and which move whole to the device (the
+            small rest: a component without block lists).
+pins        pinned host memory goes to the groups whose bytes cross the bus most
+            often per request: bytes x uses, where the denoiser runs once per
+            inference step and an encoder once (or uses counted by the hooks in a
+            warm-up call, or given). The choice that streams the most pinned bytes
+            per request within the pin budget wins (exactly, over every subset of
+            groups); the others stay pageable (`pin_memory=False`) and exact.
+startup     configure.configure_models: every group of every component packed,
+            largest first, before any `model.to`; one `model.to` per component;
+            a failure anywhere rolls every component back.
+
+`pin_budget="auto"` is what this process may lock (pinnable_host_bytes): the
+tightest of its cgroup's memory limit, RLIMIT_MEMLOCK (unless the process has
+CAP_IPC_LOCK) and the host's available memory, each less a reserve.
+
+While offloaded, the pipeline's own `to` (to another device or dtype),
+`enable_model_cpu_offload`, `enable_sequential_cpu_offload` and
+`enable_group_offload` are refused by instance attributes that name the
+remedy (remove_pipeline_offload first); `pipe.to(<the streaming device>)` is
+allowed and changes nothing. remove_pipeline_offload puts every weight back
+where it was before offload_pipeline (usually the host), so a pipeline larger
+than the device can be given back whole.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import os
+import resource
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import contract
+from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
+from .configure import _prepare, configure_models, managers_of
+from .options import resolve_device, validate_depth
+from .plan import local_tensor
+from .report import report as model_report
+
+log = logging.getLogger("layerwise")
+
+GiB = 1 << 30
+RESERVE_FRACTION = 0.05  # of a memory limit, kept for everything else the process needs
+RESERVE_MIN = 2 * GiB  # ... and at least this much of a cgroup's or the host's memory
+_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a huge page-rounded number
+_CAP_IPC_LOCK = 14
+EXACT_PIN_GROUPS = 14  # up to this many streamed groups the pin choice is exact (every subset)
+DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_steps default
+
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the cgroup hierarchies are mounted (tests point these at fake files)
+PROC_SELF = "/proc/self"
+
+_STATE = "_layerwise_pipeline"
+REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
+_OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
+            "debug_copy_delay_us", "uses")
+
+
+# ------------------------------------------------------------ host limits
+@dataclass
+class HostLimit:
+    """One bound on the host memory this process may pin."""
+
+    source: str  # "cgroup", "memlock", "host"
+    cap: int  # the limit itself (the cgroup's memory.max, RLIMIT_MEMLOCK, the host's RAM)
+    room: int  # what is left of it for a host arena (weights about to be packed count as free)
+    reserve: int  # kept back from the room
+    where: str  # the file or call it was read from
+
+    @property
+    def budget(self) -> int:
+        return max(0, self.room - self.reserve)
+
+    def describe(self) -> str:
+        return (f"{self.source} {fmt_bytes(self.cap)} ({self.where}): {fmt_bytes(self.room)} free for arenas, "
+                f"less a reserve of {fmt_bytes(self.reserve)}")
+
+
+@dataclass
+class PinBudget:
+    bytes: int
+    limits: list  # every HostLimit that was read; the tightest decides
+    auto: bool
+
+    @property
+    def source(self) -> str:
+        if not self.auto:
+            return "given"
+        tight = min(self.limits, key=lambda lim: lim.budget)
+        return f"auto: {tight.describe()}"
+
+
+def _read_limit(path: str) -> int | None:
+    """A memory limit file: bytes, or None for no limit (or no such file)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _UNLIMITED else value
+
+
+def _cgroup_dirs(cgroup_root: str, proc_self: str) -> list[tuple[str, str, str]]:
+    """(directory, limit file, usage file) of every cgroup whose memory limit applies
+    to this process: its own cgroup and each ancestor, in the v2 hierarchy and the
+    v1 memory hierarchy, as far as they are visible under `cgroup_root`. The root
+    itself is always a candidate (in a container, /sys/fs/cgroup is usually the
+    container's own cgroup, whatever /proc/self/cgroup says)."""
+    own = {"v2": "/", "v1": "/"}
+    try:
+        with open(os.path.join(proc_self, "cgroup")) as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) != 3:
+                    continue
+                hid, controllers, path = parts
+                if hid == "0" and controllers == "":
+                    own["v2"] = path or "/"
+                elif "memory" in controllers.split(","):
+                    own["v1"] = path or "/"
+    except OSError:
+        pass
+    out = []
+    for version, base, limit, usage in (("v2", cgroup_root, "memory.max", "memory.current"),
+                                        ("v1", os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes",
+                                         "memory.usage_in_bytes")):
+        parts = [p for p in own[version].split("/") if p and p not in (".", "..")]
+        for k in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:k])
+            if os.path.isfile(os.path.join(d, limit)) and d not in [o[0] for o in out]:
+                out.append((d, limit, usage))
+    return out
+
+
+def _proc_status(proc_self: str) -> dict:
+    out = {}
+    try:
+        with open(os.path.join(proc_self, "status")) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                out[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def _memlock_limit(proc_self: str) -> int | None:
+    """RLIMIT_MEMLOCK's soft limit in bytes (None: unlimited), from <proc_self>/limits,
+    else resource.getrlimit."""
+    try:
+        with open(os.path.join(proc_self, "limits")) as f:
+            for line in f:
+                if line.startswith("Max locked memory"):
+                    soft = line[len("Max locked memory"):].split()[0]
+                    return None if soft == "unlimited" else int(soft)
+    except (OSError, ValueError, IndexError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of the host's memory, as psutil sees them."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total)
+
+
+def host_limits(held_bytes: int = 0, cgroup_root: str | None = None, proc_self: str | None = None,
+                lock: bool = True) -> list[HostLimit]:
+    """Every bound on the host memory this process may fill (lock=True: and pin).
+
+    `held_bytes`: bytes of weights the process holds now that an arena will
+    replace (they are freed as they are packed), counted as free.
+
+    - cgroup: the tightest memory limit of this process's cgroup or an ancestor
+      (v2 memory.max less memory.current, v1 memory.limit_in_bytes less
+      memory.usage_in_bytes), reserve max(5%, 2 GiB) of the limit;
+    - memlock (lock=True): RLIMIT_MEMLOCK less what is locked already (VmLck),
+      reserve 5%; absent when the limit is unlimited or the process has
+      CAP_IPC_LOCK (root usually has), which is not bound by it;
+    - host: psutil's available memory, reserve max(5%, 2 GiB) of the RAM.
+
+    `cgroup_root` / `proc_self` default to CGROUP_ROOT / PROC_SELF.
+    """
+    cgroup_root = CGROUP_ROOT if cgroup_root is None else cgroup_root
+    proc_self = PROC_SELF if proc_self is None else proc_self
+    limits = []
+    best = None
+    for d, limit_file, usage_file in _cgroup_dirs(cgroup_root, proc_self):
+        cap = _read_limit(os.path.join(d, limit_file))
+        if cap is None:
+            continue
+        usage = _read_limit(os.path.join(d, usage_file)) or 0
+        room = max(0, cap - usage) + held_bytes
+        lim = HostLimit("cgroup", cap, room, max(int(RESERVE_FRACTION * cap), RESERVE_MIN),
+                        os.path.join(d, limit_file))
+        if best is None or lim.budget < best.budget:
+            best = lim
+    if best is not None:
+        limits.append(best)
+    if lock:
+        status = _proc_status(proc_self)
+        try:
+            cap_ipc_lock = bool(int(status.get("CapEff", "0"), 16) >> _CAP_IPC_LOCK & 1)
+        except ValueError:
+            cap_ipc_lock = False
+        soft = _memlock_limit(proc_self)
+        if soft is not None and not cap_ipc_lock:
+            locked = int(status.get("VmLck", "0 kB").split()[0]) * 1024
+            limits.append(HostLimit("memlock", soft, max(0, soft - locked), int(RESERVE_FRACTION * soft),
+                                    "RLIMIT_MEMLOCK"))
+    available, total = _host_memory()
+    limits.append(HostLimit("host", total, available + held_bytes, max(int(RESERVE_FRACTION * total), RESERVE_MIN),
+                            "psutil available memory"))
+    return limits
+
+
+def pinnable_host_bytes(held_bytes: int = 0, cgroup_root: str | None = None,
+                        proc_self: str | None = None) -> PinBudget:
+    """What `pin_budget="auto"` resolves to: the tightest of host_limits(), each
+    less its reserve."""
+    limits = host_limits(held_bytes, cgroup_root, proc_self, lock=True)
+    return PinBudget(min(lim.budget for lim in limits), limits, auto=True)
+
+
+# ------------------------------------------------------------ components
+@dataclass
+class GroupPin:
+    """The pin decision for one streamed group (one manager)."""
+
+    layer_name: str
+    manager: object
+    arena_bytes: int  # host bytes the group's arena takes (what pinning it locks)
+    streamed_bytes: int  # bytes that cross the bus each time the group runs
+    uses: int  # times the group runs per request
+    uses_source: str
+    pin: bool | str = False  # what its manager was given: True / "auto" / False
+    why: str = ""
+
+    @property
+    def value(self) -> int:
+        return self.streamed_bytes * self.uses
+
+
+@dataclass
+class Component:
+    name: str
+    module: nn.Module
+    layer_names: list | None  # None: resident (the whole component on the device)
+    why: str  # why it streams or stays resident
+    managers: list = field(default_factory=list)
+    groups: list = field(default_factory=list)  # GroupPin per manager
+    uses: int = 1
+    uses_source: str = ""
+    devices: list = field(default_factory=list)  # where every weight lived before (contract snapshot)
+    weight_bytes: int = 0
+
+
+@dataclass
+class PipelineState:
+    device: torch.device
+    components: list
+    pin_budget: PinBudget | None
+    pin_memory: bool | str
+    patched: dict  # name -> the refusing function put on the instance
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in module.parameters())
+
+
+def _components_of(pipe) -> dict[str, nn.Module]:
+    """The nn.Module components of a pipeline: diffusers' `components`, else the
+    object's attributes that are modules (the same module under two names counts once)."""
+    if isinstance(pipe, nn.Module):
+        raise TypeError(
+            f"offload_pipeline takes a pipeline (an object holding several models), got the model "
+            f"{type(pipe).__name__}; stream one model with "
+            "layerwise.configure_layerwise_offload(model, 'auto', device=...)"
+        )
+    comps = getattr(pipe, "components", None)
+    items = comps.items() if isinstance(comps, Mapping) else vars(pipe).items()
+    out: dict[str, nn.Module] = {}
+    seen: dict[int, str] = {}
+    for name, mod in items:
+        if not isinstance(mod, nn.Module) or name.startswith("_"):
+            continue
+        if id(mod) in seen:
+            log.info("layerwise: component %r is the same module as %r: handled once, as %r", name, seen[id(mod)],
+                     seen[id(mod)])
+            continue
+        seen[id(mod)] = name
+        out[name] = mod
+    if not out:
+        raise TypeError(f"{type(pipe).__name__} holds no nn.Module component to offload")
+    return out
+
+
+def _select(comps: dict[str, nn.Module], components) -> list[Component]:
+    """Which components stream which block lists; the others are resident."""
+    if isinstance(components, str):
+        if components != "auto":
+            raise ValueError(f"components must be 'auto', a list of component names or a dict, got {components!r}")
+        spec, explicit = {name: "auto" for name in comps}, False
+    elif isinstance(components, Mapping):
+        spec, explicit = dict(components), True
+    elif isinstance(components, Sequence) and all(isinstance(n, str) for n in components):
+        spec, explicit = {name: "auto" for name in components}, True
+    else:
+        raise TypeError(f"components must be 'auto', a list of component names or a dict, got {components!r}")
+    unknown = [n for n in spec if n not in comps]
+    if unknown:
+        raise ValueError(f"components {unknown} are not nn.Module components of the pipeline; it has "
+                         f"{sorted(comps)}")
+    from .detect import detect_layer_groups
+
+    out = []
+    for name, module in comps.items():
+        if name not in spec:
+            out.append(Component(name, module, None, "not named in components: moved whole to the device"))
+            continue
+        layers = spec[name]
+        if layers is None:
+            out.append(Component(name, module, None, f"components[{name!r}] is None: moved whole to the device"))
+        elif isinstance(layers, str) and layers == "auto":
+            try:
+                names = detect_layer_groups(module)
+            except ValueError:
+                if explicit:
+                    raise ValueError(
+                        f"component {name!r} ({type(module).__name__}) has no block list that "
+                        "detect_layer_groups recognises: name its layer lists, e.g. components="
+                        f"{{{name!r}: ['blocks']}}, or None to keep it whole on the device"
+                    ) from None
+                out.append(Component(name, module, None, "no block list found: moved whole to the device"))
+                continue
+            out.append(Component(name, module, names, "block lists found by detect_layer_groups"))
+        else:
+            names = [layers] if isinstance(layers, str) else layers
+            out.append(Component(name, module, list(names), "layer names given in components"))
+    return out
+
+
+def _check_disjoint(parts: list[Component]) -> None:
+    owner: dict[int, str] = {}
+    for c in parts:
+        for p in c.module.parameters():
+            if id(p) in owner and owner[id(p)] != c.name:
+                raise ValueError(f"components {owner[id(p)]!r} and {c.name!r} share parameters: offload_pipeline "
+                                 "needs each weight in one component")
+            owner[id(p)] = c.name
+
+
+def _default_steps(pipe) -> int:
+    try:
+        p = inspect.signature(type(pipe).__call__).parameters.get("num_inference_steps")
+    except (TypeError, ValueError):
+        p = None
+    if p is not None and isinstance(p.default, int) and p.default > 0:
+        return p.default
+    return DEFAULT_DENOISER_USES
+
+
+def is_denoiser(name: str, module: nn.Module) -> bool:
+    cls = type(module).__name__
+    return (name in ("transformer", "unet") or name.startswith(("transformer_", "unet_"))
+            or "Transformer" in cls or "UNet" in cls)
+
+
+def _uses(pipe, c: Component, uses) -> tuple[int, str]:
+    if isinstance(uses, Mapping) and c.name in uses:
+        return uses[c.name], "given"
+    if is_denoiser(c.name, c.module):
+        n = _default_steps(pipe)
+        return n, f"denoiser: once per step, {n} = {type(pipe).__name__}'s default num_inference_steps"
+    return 1, "once per request"
+
+
+def _validate_uses(uses, names) -> None:
+    if uses is None or callable(uses):
+        return
+    if not isinstance(uses, Mapping):
+        raise TypeError(f"uses must be a dict {{component: runs per request}}, a warm-up callable or None, "
+                        f"got {uses!r}")
+    for k, v in uses.items():
+        if isinstance(k, tuple):  # (component, group): counted in a warm-up call
+            k = k[0]
+        if k not in names:
+            raise ValueError(f"uses names {k!r}, which is not a component of the pipeline ({sorted(names)})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"uses[{k!r}] must be an int >= 0 (runs per request), got {v!r}")
+
+
+# ------------------------------------------------------------- pin choice
+def choose_pins(groups: list[GroupPin], budget: int | None) -> set[int]:
+    """Indices of the groups to pin: the set with the most streamed bytes x uses
+    whose arenas fit `budget` (None: no limit). Exact over every subset up to
+    EXACT_PIN_GROUPS groups (ties: fewer pinned bytes), else greedy by bytes x
+    uses. A group that never runs is never pinned."""
+    idx = [i for i, g in enumerate(groups) if g.value > 0]
+    if budget is None:
+        return set(idx)
+    if len(idx) > EXACT_PIN_GROUPS:
+        chosen, left = set(), budget
+        for i in sorted(idx, key=lambda i: (-groups[i].value, i)):
+            if groups[i].arena_bytes <= left:
+                chosen.add(i)
+                left -= groups[i].arena_bytes
+        return chosen
+    best, best_key = set(), (0, 0)
+    for r in range(1, len(idx) + 1):
+        for subset in itertools.combinations(idx, r):
+            size = sum(groups[i].arena_bytes for i in subset)
+            if size > budget:
+                continue
+            key = (sum(groups[i].value for i in subset), -size)
+            if key > best_key:
+                best, best_key = set(subset), key
+    return best
+
+
+def _resolve_pin_budget(pin_budget, held: int) -> PinBudget | None:
+    if pin_budget is None:
+        return None
+    if isinstance(pin_budget, str):
+        if pin_budget != "auto":
+            raise ValueError(f"pin_budget must be a number of bytes, 'auto' or None, got {pin_budget!r}")
+        return pinnable_host_bytes(held)
+    if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) or pin_budget < 0:
+        raise ValueError(f"pin_budget must be a number of bytes >= 0, 'auto' or None, got {pin_budget!r}")
+    return PinBudget(int(pin_budget), [], auto=False)
+
+
+def _plan_pins(parts: list[Component], budget: PinBudget | None, pin_memory) -> None:
+    groups = [g for c in parts for g in c.groups]
+    if pin_memory is False:
+        for g in groups:
+            g.pin, g.why = False, "pageable: pin_memory=False"
+        return
+    chosen = choose_pins(groups, None if budget is None else budget.bytes)
+    order = sorted(range(len(groups)), key=lambda i: (-groups[i].value, i))
+    rank = {i: k + 1 for k, i in enumerate(order)}
+    pinned = sum(groups[i].arena_bytes for i in chosen)
+    for i, g in enumerate(groups):
+        worth = f"rank {rank[i]} of {len(groups)} by bytes x uses ({fmt_bytes(g.streamed_bytes)} x {g.uses})"
+        if i in chosen:
+            g.pin = pin_memory
+            g.why = "pinned: " + worth + (" within the pin budget" if budget is not None else ", no pin budget")
+        elif g.value == 0:
+            g.pin, g.why = False, "pageable: it does not run in a request (0 uses)"
+        else:
+            g.pin = False
+            g.why = (f"pageable: {worth}; its arena ({fmt_bytes(g.arena_bytes)}) did not fit the pin budget "
+                     f"({fmt_bytes(budget.bytes)}, {fmt_bytes(pinned)} of it pinned for groups worth more)")
+    if pin_memory is True:
+        left = [f"{c.name}.{g.layer_name}" for c in parts for g in c.groups if g.pin is False]
+        if left:
+            raise ValueError(
+                f"pin_memory=True asks every arena to be pinned, but the pin budget of {fmt_bytes(budget.bytes)} "
+                f"({budget.source}) leaves {left} pageable; raise pin_budget, pass pin_budget=None, or use "
+                "pin_memory='auto' (pinned within the budget, pageable beyond it)"
+            )
+
+
+# ----------------------------------------------------------- device plan
+def _plan_device_budget(parts: list[Component], dev, device_budget, margin, policy, resident_layers) -> None:
+    """Split one device budget across components: resident components and every
+    component's non-layer weights and rings first; what is left makes layers
+    resident, in the order of bytes x uses (the denoiser first)."""
+    if device_budget is None:
+        return
+    check_explicit_residency(device_budget, resident_layers)
+    streamed = [c for c in parts if c.managers]
+    if isinstance(device_budget, str) and device_budget == "auto" and dev.type == "cpu":
+        for c in streamed:  # plans nothing on a CPU device, and says so (budget.apply_device_budget)
+            apply_device_budget(c.module, c.managers, dev, "auto", margin, policy)
+        return
+    total = resolve_budget(dev, device_budget, margin)
+    whole = sum(_param_bytes(c.module) + sum(b.numel() * b.element_size() for b in c.module.buffers())
+                for c in parts if not c.managers)
+
+    def minimum(c: Component) -> int:
+        depth = max((m.prefetch_depth for m in c.managers), default=0)
+        return non_layer_bytes(c.module, c.managers) + sum(m._device_bytes([], depth) for m in c.managers if m.enabled)
+
+    need = {c.name: minimum(c) for c in streamed}
+    left = total - whole
+    order = sorted(streamed, key=lambda c: -c.uses * sum(m._managed_parameter_bytes() for m in c.managers))
+    for k, c in enumerate(order):
+        later = sum(need[o.name] for o in order[k + 1:])  # the least every component after this one needs
+        mine = left - later
+        try:
+            plan = apply_device_budget(c.module, c.managers, dev, max(0, mine), None, policy)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"device_budget {fmt_bytes(total)}: component {c.name!r} gets {fmt_bytes(max(0, mine))} after "
+                f"{fmt_bytes(whole)} of resident components and {fmt_bytes(later)} that the components after it "
+                f"need at least: {e}"
+            ) from None
+        left -= plan["needed"]
+
+
+# --------------------------------------------------------------- public
+def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int = 1, pin_budget="auto",
+                     host_budget=None, device_budget=None, **options) -> dict[str, list]:
+    """Stream a whole pipeline's block lists to `device`; the rest goes there whole.
+
+    pipe: a diffusers DiffusionPipeline (its `components`), or any object whose
+        attributes include nn.Modules.
+    components: "auto" (every component with block lists streams them, the
+        others move whole to the device), a list of component names (those
+        stream, detected block lists; the others move whole), or a dict
+        {component: "auto" | layer name(s) | None (whole on the device)}.
+    pin_budget: bytes of host memory that may be pinned, "auto" (see
+        pinnable_host_bytes) or None (no limit). Groups that do not fit are
+        pageable, and exact.
+    host_budget: bytes (or "auto") the streamed arenas may take; more is an
+        error for now (a disk tier is not implemented yet).
+    device_budget: bytes or "auto", shared by every component (budget.py plans
+        resident layers; the denoiser gets them first).
+    options: resident_layers, residency_policy, pin_memory ("auto" default,
+        True: every arena pinned or an error, False: none), budget_margin,
+        num_copy_streams, debug_copy_delay_us as in configure_layerwise_offload,
+        and `uses`: {component: runs per request}, or a callable warm-up
+        `uses(pipe)` whose runs are counted by the hooks (the pipeline is
+        offloaded pageable for it, then offloaded again with the counts).
+
+    Returns {component name: [LayerwiseOffloadManager, ...]} for the streamed
+    components. Everything is validated and planned before any component
+    changes; a failure while packing puts every component back as it was.
+    """
+    bad = [k for k in options if k not in _OPTIONS]
+    if bad:
+        raise TypeError(f"offload_pipeline got unexpected option(s) {bad}; it takes {list(_OPTIONS)}")
+    uses = options.pop("uses", None)
+    if callable(uses) and not isinstance(uses, Mapping):
+        return _offload_with_warmup(pipe, uses, device, components, prefetch_depth, pin_budget, host_budget,
+                                    device_budget, options)
+    pin_memory = options.pop("pin_memory", "auto")
+    if pin_memory not in (True, False, "auto"):
+        raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
+    resident_layers = options.get("resident_layers", 0)
+    budget_margin = options.pop("budget_margin", None)
+    if _STATE in getattr(pipe, "__dict__", {}):
+        raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
+                           "layerwise.remove_pipeline_offload(pipe) first")
+    validate_depth(prefetch_depth)
+    dev = resolve_device(device)
+    comps = _components_of(pipe)
+    _validate_uses(uses, comps)
+    parts = _select(comps, components)
+    _check_disjoint(parts)
+
+    # Plan every component; nothing in the pipeline changes until configure_models.
+    for c in parts:
+        if managers_of(c.module):
+            raise RuntimeError(f"component {c.name!r} ({type(c.module).__name__}) is already configured for "
+                               f"layerwise offload; call layerwise.remove_layerwise_offload(pipe.{c.name}) first")
+        c.weight_bytes = _param_bytes(c.module)
+        if c.layer_names is None:
+            contract.check_configurable(c.module, [])
+            continue
+        c.managers, _ = _prepare(c.module, c.layer_names, dev, prefetch_depth, resident_layers,
+                                 options.get("residency_policy", "leading"), "auto",
+                                 options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"))
+        contract.check_configurable(c.module, c.managers)
+    for c in parts:
+        c.uses, c.uses_source = _uses(pipe, c, uses)
+    _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
+                        resident_layers)
+    for c in parts:
+        for m in c.managers:
+            if not m.enabled:
+                continue
+            counted = uses.get((c.name, m.layer_name)) if isinstance(uses, Mapping) else None
+            n, source = (counted, "counted in a warm-up call") if counted is not None else (c.uses, c.uses_source)
+            resident = set(m.resident)
+            streamed = sum(lp.nbytes for lp in m.plan.layers if lp.index not in resident)
+            c.groups.append(GroupPin(m.layer_name, m, m._arena_capacity(), streamed, n, source))
+        if c.groups and any(g.uses_source == "counted in a warm-up call" for g in c.groups):
+            c.uses, c.uses_source = max(g.uses for g in c.groups), "counted in a warm-up call"
+    arena = sum(g.arena_bytes for c in parts for g in c.groups)
+    _check_host_budget(host_budget, arena, _held_bytes(parts))
+    budget = _resolve_pin_budget(pin_budget, _held_bytes(parts))
+    _plan_pins(parts, budget, pin_memory)
+    for c in parts:
+        for g in c.groups:
+            g.manager.pin_memory = g.pin
+        c.devices = contract._snapshot_devices(c.module)
+
+    state = PipelineState(dev, parts, budget, pin_memory, {})
+    configure_models([(c.module, c.managers) for c in parts], dev)
+    try:
+        _patch(pipe, state)
+        pipe.__dict__[_STATE] = state
+    except BaseException:
+        with contract.defer_interrupts():
+            _unpatch(pipe, state)
+            for c in parts:
+                _restore_component(c)
+        raise
+    pinned = [f"{c.name}.{g.layer_name}" for c in parts for g in c.groups if g.manager.stats()["arena_pinned"]]
+    log.info("layerwise: %s offloaded to %s: streamed %s, whole on the device %s; pin budget %s (%s); pinned %s",
+             type(pipe).__name__, dev, [c.name for c in parts if c.managers],
+             [c.name for c in parts if not c.managers],
+             "none" if budget is None else fmt_bytes(budget.bytes), "no limit" if budget is None else budget.source,
+             pinned or "nothing")
+    return {c.name: list(c.managers) for c in parts if c.managers}
+
+
+def _held_bytes(parts: list[Component]) -> int:
+    """Bytes of streamed weights in host memory now: the arenas replace them."""
+    total = 0
+    for c in parts:
+        for m in c.managers:
+            for lp in m.plan.layers:
+                for e in lp.params:
+                    if e.param.device.type == "cpu":
+                        total += e.span_bytes
+    return total
+
+
+def _check_host_budget(host_budget, arena_bytes: int, held: int) -> None:
+    if host_budget is None:
+        return
+    if isinstance(host_budget, str):
+        if host_budget != "auto":
+            raise ValueError(f"host_budget must be a number of bytes, 'auto' or None, got {host_budget!r}")
+        limits = host_limits(held, lock=False)
+        tight = min(limits, key=lambda lim: lim.budget)
+        budget, how = tight.budget, f"auto: {tight.describe()}"
+    elif isinstance(host_budget, bool) or not isinstance(host_budget, (int, float)) or host_budget < 0:
+        raise ValueError(f"host_budget must be a number of bytes >= 0, 'auto' or None, got {host_budget!r}")
+    else:
+        budget, how = int(host_budget), "given"
+    if arena_bytes > budget:
+        raise ValueError(
+            f"host_budget {fmt_bytes(budget)} ({how}) is too small: the streamed components' host arenas need "
+            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes). Keeping part of the weights on disk (the disk tier) "
+            "is not implemented yet: raise host_budget, or stream fewer components (components=...)"
+        )
+
+
+def _offload_with_warmup(pipe, warmup: Callable, device, components, prefetch_depth, pin_budget, host_budget,
+                         device_budget, options) -> dict[str, list]:
+    """uses=<callable>: offload pageable, run the warm-up, count how often each
+    group ran (its first layer's hook), put the pipeline back and offload it
+    again with those counts."""
+    counting = {**options, "pin_memory": False}
+    managers = offload_pipeline(pipe, device, components, prefetch_depth, None, host_budget, device_budget,
+                                **counting)
+    try:
+        before = {(name, m.layer_name): m.stats()["steps"] for name, ms in managers.items() for m in ms}
+        warmup(pipe)
+        counted = {(name, m.layer_name): m.stats()["steps"] - before[(name, m.layer_name)]
+                   for name, ms in managers.items() for m in ms}
+    finally:
+        remove_pipeline_offload(pipe)
+    log.info("layerwise: runs per request counted in the warm-up call: %s",
+             ", ".join(f"{c}.{g}: {n}" for (c, g), n in counted.items()))
+    return offload_pipeline(pipe, device, components, prefetch_depth, pin_budget, host_budget, device_budget,
+                            uses=counted, **options)
+
+
+# ----------------------------------------------------- refused pipeline calls
+_REMEDY = {
+    "to": "to move or cast the pipeline, call layerwise.remove_pipeline_offload(pipe) first, then "
+          "pipe.to(...), then layerwise.offload_pipeline(pipe, ...) again if you want streaming back. "
+          "pipe.to({dev!r}) itself is allowed (the pipeline is there already)",
+    "enable_model_cpu_offload": "layerwise already streams this pipeline from host memory. To use diffusers' model "
+                                "offload instead, call layerwise.remove_pipeline_offload(pipe) first, then "
+                                "pipe.enable_model_cpu_offload(...)",
+    "enable_sequential_cpu_offload": "layerwise already streams this pipeline from host memory. To use diffusers' "
+                                     "sequential offload instead, call layerwise.remove_pipeline_offload(pipe) "
+                                     "first, then pipe.enable_sequential_cpu_offload(...)",
+    "enable_group_offload": "layerwise already streams this pipeline block by block. To use diffusers' group "
+                            "offload instead, call layerwise.remove_pipeline_offload(pipe) first, then "
+                            "pipe.enable_group_offload(...)",
+}
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        ia = a.index if a.index is not None else torch.cuda.current_device()
+        return ia == b.index
+    return True
+
+
+def _to_target(args, kwargs):
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif a is not None:
+            device = a
+    return (torch.device(device) if device is not None else None), dtype
+
+
+def _refuse(pipe, name: str, state: PipelineState):
+    cls = type(pipe).__name__
+    remedy = _REMEDY[name].format(dev=str(state.device))
+    original = getattr(pipe, name)
+
+    if name == "to":
+        def guarded(*args, **kwargs):
+            try:
+                device, dtype = _to_target(args, kwargs)
+            except (RuntimeError, TypeError):
+                device, dtype = torch.device("meta"), None  # not a device: refused below
+            if dtype is None and (device is None or _same_device(device, state.device)):
+                return original(*args, **kwargs)  # everything is on that device already
+            call = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+            raise RuntimeError(f"layerwise: {cls}.to({call}) is refused while the pipeline is offloaded by "
+                               f"layerwise.offload_pipeline (its block lists stream from host memory to "
+                               f"{state.device}); {remedy}. Nothing was changed.")
+    else:
+        def guarded(*args, **kwargs):
+            raise RuntimeError(f"layerwise: {cls}.{name}() is refused while the pipeline is offloaded by "
+                               f"layerwise.offload_pipeline: {remedy}. Nothing was changed.")
+
+    functools.update_wrapper(guarded, original)
+    guarded._layerwise = True
+    return guarded
+
+
+def _patch(pipe, state: PipelineState) -> None:
+    for name in REFUSED:
+        if callable(getattr(pipe, name, None)):
+            state.patched[name] = _refuse(pipe, name, state)
+    for name, fn in state.patched.items():
+        pipe.__dict__[name] = fn  # an instance attribute: diffusers' __setattr__ would register it in the config
+
+
+def _unpatch(pipe, state: PipelineState) -> None:
+    for name, fn in state.patched.items():
+        if pipe.__dict__.get(name) is fn:
+            del pipe.__dict__[name]
+    pipe.__dict__.pop(_STATE, None)
+
+
+def remove_pipeline_offload(pipe):
+    """Undo offload_pipeline: every weight back where it was before (ordinary
+    tensors, usually on the host), no hooks, arenas and rings freed, the
+    pipeline's own methods back. Returns the pipeline."""
+    state: PipelineState | None = getattr(pipe, "__dict__", {}).get(_STATE)
+    if state is None:
+        raise RuntimeError(f"{type(pipe).__name__} is not offloaded by layerwise.offload_pipeline")
+    for c in state.components:  # a failure half way leaves the rest offloaded: call it again
+        _restore_component(c)
+    _unpatch(pipe, state)
+    return pipe
+
+
+def _restore_component(c: Component) -> None:
+    managers = managers_of(c.module)
+    if managers:
+        with contract.model_lock(c.module), torch.no_grad():
+            for m in managers:
+                if m._finalized:
+                    # Resident layers are ordinary device tensors (load_state_dict writes
+                    # there): their arena copy may be stale, so bring it up to date first.
+                    for i in m.resident:
+                        block = m._host_blocks[i]
+                        for e in m.plan.layers[i].params:
+                            e.view_in(block).copy_(local_tensor(e.param.data))
+                m.remove(original_devices=True)
+            contract.detach(c.module)
+    with torch.no_grad():
+        contract._restore_devices(c.devices)
+    c.managers, c.devices = [], []
+
+
+def is_offloaded_pipeline(obj) -> bool:
+    return _STATE in getattr(obj, "__dict__", {})
+
+
+# ----------------------------------------------------------------- report
+WIDTH = 120
+_COLUMNS = [("component", "component", str), ("class", "class", str), ("placement", "placement", str),
+            ("weights", "weight_bytes", fmt_bytes), ("host arena", "arena_bytes", fmt_bytes),
+            ("pinned", "pinned", str), ("uses", "uses", str)]
+
+
+class PipelineReport(dict):
+    """{"device", "pin_budget", "components": [...]}: prints as a table within
+    120 columns, the pin budget, then plain lines per component and group."""
+
+    def table(self) -> str:
+        cells = [[h for h, _, _ in _COLUMNS]]
+        for r in self["components"]:
+            cells.append(["-" if r.get(k) is None else fmt(r[k]) for _, k, fmt in _COLUMNS])
+        widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+        over = sum(widths) + 2 * (len(widths) - 1) - WIDTH
+        if over > 0:  # long class names give way first
+            widths[1] = max(len("class"), widths[1] - over)
+            for row in cells:
+                row[1] = row[1] if len(row[1]) <= widths[1] else row[1][: widths[1] - 3] + "..."
+        lines = ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip()
+                 for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def lines(self) -> list[str]:
+        out = textwrap.wrap(self["pin_budget"]["text"], WIDTH, subsequent_indent="    ")
+        for r in self["components"]:
+            out += textwrap.wrap(f"{r['component']}: {r['why']}", WIDTH, subsequent_indent="    ")
+            for g in r["groups"]:
+                out += textwrap.wrap(f"{r['component']}.{g['group']}: {g['layers']} layers, arena "
+                                     f"{fmt_bytes(g['arena_bytes'])}, {g['why']}", WIDTH,
+                                     initial_indent="  ", subsequent_indent="      ")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join([self.table(), "", *self.lines()])
+
+
+def report_pipeline(pipe) -> PipelineReport:
+    """Per component: streamed or whole on the device and why, its weights, its
+    host arena, pinned or pageable and why, runs per request; per streamed
+    group the same, from each manager's live stats. (layerwise.report(pipe)
+    gives the same.) Per-group streaming figures: layerwise.report(pipe.<name>)."""
+    state: PipelineState | None = getattr(pipe, "__dict__", {}).get(_STATE)
+    if state is None:
+        raise RuntimeError(f"{type(pipe).__name__} is not offloaded by layerwise.offload_pipeline")
+    rows = []
+    for c in state.components:
+        groups = []
+        for g in c.groups:
+            s = g.manager.stats()
+            why = g.why
+            if g.pin is not False and not s["arena_pinned"]:
+                why = f"pageable: chosen for pinning, but pinning failed: {s['arena_pin_error'] or 'unknown reason'}"
+            groups.append({"group": g.layer_name, "layers": s["layers"], "arena_bytes": s["arena_bytes"],
+                           "arena_pinned": s["arena_pinned"], "uses": g.uses, "uses_source": g.uses_source,
+                           "streamed_bytes": g.streamed_bytes, "why": why})
+        n_pinned = sum(g["arena_pinned"] for g in groups)
+        if not c.managers:
+            placement, pinned = "resident", None
+        else:
+            placement = f"streamed, {len(c.managers)} group{'s' if len(c.managers) != 1 else ''}"
+            pinned = "yes" if n_pinned == len(groups) else "no" if n_pinned == 0 else f"{n_pinned} of {len(groups)}"
+        why = f"{'streamed' if c.managers else 'whole on ' + str(state.device)} ({c.why})"
+        if c.managers:
+            why += f"; runs {c.uses}x per request ({c.uses_source})"
+        rows.append({
+            "component": c.name, "class": type(c.module).__name__, "streamed": bool(c.managers),
+            "placement": placement, "weight_bytes": c.weight_bytes,
+            "arena_bytes": sum(g["arena_bytes"] for g in groups) if c.managers else None,
+            "pinned_bytes": sum(g["arena_bytes"] for g in groups if g["arena_pinned"]),
+            "pinned": pinned, "uses": c.uses if c.managers else None, "uses_source": c.uses_source,
+            "groups": groups, "why": why,
+        })
+    b = state.pin_budget
+    pinned_total = sum(r["pinned_bytes"] for r in rows)
+    if state.pin_memory is False:
+        text = "pin budget: not used (pin_memory=False): every arena is pageable"
+    elif b is None:
+        text = (f"pin budget: none (pin_budget=None): every streamed arena asked to be pinned; "
+                f"{fmt_bytes(pinned_total)} pinned")
+    else:
+        text = f"pin budget {fmt_bytes(b.bytes)} ({b.source}); {fmt_bytes(pinned_total)} of it pinned"
+    budget = {"bytes": None if b is None else b.bytes, "source": None if b is None else b.source,
+              "pinned_bytes": pinned_total, "text": text,
+              "limits": [] if b is None else [vars(lim) | {"budget": lim.budget} for lim in b.limits]}
+    return PipelineReport(device=str(state.device), pin_budget=budget, components=rows)
+
+
+def report(obj, *args, **kwargs):
+    """layerwise.report: a pipeline offloaded by offload_pipeline gives
+    report_pipeline(obj); a model, layerwise.report.report(model)."""
+    if is_offloaded_pipeline(obj):
+        return report_pipeline(obj)
+    return model_report(obj, *args, **kwargs)
