@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from . import contract

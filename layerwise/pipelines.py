@@ -35,8 +35,6 @@ import functools
 import inspect
 import itertools
 import logging
-import os
-import resource
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ import torch
 from torch import nn
 
 from . import contract
+from .hostmem import PinBudget, host_limits, pinnable_host_bytes
 from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
 from .configure import _prepare, configure_models, managers_of
 from .options import resolve_device, validate_depth
@@ -53,196 +52,14 @@ from .report import report as model_report
 
 log = logging.getLogger("layerwise")
 
-GiB = 1 << 30
-RESERVE_FRACTION = 0.05  # of a memory limit, kept for everything else the process needs
-RESERVE_MIN = 2 * GiB  # ... and at least this much of a cgroup's or the host's memory
-_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a huge page-rounded number
-_CAP_IPC_LOCK = 14
 EXACT_PIN_GROUPS = 14  # up to this many streamed groups the pin choice is exact (every subset)
 DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_steps default
 
-CGROUP_ROOT = "/sys/fs/cgroup"  # where the cgroup hierarchies are mounted (tests point these at fake files)
-PROC_SELF = "/proc/self"
 
 _STATE = "_layerwise_pipeline"
 REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
 _OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
             "debug_copy_delay_us", "uses")
-
-
-# ------------------------------------------------------------ host limits
-@dataclass
-class HostLimit:
-    """One bound on the host memory this process may pin."""
-
-    source: str  # "cgroup", "memlock", "host"
-    cap: int  # the limit itself (the cgroup's memory.max, RLIMIT_MEMLOCK, the host's RAM)
-    room: int  # what is left of it for a host arena (weights about to be packed count as free)
-    reserve: int  # kept back from the room
-    where: str  # the file or call it was read from
-
-    @property
-    def budget(self) -> int:
-        return max(0, self.room - self.reserve)
-
-    def describe(self) -> str:
-        return (f"{self.source} {fmt_bytes(self.cap)} ({self.where}): {fmt_bytes(self.room)} free for arenas, "
-                f"less a reserve of {fmt_bytes(self.reserve)}")
-
-
-@dataclass
-class PinBudget:
-    bytes: int
-    limits: list  # every HostLimit that was read; the tightest decides
-    auto: bool
-
-    @property
-    def source(self) -> str:
-        if not self.auto:
-            return "given"
-        tight = min(self.limits, key=lambda lim: lim.budget)
-        return f"auto: {tight.describe()}"
-
-
-def _read_limit(path: str) -> int | None:
-    """A memory limit file: bytes, or None for no limit (or no such file)."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return None if value >= _UNLIMITED else value
-
-
-def _cgroup_dirs(cgroup_root: str, proc_self: str) -> list[tuple[str, str, str]]:
-    """(directory, limit file, usage file) of every cgroup whose memory limit applies
-    to this process: its own cgroup and each ancestor, in the v2 hierarchy and the
-    v1 memory hierarchy, as far as they are visible under `cgroup_root`. The root
-    itself is always a candidate (in a container, /sys/fs/cgroup is usually the
-    container's own cgroup, whatever /proc/self/cgroup says)."""
-    own = {"v2": "/", "v1": "/"}
-    try:
-        with open(os.path.join(proc_self, "cgroup")) as f:
-            for line in f:
-                parts = line.rstrip("\n").split(":", 2)
-                if len(parts) != 3:
-                    continue
-                hid, controllers, path = parts
-                if hid == "0" and controllers == "":
-                    own["v2"] = path or "/"
-                elif "memory" in controllers.split(","):
-                    own["v1"] = path or "/"
-    except OSError:
-        pass
-    out = []
-    for version, base, limit, usage in (("v2", cgroup_root, "memory.max", "memory.current"),
-                                        ("v1", os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes",
-                                         "memory.usage_in_bytes")):
-        parts = [p for p in own[version].split("/") if p and p not in (".", "..")]
-        for k in range(len(parts), -1, -1):
-            d = os.path.join(base, *parts[:k])
-            if os.path.isfile(os.path.join(d, limit)) and d not in [o[0] for o in out]:
-                out.append((d, limit, usage))
-    return out
-
-
-def _proc_status(proc_self: str) -> dict:
-    out = {}
-    try:
-        with open(os.path.join(proc_self, "status")) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                out[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return out
-
-
-def _memlock_limit(proc_self: str) -> int | None:
-    """RLIMIT_MEMLOCK's soft limit in bytes (None: unlimited), from <proc_self>/limits,
-    else resource.getrlimit."""
-    try:
-        with open(os.path.join(proc_self, "limits")) as f:
-            for line in f:
-                if line.startswith("Max locked memory"):
-                    soft = line[len("Max locked memory"):].split()[0]
-                    return None if soft == "unlimited" else int(soft)
-    except (OSError, ValueError, IndexError):
-        pass
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def _host_memory() -> tuple[int, int]:
-    """(available, total) bytes of the host's memory, as psutil sees them."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return int(vm.available), int(vm.total)
-
-
-def host_limits(held_bytes: int = 0, cgroup_root: str | None = None, proc_self: str | None = None,
-                lock: bool = True) -> list[HostLimit]:
-    """Every bound on the host memory this process may fill (lock=True: and pin).
-
-    `held_bytes`: bytes of weights the process holds now that an arena will
-    replace (they are freed as they are packed), counted as free.
-
-    - cgroup: the tightest memory limit of this process's cgroup or an ancestor
-      (v2 memory.max less memory.current, v1 memory.limit_in_bytes less
-      memory.usage_in_bytes), reserve max(5%, 2 GiB) of the limit;
-    - memlock (lock=True): RLIMIT_MEMLOCK less what is locked already (VmLck),
-      reserve 5%; absent when the limit is unlimited or the process has
-      CAP_IPC_LOCK (root usually has), which is not bound by it;
-    - host: psutil's available memory, reserve max(5%, 2 GiB) of the RAM.
-
-    `cgroup_root` / `proc_self` default to CGROUP_ROOT / PROC_SELF.
-    """
-    cgroup_root = CGROUP_ROOT if cgroup_root is None else cgroup_root
-    proc_self = PROC_SELF if proc_self is None else proc_self
-    limits = []
-    best = None
-    for d, limit_file, usage_file in _cgroup_dirs(cgroup_root, proc_self):
-        cap = _read_limit(os.path.join(d, limit_file))
-        if cap is None:
-            continue
-        usage = _read_limit(os.path.join(d, usage_file)) or 0
-        room = max(0, cap - usage) + held_bytes
-        lim = HostLimit("cgroup", cap, room, max(int(RESERVE_FRACTION * cap), RESERVE_MIN),
-                        os.path.join(d, limit_file))
-        if best is None or lim.budget < best.budget:
-            best = lim
-    if best is not None:
-        limits.append(best)
-    if lock:
-        status = _proc_status(proc_self)
-        try:
-            cap_ipc_lock = bool(int(status.get("CapEff", "0"), 16) >> _CAP_IPC_LOCK & 1)
-        except ValueError:
-            cap_ipc_lock = False
-        soft = _memlock_limit(proc_self)
-        if soft is not None and not cap_ipc_lock:
-            locked = int(status.get("VmLck", "0 kB").split()[0]) * 1024
-            limits.append(HostLimit("memlock", soft, max(0, soft - locked), int(RESERVE_FRACTION * soft),
-                                    "RLIMIT_MEMLOCK"))
-    available, total = _host_memory()
-    limits.append(HostLimit("host", total, available + held_bytes, max(int(RESERVE_FRACTION * total), RESERVE_MIN),
-                            "psutil available memory"))
-    return limits
-
-
-def pinnable_host_bytes(held_bytes: int = 0, cgroup_root: str | None = None,
-                        proc_self: str | None = None) -> PinBudget:
-    """What `pin_budget="auto"` resolves to: the tightest of host_limits(), each
-    less its reserve."""
-    limits = host_limits(held_bytes, cgroup_root, proc_self, lock=True)
-    return PinBudget(min(lim.budget for lim in limits), limits, auto=True)
 
 
 # ------------------------------------------------------------ components
