@@ -76,8 +76,12 @@ def run(ctx: Context) -> SuiteResult:
     else:
         base_names, ref = ("torch copy_",), "torch copy_"
 
-    result = SuiteResult(NAME, data={"arena_pin_kind": arena.pin_kind, "engine_streams": engine.num_streams,
+    # Read after allocate: pages are pinned as they are handed out, and a failure
+    # turns pin_kind to "none" with the reason in pin_error.
+    result = SuiteResult(NAME, data={"arena_pin_kind": arena.pin_kind, "arena_pinned": arena.pinned,
+                                     "arena_pin_error": arena.pin_error, "engine_streams": engine.num_streams,
                                      "sizes": []})
+    unpinned = "" if arena.pinned else f"arena NOT pinned ({arena.pin_error}): pageable copies"
     peaks: dict[str, float] = {}
     with ctx.progress(len(sizes) * (repeats + 2), NAME) as bar:
         for n in sizes:
@@ -101,7 +105,7 @@ def run(ctx: Context) -> SuiteResult:
                 targets = [Target.at_least(r, 0.8, ref)]
             result.rows.append(Row(NAME, f"{n // MB} MB copy", "GB/s", bw["arena"],
                                    {k: bw[k] for k in base_names}, {f"/{ref}": r}, targets,
-                                   note="" if targets else "small copy: latency-bound, no target"))
+                                   note=unpinned or ("" if targets else "small copy: latency-bound, no target")))
             result.data["sizes"].append({"bytes": n, "inner_copies": inner, "bandwidth_GBps": bw})
     engine.synchronize()
 
