@@ -124,7 +124,7 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
     device before the single model.to; `undo()` reverts what those two did.
     """
     enabled = [m for m in managers if m.enabled]
-    with contract.rollback_on_failure(model, managers, undo):
+    with contract.rollback_on_failure([(model, managers)], undo, finish=lambda: _log_summary(model, managers, dev)):
         # Largest group first: weights that arrived on the device are copied back
         # to the host group by group, so the biggest share of memory frees first.
         for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
@@ -134,14 +134,10 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
         move_non_layer_weights(model, dev)
         for m in managers:
             m._finalize_initialization()
-    for a, b in zip(enabled, enabled[1:] + enabled[:1]):
-        a.next_manager = b
-    contract.attach(model, managers)
-    _log_summary(model, managers, dev)
     return managers
 
 
-def configure_models(parts, dev) -> None:
+def configure_models(parts, dev, finish=None) -> None:
     """Several models' layer groups in one pass (layerwise.offload_pipeline).
 
     `parts`: [(model, managers)], every manager prepared (initialize=False) and
@@ -151,13 +147,15 @@ def configure_models(parts, dev) -> None:
     `model.to`, then one `model.to(dev)` per model, then every model's managers
     are finalised in declaration order. Startup device memory therefore does not
     depend on the order of the models either. A failure or Ctrl-C anywhere puts
-    every model back exactly as it was (contract.rollback_on_failure, one per
-    model, unwound with interrupts held back)."""
-    guards, entered = [contract.rollback_on_failure(model, managers) for model, managers in parts], []
-    try:
-        for guard in guards:
-            guard.__enter__()  # snapshots where every weight lives; changes nothing
-            entered.append(guard)
+    every model back exactly as it was (contract.rollback_on_failure)."""
+    def log_all():
+        for model, managers in parts:
+            if managers:
+                _log_summary(model, managers, dev)
+        if finish is not None:  # the caller's own completion, with Ctrl-C still held back
+            finish()
+
+    with contract.rollback_on_failure(parts, finish=log_all):
         enabled = [m for _, managers in parts for m in managers if m.enabled]
         for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
             m._initialize_layer_weights()
@@ -166,25 +164,6 @@ def configure_models(parts, dev) -> None:
         for _, managers in parts:
             for m in managers:
                 m._finalize_initialization()
-    except BaseException as e:
-        with contract.defer_interrupts():
-            for guard in reversed(entered):
-                try:
-                    guard.__exit__(type(e), e, e.__traceback__)  # rolls its model back, re-raises nothing new
-                except BaseException as rollback_error:  # noqa: BLE001 - keep unwinding the other models
-                    if rollback_error is not e:
-                        log.error("layerwise: rolling back a model failed: %r", rollback_error)
-        raise
-    for guard in reversed(entered):
-        guard.__exit__(None, None, None)  # commit: drop what a rollback would have needed
-    for model, managers in parts:
-        if not managers:
-            continue
-        enabled = [m for m in managers if m.enabled]
-        for a, b in zip(enabled, enabled[1:] + enabled[:1]):
-            a.next_manager = b
-        contract.attach(model, managers)
-        _log_summary(model, managers, dev)
 
 
 def _log_summary(model, managers, dev) -> None:

@@ -150,24 +150,44 @@ def _restore_devices(snap: list) -> None:
 
 
 @contextlib.contextmanager
-def rollback_on_failure(model: nn.Module, managers, undo=None):
-    """Run a configure; if it fails at any point (an exception or KeyboardInterrupt),
-    put every parameter and buffer back bitwise as before, with no hooks."""
-    snap = _snapshot_devices(model)
+def rollback_on_failure(parts, undo=None, finish=None):
+    """Run a configure of the models in `parts` ([(model, managers)]).
+
+    If it fails at any point (an exception or KeyboardInterrupt), every parameter
+    and buffer of every model is put back bitwise as before, with no hooks. If it
+    succeeds, each model is completed (rollback data dropped, groups linked for
+    cross-group prefetch, managers attached) and `finish()` runs, with Ctrl-C held
+    back until every model is whole: an interrupt that lands then is delivered
+    afterwards, on a model that is completely configured, never half of one."""
+    snaps = [_snapshot_devices(model) for model, _ in parts]
+    held = defer_interrupts()
     try:
         yield
+        held.__enter__()  # nothing below this point in the try can fail
     except BaseException:
         with defer_interrupts():
-            for m in managers:
-                m.remove(original_devices=True)
-            _restore_devices(snap)
+            for (model, managers), snap in zip(parts, snaps):
+                for m in managers:
+                    m.remove(original_devices=True)
+                _restore_devices(snap)
+                if not model.__dict__.get(_MANAGERS):
+                    model.__dict__.pop(_LOCK, None)
             if undo is not None:
                 undo()
-            if not model.__dict__.get(_MANAGERS):
-                model.__dict__.pop(_LOCK, None)
         raise
-    for m in managers:
-        m._commit()
+    try:
+        for model, managers in parts:
+            enabled = [m for m in managers if m.enabled]
+            for a, b in zip(enabled, enabled[1:] + enabled[:1]):
+                a.next_manager = b
+            for m in managers:
+                m._commit()
+            if managers:
+                attach(model, managers)
+        if finish is not None:
+            finish()
+    finally:
+        held.__exit__(None, None, None)
 
 
 # ---------------------------------------------------------- forward guard

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import contract
 from .configure import _build, _prepare
 
 log = logging.getLogger("layerwise")
@@ -275,10 +276,25 @@ def _index_shards(index: str) -> list[str]:
 
 
 def _checkpoint_files(checkpoint) -> list[str]:
-    """The .safetensors files of `checkpoint` (a file, an index JSON, or a list of files),
-    each an existing regular file."""
+    """The .safetensors files of `checkpoint` (a folder, a file, an index JSON, or a
+    list of files), each an existing regular file. A folder (what save_pretrained
+    writes) holds one `*.safetensors.index.json`, or else one `*.safetensors` file."""
     if isinstance(checkpoint, (str, os.PathLike)):
         path = os.fspath(checkpoint)
+        if os.path.isdir(path):
+            names = sorted(os.listdir(path))
+            indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+            files = [n for n in names if n.endswith(".safetensors")]
+            if len(indexes) == 1:
+                return _index_shards(os.path.join(path, indexes[0]))
+            if not indexes and len(files) == 1:
+                only = os.path.join(path, files[0])
+                _check_regular(only, only)
+                return [only]
+            raise ValueError(
+                f"checkpoint folder {path}: expected one *.safetensors.index.json or else one *.safetensors file, "
+                f"found {len(indexes)} index file(s) {indexes[:4]} and {len(files)} .safetensors file(s) "
+                f"{files[:4]}; pass the index JSON or the list of files")
         if path.endswith(".json"):
             return _index_shards(path)
         _check_regular(path, path)
@@ -327,35 +343,49 @@ def _names(items, what: str) -> str:
 
 
 # ------------------------------------------------------------ empty models
-_EMPTY_LOCK = threading.RLock()
+_EMPTY = threading.local()  # per thread: {id(host param): (weak ref, meta twin)} while empty_model runs
+_EMPTY_LOCK = threading.Lock()
+_EMPTY_USERS = [0, None]  # threads inside empty_model, the original register_parameter
+
+
+def _register_parameter(module, name, param):
+    _EMPTY_USERS[1](module, name, param)
+    made = getattr(_EMPTY, "made", None)
+    if made is None:  # another thread, not building an empty model: untouched
+        return
+    p = module._parameters.get(name)
+    if p is None or p.is_meta:  # a meta one registered again (a tie): kept, so the tie holds
+        return
+    ref, meta = made.get(id(p), (None, None))
+    if ref is None or ref() is not p:  # (a dead one's id may have been reused)
+        meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+        meta.__dict__.update(p.__dict__)
+        made[id(p)] = (weakref.ref(p), meta)
+    module._parameters[name] = meta
 
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """While active, every parameter a module registers moves to the meta device
-    (the same Python object under every name it is registered by, so weights tied
-    in __init__ stay tied); buffers are left where their code puts them."""
+    """While active in this thread, every parameter a module registers moves to the
+    meta device (the same Python object under every name it is registered by, so
+    weights tied in __init__ stay tied); buffers are left where their code puts
+    them. Other threads building modules meanwhile are not affected: the patched
+    register_parameter acts only in a thread that is inside empty_model."""
     with _EMPTY_LOCK:
-        original = nn.Module.register_parameter
-        made: dict[int, tuple] = {}  # id(host parameter) -> (weak ref to it, its meta replacement)
-
-        def register_parameter(module, name, param):
-            original(module, name, param)
-            p = module._parameters.get(name)
-            if p is None or p.is_meta:  # a meta one registered again (a tie): kept, so the tie holds
-                return
-            ref, meta = made.get(id(p), (None, None))
-            if ref is None or ref() is not p:  # (a dead one's id may have been reused)
-                meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-                meta.__dict__.update(p.__dict__)
-                made[id(p)] = (weakref.ref(p), meta)
-            module._parameters[name] = meta
-
-        nn.Module.register_parameter = register_parameter
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = original
+        if _EMPTY_USERS[0] == 0:
+            _EMPTY_USERS[1] = nn.Module.register_parameter
+            nn.Module.register_parameter = _register_parameter
+        _EMPTY_USERS[0] += 1
+    outer = getattr(_EMPTY, "made", None)
+    _EMPTY.made = outer if outer is not None else {}
+    try:
+        yield
+    finally:
+        _EMPTY.made = outer
+        with _EMPTY_LOCK:
+            _EMPTY_USERS[0] -= 1
+            if _EMPTY_USERS[0] == 0:
+                nn.Module.register_parameter = _EMPTY_USERS[1]
 
 
 def empty_model(factory, *args, **kwargs):
@@ -385,6 +415,29 @@ def _config_factory(mod: nn.Module):
     rest_optional = all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params[1:])
     if params and params[0].name == "config" and rest_optional:
         return lambda: cls(config)
+    return None
+
+
+def _settings(mod: nn.Module) -> dict:
+    """A module's plain settings (numbers, strings, flags and tuples of them): what
+    its constructor arguments left behind."""
+    plain = (int, float, str, bool, type(None))
+    return {k: v for k, v in vars(mod).items() if not k.startswith("_") and k != "training"
+            and (isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v)))}
+
+
+def _built_differently(mod: nn.Module, twin: nn.Module, rel: str) -> str | None:
+    """The first setting in which `twin` (rebuilt from the config) differs from `mod`,
+    on the rebuilt module or the module that owns buffer `rel`, else None."""
+    owner = rel.rpartition(".")[0]
+    pairs = [(type(mod).__name__, mod, twin)]
+    if owner:
+        pairs.append((owner, mod.get_submodule(owner), twin.get_submodule(owner)))
+    for where, a, b in pairs:
+        sa, sb = _settings(a), _settings(b)
+        for k in sorted(set(sa) | set(sb)):
+            if sa.get(k) != sb.get(k):
+                return f"{where}.{k} ({sa.get(k)!r} vs {sb.get(k)!r})"
     return None
 
 
@@ -424,6 +477,9 @@ def _recompute_buffers(model: nn.Module, wanted: dict) -> tuple[dict, dict]:
                     elif tuple(t.shape) != tuple(meta.shape):
                         reasons.append(f"{what} computes {rel!r} with shape {list(t.shape)}, not "
                                        f"{list(meta.shape)}")
+                    elif (diff := _built_differently(mod, twin, rel)) is not None:
+                        reasons.append(f"the model's {diff} differs from what {what} gives, so it was built with "
+                                       "other arguments and the value would be a guess")
                     else:
                         values[full] = (t.to(meta.dtype), what)
                         break
@@ -557,8 +613,9 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
                      residency_policy, resident_layers)
     except BaseException:
-        for mod, attr, p in registered:
-            mod._parameters[attr] = p
+        if not contract.managers_of(model):  # (a Ctrl-C delivered once the model was whole keeps it)
+            for mod, attr, p in registered:
+                mod._parameters[attr] = p
         raise
 
 
@@ -594,7 +651,9 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
     # ---- check everything before anything changes
     missing = [names[0] for pid, names in param_names.items() if source_key(names) is None]
     missing += [full for _, _, full, persistent in buffers if persistent and full not in stored]
-    known = {n for names in param_names.values() for n in names} | {full for _, _, full, _ in buffers}
+    # A non-persistent buffer is not part of a state dict (torch's load_state_dict calls it
+    # unexpected): its value is computed by the model, never taken from a checkpoint.
+    known = {n for names in param_names.values() for n in names} | {full for _, _, full, p in buffers if p}
     unexpected = sorted(k for k in stored if k not in known)
     if missing or (strict and unexpected):
         problems = ([_names(missing, "missing")] if missing else []) + \
@@ -626,7 +685,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
     meta_buffers = {}
     for mod, attr, full, persistent in buffers:
         b = mod._buffers[attr]
-        if full in stored:
+        if persistent and full in stored:
             check(full, stored[full], b.shape, want(b))
         elif b.is_meta:
             meta_buffers[full] = b
@@ -715,9 +774,9 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
                 p.data = t
             if bar is not None:
                 bar.update(s.nbytes)
-        for mod, attr, full, _ in buffers:
+        for mod, attr, full, persistent in buffers:
             b = mod._buffers[attr]
-            if full in stored:
+            if persistent and full in stored:
                 mod._buffers[attr] = _host_tensor(stored[full], want(b)).to(dev)
             elif full in recomputed:
                 mod._buffers[attr] = recomputed[full][0].to(want(b)).to(dev)

@@ -316,11 +316,10 @@ class LayerwiseOffloadManager:
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
         contract.check_configurable(self.model, [self])
-        with contract.rollback_on_failure(self.model, [self]):
+        with contract.rollback_on_failure([(self.model, [self])]):
             self._initialize_layer_weights()
             contract.move_non_layer_weights(self.model, self.device)
             self._finalize_initialization()
-        contract.attach(self.model, [self])
 
     # -------------------------------------------------------------- runtime
     def _stream(self) -> int:

@@ -428,16 +428,18 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         c.devices = contract._snapshot_devices(c.module)
 
     state = PipelineState(dev, parts, budget, pin_memory, {})
-    configure_models([(c.module, c.managers) for c in parts], dev)
-    try:
-        _patch(pipe, state)
-        pipe.__dict__[_STATE] = state
-    except BaseException:
-        with contract.defer_interrupts():
+
+    def finish():  # runs with Ctrl-C held back, once every component is whole
+        try:
+            _patch(pipe, state)
+            pipe.__dict__[_STATE] = state
+        except BaseException:
             _unpatch(pipe, state)
             for c in parts:
                 _restore_component(c)
-        raise
+            raise
+
+    configure_models([(c.module, c.managers) for c in parts], dev, finish=finish)
     pinned = [f"{c.name}.{g.layer_name}" for c in parts for g in c.groups if g.manager.stats()["arena_pinned"]]
     log.info("layerwise: %s offloaded to %s: streamed %s, whole on the device %s; pin budget %s (%s); pinned %s",
              type(pipe).__name__, dev, [c.name for c in parts if c.managers],

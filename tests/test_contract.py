@@ -673,3 +673,50 @@ def test_cuda_graph_capture_is_refused_clearly(monkeypatch):
     monkeypatch.undo()
     for a, b in zip(run(model, inputs()), run(ref, inputs())):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("where", ["_commit", "_log_summary"])
+@pytest.mark.parametrize("entry", ["configure", "load_offloaded"])
+def test_ctrl_c_while_a_configure_completes_is_delivered_on_a_whole_model(monkeypatch, tmp_path, where, entry):
+    # A real SIGINT that arrives once every group is packed and finalised (while the
+    # configure records itself) is held back until the model is whole, then raised:
+    # the model is configured, exact and removable, never half of one.
+    import os
+    import signal
+
+    from layerwise import configure as configure_mod
+
+    src = make(seed=3)
+    ref = copy.deepcopy(src)
+    xs = inputs()
+    if where == "_commit":
+        orig = manager_mod.LayerwiseOffloadManager._commit
+
+        def interrupted(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return orig(self)
+
+        monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_commit", interrupted)
+    else:
+        orig = configure_mod._log_summary
+        monkeypatch.setattr(configure_mod, "_log_summary",
+                            lambda *a: (os.kill(os.getpid(), signal.SIGINT), orig(*a))[1])
+    if entry == "configure":
+        model = src
+        with pytest.raises(KeyboardInterrupt):
+            layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "m.safetensors"))
+        model = make(seed=0)  # real weights of its own: replaced by the checkpoint's
+        with pytest.raises(KeyboardInterrupt):
+            layerwise.load_offloaded(model, tmp_path / "m.safetensors", GROUPS, device="cpu")
+    monkeypatch.undo()
+    assert len(managers_of(model)) == 2
+    for a, b in zip(run(model, xs), run(ref, xs)):
+        assert torch.equal(a, b)
+    layerwise.remove_layerwise_offload(model)
+    assert no_trace_of_layerwise(model)
+    for a, b in zip(run(model, xs), run(ref, xs)):
+        assert torch.equal(a, b)

@@ -409,21 +409,23 @@ def _readme_recipes():
     return [b for b in blocks if "load_offloaded(" in b and "from_config" in b]
 
 
-def test_readme_recipes_run_as_written(tmp_path):
-    """The loading recipes of the README, run as written (device "cuda" -> "cpu")."""
+@pytest.mark.parametrize("sharded", [True, False])
+def test_readme_recipes_run_as_written(tmp_path, sharded):
+    """The loading recipes of the README, run as written (device "cuda" -> "cpu"), on
+    the folder save_pretrained wrote: sharded (an index JSON) or a single file."""
     recipes = _readme_recipes()
     assert len(recipes) == 2, "README: expected the transformers and the diffusers loading recipe"
     for code in recipes:
         if "from transformers" in code:
             ref = resident_llama(True)
-            ref.save_pretrained(tmp_path / "llm", max_shard_size="20KB")
+            ref.save_pretrained(tmp_path / "llm", **({"max_shard_size": "20KB"} if sharded else {}))
             path, out = str(tmp_path / "llm"), "model"
         else:
             arch = ARCHS["flux"]
             pytest.importorskip(arch.package)
             torch.manual_seed(0)
             ref = arch.build().eval()
-            ref.save_pretrained(tmp_path / "flux", max_shard_size="200KB")
+            ref.save_pretrained(tmp_path / "flux", **({"max_shard_size": "200KB"} if sharded else {}))
             path, out = str(tmp_path / "flux"), "transformer"
         scope = {"path": path}
         exec(code.replace('"cuda"', '"cpu"'), scope)
@@ -438,3 +440,91 @@ def test_readme_recipes_run_as_written(tmp_path):
                 a = arch.output(model(*args, **_cast_inputs(kwargs, torch.bfloat16)))
                 b = arch.output(want(*args, **_cast_inputs(kwargs, torch.bfloat16)))
             assert torch.equal(a, b)
+
+
+# ------------------------------------------------- found by attacking the loader
+class _Cfg:
+    dim = 8
+
+
+class _Rope(nn.Module):
+    def __init__(self, config, scaled=True):
+        super().__init__()
+        self.config, self.scaled = config, scaled
+        inv = 1.0 / (10000 ** (torch.arange(0, config.dim, 2).float() / config.dim))
+        self.register_buffer("inv", inv / 4 if scaled else inv, persistent=False)
+
+
+class _RopeModel(nn.Module):
+    def __init__(self, scaled_unscaled=False):
+        super().__init__()
+        cfg = _Cfg()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.rope = _Rope(cfg, scaled=not scaled_unscaled)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x) * self.rope.inv.repeat(2)
+        return x
+
+
+def test_a_buffer_owner_built_with_other_arguments_is_not_guessed(tmp_path):
+    # Rebuilding `_Rope(config)` would give the scaled table where the model holds the
+    # unscaled one (same shape): a silent wrong value. It must be an error instead.
+    torch.manual_seed(0)
+    src = _RopeModel(scaled_unscaled=True)
+    save_file(src.state_dict(), str(tmp_path / "m.safetensors"))
+    with torch.device("meta"):
+        model = _RopeModel(scaled_unscaled=True)
+    with pytest.raises(ValueError, match=r"rope\.inv.*built with other arguments.*empty_model"):
+        layerwise.load_offloaded(model, tmp_path / "m.safetensors", ["blocks"], device="cpu")
+    assert not managers_of(model)
+    model = layerwise.empty_model(_RopeModel, scaled_unscaled=True)  # the recipe the error names works
+    layerwise.load_offloaded(model, tmp_path / "m.safetensors", ["blocks"], device="cpu")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), src(x))
+
+
+def test_a_non_persistent_buffer_in_a_checkpoint_is_not_loaded(tmp_path):
+    torch.manual_seed(0)
+    src = _RopeModel()
+    sd = dict(src.state_dict())
+    sd["rope.inv"] = torch.zeros_like(src.rope.inv)  # an old checkpoint that stored a computed table
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    with pytest.raises(KeyError, match=r"unexpected 1 tensor\(s\): rope\.inv"):
+        layerwise.load_offloaded(layerwise.empty_model(_RopeModel), tmp_path / "m.safetensors", ["blocks"],
+                                 device="cpu")
+    model = layerwise.empty_model(_RopeModel)
+    layerwise.load_offloaded(model, tmp_path / "m.safetensors", ["blocks"], device="cpu", strict=False)
+    assert torch.equal(model.rope.inv, src.rope.inv)  # computed, as torch's load_state_dict leaves it
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), src(x))
+
+
+def test_empty_model_in_one_thread_leaves_other_threads_modules_alone():
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+    original = nn.Module.register_parameter
+
+    def slow_factory():
+        m = nn.Linear(4, 4)
+        inside.set()
+        release.wait(10)
+        return m
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("m", layerwise.empty_model(slow_factory)))
+    t.start()
+    assert inside.wait(10)
+    try:
+        other = nn.Linear(4, 4)  # built meanwhile on the main thread
+    finally:
+        release.set()
+        t.join(10)
+    assert not other.weight.is_meta and not other.bias.is_meta
+    assert out["m"].weight.is_meta
+    assert nn.Module.register_parameter is original  # given back once no thread builds an empty model
+    assert not nn.Linear(2, 2).weight.is_meta

@@ -535,3 +535,24 @@ def test_bench_pipeline_suite_runs_at_test_size(tmp_path):
     assert "diffusers model offload: not measured" in rows
     assert rows["peak device memory"]["ours"] is None
     assert rows["wall time per image"]["ours"]["median"] > 0
+
+
+def test_ctrl_c_while_the_pipeline_completes_is_delivered_on_a_whole_pipeline(pipe, reference, monkeypatch):
+    # A real SIGINT once every component is packed and finalised (while the configure
+    # records itself) waits until the pipeline is whole: offloaded, marked, removable.
+    import os
+    import signal
+
+    from layerwise import manager as manager_mod
+
+    before = state_dicts(pipe)
+    orig = manager_mod.LayerwiseOffloadManager._commit
+    monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_commit",
+                        lambda self: (os.kill(os.getpid(), signal.SIGINT), orig(self))[1])
+    with pytest.raises(KeyboardInterrupt):
+        layerwise.offload_pipeline(pipe, device="cpu")
+    monkeypatch.undo()
+    assert pipelines.is_offloaded_pipeline(pipe)
+    assert torch.equal(generate(pipe, SIZE), reference)
+    layerwise.remove_pipeline_offload(pipe)
+    assert_state_dicts_equal(pipe, before)
