@@ -183,7 +183,7 @@ def host_limits(held_bytes: int = 0, cgroup_root: str | None = None, proc_self: 
                                     "RLIMIT_MEMLOCK"))
     available, total = _host_memory()
     limits.append(HostLimit("host", total, available + held_bytes, max(int(RESERVE_FRACTION * total), RESERVE_MIN),
-                            "psutil available memory"))
+                            "psutil: the host's RAM, its available memory free"))
     return limits
 
 

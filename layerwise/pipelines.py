@@ -102,6 +102,7 @@ class PipelineState:
     pin_budget: PinBudget | None
     pin_memory: bool | str
     patched: dict  # name -> the refusing function put on the instance
+    kept: list = field(default_factory=list)  # components streamed on their own before: left as they are
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -390,11 +391,15 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     parts = _select(comps, components)
     _check_disjoint(parts)
 
+    # A component streamed on its own before (configure_layerwise_offload, load_offloaded)
+    # is kept as it is: the pipeline neither repacks nor moves it, and gives it back so.
+    kept = [c for c in parts if managers_of(c.module)]
+    parts = [c for c in parts if not managers_of(c.module)]
+    for c in kept:
+        log.info("layerwise: %s is already streamed on its own: offload_pipeline keeps it as it is", c.name)
+
     # Plan every component; nothing in the pipeline changes until configure_models.
     for c in parts:
-        if managers_of(c.module):
-            raise RuntimeError(f"component {c.name!r} ({type(c.module).__name__}) is already configured for "
-                               f"layerwise offload; call layerwise.remove_layerwise_offload(pipe.{c.name}) first")
         c.weight_bytes = _param_bytes(c.module)
         if c.layer_names is None:
             contract.check_configurable(c.module, [])
@@ -427,7 +432,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
             g.manager.pin_memory = g.pin
         c.devices = contract._snapshot_devices(c.module)
 
-    state = PipelineState(dev, parts, budget, pin_memory, {})
+    state = PipelineState(dev, parts, budget, pin_memory, {}, [c.name for c in kept])
 
     def finish():  # runs with Ctrl-C held back, once every component is whole
         try:
@@ -692,6 +697,17 @@ def report_pipeline(pipe) -> PipelineReport:
             "pinned_bytes": sum(g["arena_bytes"] for g in groups if g["arena_pinned"]),
             "pinned": pinned, "uses": c.uses if c.managers else None, "uses_source": c.uses_source,
             "groups": groups, "why": why,
+        })
+    for name in state.kept:
+        module = getattr(pipe, name)
+        mgrs = managers_of(module)
+        rows.append({
+            "component": name, "class": type(module).__name__, "streamed": bool(mgrs),
+            "placement": f"own offload, {len(mgrs)} group{'s' if len(mgrs) != 1 else ''}" if mgrs else "own",
+            "weight_bytes": _param_bytes(module), "arena_bytes": sum(m.stats()["arena_bytes"] for m in mgrs),
+            "pinned_bytes": 0, "pinned": None, "uses": None, "uses_source": "", "groups": [],
+            "why": "streamed on its own before offload_pipeline (configure_layerwise_offload / load_offloaded): "
+                   "kept as it is; layerwise.report(pipe.%s) has its figures" % name,
         })
     b = state.pin_budget
     pinned_total = sum(r["pinned_bytes"] for r in rows)

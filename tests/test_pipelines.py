@@ -556,3 +556,19 @@ def test_ctrl_c_while_the_pipeline_completes_is_delivered_on_a_whole_pipeline(pi
     assert torch.equal(generate(pipe, SIZE), reference)
     layerwise.remove_pipeline_offload(pipe)
     assert_state_dicts_equal(pipe, before)
+
+
+def test_a_component_streamed_on_its_own_is_kept_as_it_is(pipe, reference):
+    # e.g. a transformer loaded with load_offloaded, then the pipeline offloaded around it
+    layerwise.configure_layerwise_offload(pipe.transformer, ["transformer_blocks", "single_transformer_blocks"],
+                                          device="cpu")
+    own = managers_of(pipe.transformer)
+    managers = layerwise.offload_pipeline(pipe, device="cpu")
+    assert "transformer" not in managers and managers_of(pipe.transformer) == own
+    assert torch.equal(generate(pipe, SIZE), reference)
+    rows = {r["component"]: r for r in layerwise.report(pipe)["components"]}
+    assert rows["transformer"]["placement"].startswith("own offload") and "kept as it is" in rows["transformer"]["why"]
+    layerwise.remove_pipeline_offload(pipe)
+    assert managers_of(pipe.transformer) == own  # given back as it was: still streamed on its own
+    assert not managers_of(pipe.text_encoder)
+    assert torch.equal(generate(pipe, SIZE), reference)
