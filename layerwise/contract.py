@@ -29,6 +29,7 @@ hooks O(1)), so the contract is kept around them, not by rebinding them:
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import weakref
@@ -265,6 +266,14 @@ def _guarded_apply(model: nn.Module, mod: nn.Module, name: str):
     model_ref = weakref.ref(model)
 
     def _apply(fn, *args, **kwargs):
+        if torch.__future__.get_overwrite_module_params_on_conversion() or \
+                torch.__future__.get_swap_module_params_on_conversion():
+            raise RuntimeError(
+                "layerwise: torch.__future__.set_overwrite_module_params_on_conversion / "
+                "set_swap_module_params_on_conversion is on: a cast or move would replace the streamed parameters "
+                "with new objects that the streaming engine does not know. Turn the flag off, or call "
+                "layerwise.remove_layerwise_offload(model) first. The model is unchanged."
+            )
         root = model_ref()
         ids, probes = _managed(root) if root is not None else (set(), {})
         for (dtype, device), group in probes.items():
@@ -323,24 +332,28 @@ def install_layer_hooks(manager) -> list:
     return handles
 
 
-def _host_alias(e, block: torch.Tensor) -> torch.Tensor:
+def _host_alias(e, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The parameter's bytes in the arena as a tensor with a storage of its own
-    (no copy): torch.save, safetensors and transformers treat a state dict whose
-    tensors share one storage under several dtypes as shared or refuse it."""
+    (no copy), and the base it is a view of (they share one version counter):
+    torch.save, safetensors and transformers treat a state dict whose tensors
+    share one storage under several dtypes as shared or refuse it."""
     raw = torch.from_numpy(block.numpy()[e.offset : e.offset + e.span_bytes])
-    return torch.as_strided(raw.view(e.dtype), e.shape, e.stride)
+    return torch.as_strided(raw.view(e.dtype), e.shape, e.stride), raw
 
 
 def _state_dict_hook(manager, owned):
     def hook(module, state_dict, prefix, local_metadata):
         if not manager._finalized:
             return
-        for attr, e, i in owned:
-            key = prefix + attr
-            if key in state_dict:
-                t = _host_alias(e, manager._host_blocks[i])
-                manager._handed_out.append((weakref.ref(t), t._version, i))
-                state_dict[key] = e.wrap(t)
+        with torch.inference_mode(False):  # version counters exist outside inference mode only
+            for attr, e, i in owned:
+                key = prefix + attr
+                if key in state_dict:
+                    t, raw = _host_alias(e, manager._host_blocks[i])
+                    # The base is held, not the alias: a write through an alias freed since
+                    # still shows in the base's version at the next check.
+                    manager._handed_out.append((weakref.ref(t), raw, raw._version, i))
+                    state_dict[key] = e.wrap(t)
 
     return hook
 
@@ -349,17 +362,22 @@ def check_handed_out(manager) -> None:
     """state_dict() tensors alias the arena; one written in place since it was
     handed out makes its layer reload. O(tensors still alive), usually none."""
     live = []
-    for ref, version, i in manager._handed_out:
-        t = ref()
-        if t is None:
-            continue
-        if t._version != version:
-            s = manager._slot_of[i]
-            if s >= 0 and manager._slot_holder[s] == i:
-                manager._slot_holder[s] = -1
-            version = t._version
-        live.append((ref, version, i))
+    for ref, raw, version, i in manager._handed_out:
+        if raw._version != version:
+            arena_written(manager, i)
+            version = raw._version
+        if ref() is not None:  # checked once more after the alias died, then dropped
+            live.append((ref, raw, version, i))
     manager._handed_out = live
+
+
+def arena_written(manager, i: int) -> None:
+    """Layer i's bytes in the arena changed: its slot reloads, and a backward that
+    saved its old weights refuses instead of reading the new ones."""
+    s = manager._slot_of[i]
+    if s >= 0 and manager._slot_holder[s] == i:
+        manager._slot_holder[s] = -1
+    manager._arena_gen[i] += 1
 
 
 def _load_pre_hook(manager, owned):
@@ -367,7 +385,7 @@ def _load_pre_hook(manager, owned):
         if not manager._finalized:
             return
         assign = local_metadata.get("assign_to_params_buffers", False)
-        with manager._lock, torch.no_grad():
+        with manager._lock, torch.no_grad(), torch.inference_mode(False):
             for attr, e, i in owned:
                 key = prefix + attr
                 value = state_dict.get(key)
@@ -380,18 +398,28 @@ def _load_pre_hook(manager, owned):
                         f"{value.dtype}; streamed dtypes are fixed while offloaded (cast the state dict, or "
                         "call layerwise.remove_layerwise_offload(model) first)"
                     )
-                else:
+                    continue
+                try:
                     e.view_in(manager._host_blocks[i]).copy_(local_tensor(value))
-                state_dict[key] = param  # torch's own copy into the slot becomes a no-op
+                except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
+                    error_msgs.append(f"While copying the parameter named {key!r}: {err}")
+                    continue
+                arena_written(manager, i)
+                # Taken: torch does not copy it into the slot (that would only bump the slot's
+                # version counter, which says "written in place"), and the post-hook takes
+                # it off the missing keys again.
+                del state_dict[key]
+                manager._loaded_keys.add(key)
 
     return hook
 
 
 def _load_post_hook(manager):
     def hook(module, incompatible_keys):
-        # torch's no-op self-copies bumped the slots' version counters: not a user write.
-        if manager._finalized:
-            manager._ring_version = [r._version for r in manager._ring]
+        if manager._loaded_keys:
+            missing = incompatible_keys.missing_keys
+            missing[:] = [k for k in missing if k not in manager._loaded_keys]
+            manager._loaded_keys.clear()
 
     return hook
 
@@ -464,6 +492,7 @@ def _guard_merge(mod) -> list:
     for name in ("merge", "unmerge"):
         method = getattr(type(mod), name)
 
+        @functools.wraps(method)
         def guarded(*args, _method=method, _mod=mod, **kwargs):
             owner = _WATCHED.get(_mod)
             manager = owner[0]() if owner else None
@@ -519,14 +548,16 @@ def saved_slot_hooks(manager):
         if s is None:
             return t
         i = manager._slot_holder[s]
-        return _SlotRef(t, s, manager._slot_gen[s], i, manager._host_blocks[i]._version)
+        return _SlotRef(t, s, manager._slot_gen[s], i, manager._arena_gen[i])
 
     def unpack(ref):
         if type(ref) is not _SlotRef:
             return ref
+        if manager._finalized and manager._handed_out:
+            check_handed_out(manager)  # a write through state_dict() since the forward
         if manager._finalized and manager._slot_gen[ref.slot] == ref.gen:
             return ref.tensor
-        if not manager._finalized or manager._host_blocks[ref.layer]._version != ref.version:
+        if not manager._finalized or manager._arena_gen[ref.layer] != ref.version:
             raise RuntimeError(
                 f"layerwise: backward needs the weights of {manager.layer_name}[{ref.layer}] as they were in "
                 "the forward, but they were changed (load_state_dict) or the model was un-offloaded since. "

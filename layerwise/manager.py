@@ -149,6 +149,10 @@ class LayerwiseOffloadManager:
         """
         if self._packed or not self.enabled:
             return
+        with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
+            self._pack(fill)
+
+    def _pack(self, fill) -> None:
         total = self._arena_capacity()
         cuda = self.device.type == "cuda"
         self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
@@ -273,6 +277,8 @@ class LayerwiseOffloadManager:
             self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks
             self._dirty = False
             self._handed_out: list = []  # state_dict() tensors that alias the arena (contract.check_handed_out)
+            self._arena_gen = [0] * self.num_layers  # bumped when a layer's arena bytes change after packing
+            self._loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks (contract.py)
             # The last copy into each slot. On CUDA the ring's memory may have been
             # freed by work still queued on the compute stream: the first copies wait for it.
             start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
@@ -304,12 +310,15 @@ class LayerwiseOffloadManager:
             # tracing into the copy engine (one graph per block, no recompiles).
             # The pre-hook goes first, so that a user's pre-hook registered earlier
             # (weight_norm computes `weight` in one) reads the layer's own weights.
-            for lp in layers:
-                pre = torch.compiler.disable(functools.partial(self._pre_hook, lp.index))
-                post = torch.compiler.disable(functools.partial(self._post_hook, lp.index))
-                self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
-                self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
-            self._hooks.extend(contract.install_layer_hooks(self))
+            # Registered with Ctrl-C held back: a hook whose handle was never recorded
+            # could not be removed by a rollback.
+            with contract.defer_interrupts():
+                for lp in layers:
+                    pre = torch.compiler.disable(functools.partial(self._pre_hook, lp.index))
+                    post = torch.compiler.disable(functools.partial(self._post_hook, lp.index))
+                    self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
+                    self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
+                self._hooks.extend(contract.install_layer_hooks(self))
         self._finalized = True
         self._reset_stats()
 
@@ -417,7 +426,8 @@ class LayerwiseOffloadManager:
             raise RuntimeError(
                 f"layerwise: an in-place write to a streamed parameter of {self.layer_name!r} (ring slot {s}, "
                 f"holding layer {holder}) was detected and discarded: streamed weights live in the host arena "
-                "and a write into the device copy would be lost or land on another layer. Change them with "
+                "and a write into the device copy would be lost or land on another layer (an optimizer step is "
+                "such a write: training streamed weights is not supported). Change them with "
                 "model.load_state_dict(...), or call layerwise.remove_layerwise_offload(model) first. "
                 "The model computes with the weights it had."
             )
@@ -462,7 +472,10 @@ class LayerwiseOffloadManager:
     def _post_hook(self, i: int, module, args, output):
         if not self._lock._is_owned():
             return  # this thread's pre-hook never ran (an earlier hook raised)
+        replaced = None
         try:
+            if self._slot_of[i] >= 0:
+                replaced = self._own_output(output)
             if i in self._entered:
                 del self._entered[len(self._entered) - 1 - self._entered[::-1].index(i)]
                 s = self._slot_of[i]
@@ -475,6 +488,20 @@ class LayerwiseOffloadManager:
                             break
         finally:
             self._lock.release()
+        return replaced
+
+    def _own_output(self, output):
+        """A block whose output is a view of its own weights (learned query tokens
+        returned as they are): the output must outlive the slot, which the next
+        copies refill. Copied in that case only; None (output unchanged) otherwise."""
+        def aliased(t):
+            return type(t) in (torch.Tensor, nn.Parameter) and t.device == self.device and \
+                t.untyped_storage().data_ptr() in self._slot_ptrs
+        if isinstance(output, torch.Tensor):
+            return output.clone() if aliased(output) else None
+        if isinstance(output, tuple) and any(aliased(t) for t in output):
+            return tuple(t.clone() if aliased(t) else t for t in output)
+        return None
 
     # ---------------------------------------------------------------- stats
     # A step is one forward of the model (the root hooks, contract.py), prefetches

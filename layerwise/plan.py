@@ -149,6 +149,22 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
 
     layers = [LayerPlan(i, module_list[i]) for i in range(n)]
     shared = []
+    # Parameters whose bytes overlap (b = a[2:6]) would come apart once each is packed on
+    # its own: they stay resident, like tied ones. (Parameters that merely share a storage
+    # without overlapping, as tensors sliced out of one checkpoint mmap do, are packed.)
+    by_storage: dict = {}
+    for pid, p in objects.items():
+        t = local_tensor(p.data)
+        if t.device.type != "meta" and t.numel():
+            start = t.storage_offset() * t.element_size()
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
+                (start, start + storage_span(t) * t.element_size(), pid))
+    aliased = set()
+    for spans in by_storage.values():
+        spans.sort()
+        for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+            if b0 < a1:
+                aliased.update((a, b))
     for pid, pnames in names.items():
         indices = set()
         for nm in pnames:
@@ -157,7 +173,7 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
         owned = [i for i in indices if i is not None and i < n]
         if not owned:
             continue
-        if len(indices) > 1:  # tied across layers, or with a module outside the group
+        if len(indices) > 1 or pid in aliased:  # tied, or a view of another parameter's storage
             shared.extend(nm for nm in pnames if pattern.match(nm))
             continue
         p = objects[pid]

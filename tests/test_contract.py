@@ -720,3 +720,128 @@ def test_ctrl_c_while_a_configure_completes_is_delivered_on_a_whole_model(monkey
     assert no_trace_of_layerwise(model)
     for a, b in zip(run(model, xs), run(ref, xs)):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------ found by attacking the contract
+def test_writes_through_state_dict_tensors_freed_at_once_still_reach_the_model():
+    model, ref, sd = configured(depth=1)
+    xs = inputs()
+    run(model, xs)
+    new = make(seed=5).state_dict()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():  # the usual "copy new weights in" helper
+            v.copy_(new[k])
+        for k, v in ref.state_dict().items():
+            v.copy_(new[k])
+    for _ in range(2):
+        for a, b in zip(run(model, xs), run(ref, xs)):
+            assert torch.equal(a, b)
+
+
+def test_load_state_dict_under_inference_mode_takes_effect():
+    model, ref, sd = configured(depth=1)
+    xs = inputs()
+    run(model, xs)
+    new = make(seed=5)
+    with torch.inference_mode():
+        model.load_state_dict(new.state_dict())
+    for a, b in zip(run(model, xs), run(new, xs)):
+        assert torch.equal(a, b)
+
+
+def test_an_in_place_write_is_still_refused_after_an_unrelated_load_state_dict():
+    model, ref, sd = configured(depth=1)
+    xs = inputs()
+    expect = run(ref, xs)
+    run(model, xs)
+    with torch.no_grad():
+        model.transformer_blocks[2].up.weight.mul_(0)
+    model.load_state_dict({"head.bias": sd["head.bias"]}, strict=False)
+    with pytest.raises(RuntimeError, match="in-place write"):
+        run(model, xs)
+    for a, b in zip(run(model, xs), expect):
+        assert torch.equal(a, b)
+
+
+def test_writes_through_state_dict_between_forward_and_backward_are_refused():
+    model, ref, sd = configured(depth=1)
+    x = inputs(1)[0].requires_grad_()
+    out = model(x)
+    with torch.no_grad():
+        model.state_dict()["transformer_blocks.0.up.weight"].mul_(2)
+    run(model, inputs(1, seed=3))  # refills the slots
+    with pytest.raises(RuntimeError, match="weights of transformer_blocks\\[0\\].*changed"):
+        out.square().sum().backward()
+
+
+@pytest.mark.parametrize("flag", ["set_overwrite_module_params_on_conversion", "set_swap_module_params_on_conversion"])
+def test_parameter_replacing_conversion_flags_are_refused(flag):
+    model, ref, sd = configured()
+    setter = getattr(torch.__future__, flag)
+    setter(True)
+    try:
+        with pytest.raises(RuntimeError, match="remove_layerwise_offload"):
+            model.to("cpu")
+    finally:
+        setter(False)
+    layerwise.remove_layerwise_offload(model)
+    for a, b in zip(run(model, inputs()), run(ref, inputs())):
+        assert torch.equal(a, b)
+
+
+class _Tokens(nn.Module):
+    """Learned query tokens, returned as they are (a view of the block's own weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return self.tokens.unsqueeze(0) + 0 * x.sum() if x is not None else self.tokens.unsqueeze(0)
+
+
+def test_a_block_output_that_is_a_view_of_its_weights_survives_the_next_copies():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_Tokens() for _ in range(4)])
+    model.forward = lambda: [b(None) for b in model.blocks]
+    expect = [t.clone() for t in model()]
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=1, debug_copy_delay_us=500)
+    with torch.no_grad():
+        for _ in range(3):
+            for a, b in zip(model(), expect):
+                assert torch.equal(a, b)
+
+
+def test_parameters_that_overlap_in_memory_stay_together():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+    for blk in model.blocks:
+        blk.alias = nn.Parameter(blk.weight.data[2:6])  # overlaps the weight
+
+    def forward(x):
+        for blk in model.blocks:
+            x = blk(x) + blk.alias.sum()
+        return x
+
+    model.forward = forward
+    ref = copy.deepcopy(model)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+    new = {k: v * 2 for k, v in ref.state_dict().items() if k.endswith("weight")}
+    model.load_state_dict(new, strict=False)
+    ref.load_state_dict(new, strict=False)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert torch.equal(model.blocks[1].alias, model.blocks[1].weight[2:6])
+
+
+def test_configure_and_state_dict_under_inference_mode():
+    model = make()
+    ref = copy.deepcopy(model)
+    with torch.inference_mode():
+        layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+        sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
