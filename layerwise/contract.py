@@ -518,7 +518,35 @@ def _on_register(parent, name, sub):
     for m in sub.modules():
         _WATCHED[m] = owner
         manager._hooks.extend(_guard_merge(m))
+        if _is_tuner_layer(m):
+            problem = _reads_base_weights(manager, m)
+            if problem:
+                manager._contract_error = (
+                    f"layerwise: an adapter was added to {manager.layer_name}[{owner[1]}] after configure whose "
+                    f"initialisation {problem}; outside its block's forward a streamed weight holds whatever its "
+                    "ring slot holds, so the adapter was built from the wrong weights. Delete the adapter, call "
+                    "layerwise.remove_layerwise_offload(model), add the adapter, and configure again (plain LoRA "
+                    "can be added after configure)."
+                )
     return None
+
+
+def _reads_base_weights(manager, tuner) -> str | None:
+    """What peft's tuner-layer initialisation did that needs the base weights'
+    true values (DoRA's magnitude vector is their norm; PiSSA / OLoRA rewrite
+    the base weight), or None."""
+    if any(bool(v) for v in (getattr(tuner, "use_dora", None) or {}).values()):
+        return "(DoRA) computes a magnitude from the base weight"
+    base = tuner.get_base_layer()
+    for p in base.parameters(recurse=False):
+        if any(e.param is p for lp in manager.plan.layers for e in lp.params) and \
+                p.untyped_storage().data_ptr() not in manager._slot_ptrs and not _bound_resident(manager, p):
+            return "(PiSSA, OLoRA, LoftQ, ...) rewrote the base weight"
+    return None
+
+
+def _bound_resident(manager, p) -> bool:
+    return any(e.param is p for i in manager.resident for e in manager.plan.layers[i].params)
 
 
 def _ensure_registration_hook() -> None:

@@ -279,6 +279,7 @@ class LayerwiseOffloadManager:
             self._handed_out: list = []  # state_dict() tensors that alias the arena (contract.check_handed_out)
             self._arena_gen = [0] * self.num_layers  # bumped when a layer's arena bytes change after packing
             self._loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks (contract.py)
+            self._contract_error: str | None = None  # a broken contract found outside a forward
             # The last copy into each slot. On CUDA the ring's memory may have been
             # freed by work still queued on the compute stream: the first copies wait for it.
             start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
@@ -436,6 +437,8 @@ class LayerwiseOffloadManager:
         if self._engine.is_cuda and _stream_capturing(self.device):
             raise RuntimeError(_CAPTURE_REFUSED.format(group=self.layer_name, i=i))
         self._lock.acquire()  # released by the post-hook (which also runs when a forward raises)
+        if self._contract_error is not None:
+            raise RuntimeError(self._contract_error)
         if self._dirty:
             self._resync()
         if i == 0 and not self._root_driven:

@@ -845,3 +845,14 @@ def test_configure_and_state_dict_under_inference_mode():
         sd = model.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k], v), k
+
+
+@pytest.mark.parametrize("kind", [{"use_dora": True}, {"init_lora_weights": "pissa"}])
+def test_adapters_whose_init_reads_base_weights_after_configure_are_refused_at_the_forward(kind):
+    peft = pytest.importorskip("peft")
+    model = _flux()
+    layerwise.configure_layerwise_offload(model, ["transformer_blocks", "single_transformer_blocks"], device="cpu")
+    _flux_run(model)  # the ring holds some layers' weights, not every layer's own
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], **kind))
+    with pytest.raises(RuntimeError, match="initialisation.*base weight.*before|configure again"):
+        _flux_run(model)
