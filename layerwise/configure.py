@@ -192,8 +192,7 @@ def remove_layerwise_offload(model: nn.Module) -> nn.Module:
     managers = managers_of(model)
     if not managers:
         raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
-    lock = contract.model_lock(model)
-    with lock:
+    with contract.removing(model):
         for m in managers:
             m.remove()
         contract.detach(model)

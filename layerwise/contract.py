@@ -42,6 +42,7 @@ from .plan import local_tensor
 _MANAGERS = "_layerwise_managers"
 _LOCK = "_layerwise_lock"
 _HANDLES = "_layerwise_contract_handles"
+_FORWARDS = "_layerwise_forwards"  # forwards in progress per thread, for removal
 
 COPY_REFUSED = (
     "an offloaded model cannot be deep-copied or pickled: its streamed weights live in layerwise's host arena. "
@@ -64,6 +65,8 @@ def attach(model: nn.Module, managers) -> None:
     """Record the managers on the model and install the model-level guards once."""
     model.__dict__.setdefault(_MANAGERS, []).extend(managers)
     if _HANDLES not in model.__dict__:
+        model.__dict__[_FORWARDS] = {"threads": {}, "removing": False,
+                                     "cond": threading.Condition(model_lock(model))}
         handles = [model.register_forward_pre_hook(torch.compiler.disable(_root_pre_hook), prepend=True),
                    model.register_forward_hook(torch.compiler.disable(_root_post_hook), always_call=True)]
         model.__dict__[_HANDLES] = handles
@@ -78,6 +81,7 @@ def detach(model: nn.Module) -> None:
             if getattr(mod.__dict__.get(attr), "_layerwise", False):
                 del mod.__dict__[attr]
     model.__dict__.pop(_MANAGERS, None)
+    model.__dict__.pop(_FORWARDS, None)
     model.__dict__.pop(_LOCK, None)
 
 
@@ -203,6 +207,11 @@ def _root_pre_hook(model, args):
     while lock._is_owned():
         lock.release()
     with lock:
+        forwards = model.__dict__.get(_FORWARDS)
+        if forwards is not None:
+            while forwards["removing"]:  # a removal is under way: it ends, then this forward runs plain
+                forwards["cond"].wait()
+            forwards["threads"][threading.get_ident()] = 1  # (a stale mark of this thread is replaced)
         for m in managers_of(model):
             if not m._finalized:
                 continue
@@ -217,9 +226,42 @@ def _root_pre_hook(model, args):
 def _root_post_hook(model, args, output):
     """The end of the model's forward closes the step of every group: report()
     has per-step figures from the first forward on."""
+    forwards = model.__dict__.get(_FORWARDS)
+    if forwards is not None:
+        with forwards["cond"]:
+            forwards["threads"].pop(threading.get_ident(), None)
+            forwards["cond"].notify_all()
     for m in managers_of(model):
         if m._finalized and m._step_open:
             m._end_step()
+
+
+@contextlib.contextmanager
+def removing(model: nn.Module):
+    """Hold the model for a removal: forwards that other threads are running end
+    first; forwards that start meanwhile wait and then run on the plain model."""
+    lock = model_lock(model)
+    forwards = model.__dict__.get(_FORWARDS)
+    with lock:
+        if forwards is not None:
+            forwards["removing"] = True
+            me = threading.get_ident()
+            while any(t != me for t in forwards["threads"]):
+                forwards["cond"].wait(timeout=60)  # (a thread that died mid-forward cannot end it)
+                if any(t != me for t in forwards["threads"]) and not _threads_alive(forwards["threads"], me):
+                    break
+        try:
+            yield
+        finally:
+            if forwards is not None:
+                forwards["removing"] = False
+                forwards["threads"].clear()
+                forwards["cond"].notify_all()
+
+
+def _threads_alive(threads, me) -> bool:
+    alive = {t.ident for t in threading.enumerate()}
+    return any(t in alive for t in threads if t != me)
 
 
 # ----------------------------------------------------------- casts, moves

@@ -602,7 +602,7 @@ def remove_pipeline_offload(pipe):
 def _restore_component(c: Component) -> None:
     managers = managers_of(c.module)
     if managers:
-        with contract.model_lock(c.module), torch.no_grad():
+        with contract.removing(c.module), torch.no_grad():
             for m in managers:
                 if m._finalized:
                     # Resident layers are ordinary device tensors (load_state_dict writes

@@ -856,3 +856,40 @@ def test_adapters_whose_init_reads_base_weights_after_configure_are_refused_at_t
     model.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], **kind))
     with pytest.raises(RuntimeError, match="initialisation.*base weight.*before|configure again"):
         _flux_run(model)
+
+
+def test_remove_while_another_thread_runs_forwards_is_exact():
+    model, ref, sd = configured(depth=1, delay=100)
+    xs = inputs(4)
+    expect = run(ref, xs)
+    wrong, errors, done = [0], [], threading.Event()
+
+    def worker():
+        try:
+            with torch.no_grad():
+                k = 0
+                while not done.is_set() and k < 400:
+                    out = model(xs[k % 4])
+                    wrong[0] += not torch.equal(out, expect[k % 4])
+                    k += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for _ in range(3):
+            t = threading.Thread(target=worker)
+            t.start()
+            import time
+
+            time.sleep(0.05)
+            layerwise.remove_layerwise_offload(model)  # waits for the forward under way, then removes
+            time.sleep(0.02)  # the worker goes on, on the plain model
+            done.set()
+            t.join(60)
+            done.clear()
+            layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", debug_copy_delay_us=100)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and wrong[0] == 0, (errors, wrong)
