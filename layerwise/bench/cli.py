@@ -13,10 +13,10 @@ import torch
 
 import layerwise
 
-from . import h2d, hooks, report, scatter, startup, stream
+from . import disk, h2d, hooks, report, scatter, startup, stream
 from .common import Context, Skip, SuiteResult
 
-SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks)}
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks, disk)}
 
 
 def _parser() -> argparse.ArgumentParser:
