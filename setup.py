@@ -63,7 +63,8 @@ def build_mode():
 
 def extension():
     use_cuda, cuda = build_mode()
-    sources = ["csrc/bindings.cpp", "csrc/arena.cpp", "csrc/engine.cpp", "csrc/cpu/engine_cpu.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/arena.cpp", "csrc/engine.cpp", "csrc/cpu/engine_cpu.cpp",
+               "csrc/reader.cpp"]
     kwargs = dict(extra_compile_args=["-O3", "-std=c++20", "-fvisibility=hidden"], include_dirs=[os.path.join(ROOT, "csrc")])
     if use_cuda:
         inc, libdir, lib = cuda

@@ -1,5 +1,7 @@
 // Python bindings of layerwise._C. Only layerwise/_native.py imports this module.
 #include "layerwise.h"
+#include "host_event.h"
+#include "reader.h"
 
 #include <pybind11/stl.h>
 
@@ -42,9 +44,9 @@ void check_copy_args(const CopyEngine& engine, const at::Tensor& dst, const at::
 // A debug delay is per copy: more than a second only turns a test into a hang.
 constexpr int64_t kMaxDebugDelayUs = 1000000;
 
-int64_t debug_delay(std::optional<int64_t> arg) {
+int64_t debug_delay(std::optional<int64_t> arg, const char* what = "CopyEngine") {
   if (arg && *arg != -1) {  // -1: from the environment, as None
-    TORCH_CHECK_VALUE(*arg >= 0 && *arg <= kMaxDebugDelayUs, "CopyEngine: debug_delay_us must lie in [0, ",
+    TORCH_CHECK_VALUE(*arg >= 0 && *arg <= kMaxDebugDelayUs, what, ": debug_delay_us must lie in [0, ",
                       kMaxDebugDelayUs, "] microseconds (a random delay of up to that much per copy), got ", *arg,
                       "; pass None or -1 to read LAYERWISE_DEBUG_COPY_DELAY_US");
     return *arg;
@@ -69,6 +71,32 @@ struct PyEngine {
   int64_t debug_delay_us = 0;
 };
 
+struct PyReader {
+  ReaderPtr impl;
+};
+
+// layerwise._C.ReadError, a subclass of OSError: OSError(errno, message) where
+// the failure has an errno (e.errno set), else OSError(message).
+PyObject* g_read_error = nullptr;
+
+std::vector<Extent> to_extents(const std::vector<std::tuple<int64_t, int64_t, int64_t>>& list) {
+  std::vector<Extent> out;
+  out.reserve(list.size());
+  for (const auto& [file_offset, length, dst_offset] : list) out.push_back(Extent{file_offset, length, dst_offset});
+  return out;
+}
+
+FileExpect to_expect(const std::optional<std::tuple<int64_t, int64_t>>& expect) {
+  FileExpect e;
+  if (expect) {
+    e.size = std::get<0>(*expect);
+    e.mtime_ns = std::get<1>(*expect);
+    TORCH_CHECK_VALUE(e.size >= -1 && e.mtime_ns >= -1, "Reader: expect=(size, mtime_ns) as os.stat gives them "
+                      "(-1: not checked), got (", e.size, ", ", e.mtime_ns, ")");
+  }
+  return e;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -85,6 +113,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("copy_ms", &Event::copy_ms,
                              "Milliseconds the event's copy took once it has completed (CUDA: only for a copy "
                              "issued with timing=True), else -1");
+
+  g_read_error = PyErr_NewExceptionWithDoc(
+      "layerwise._C.ReadError",
+      "A read of the disk tier failed: an I/O error, a short read (the file was truncated), a file changed since "
+      "it was recorded, or a copy that waited on such a read. Raised by Event.synchronize()/query(); the message "
+      "names the file, the offset and the errno text.",
+      PyExc_OSError, nullptr);
+  m.attr("ReadError") = py::handle(g_read_error);  // the module keeps a reference; g_read_error's own is never dropped
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ReadError& e) {
+      py::object args = e.err > 0 ? py::object(py::make_tuple(e.err, e.what())) : py::object(py::make_tuple(e.what()));
+      PyErr_SetObject(g_read_error, args.ptr());
+    }
+  });
 
   py::class_<HostArena, std::shared_ptr<HostArena>>(m, "HostArena")
       .def(py::init<int64_t, bool, std::optional<bool>, int>(), py::arg("nbytes"), py::arg("pinned") = true,
@@ -151,6 +195,77 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_streams", [](const PyEngine& self) { return self.impl->num_streams(); })
       .def_property_readonly("debug_delay_us", [](const PyEngine& self) { return self.debug_delay_us; });
 
+  py::class_<PyReader>(m, "Reader", "Reader threads of the disk tier: file extents -> a host (staging) buffer")
+      .def(py::init([](int num_threads, bool direct, std::optional<int64_t> debug_delay_us, bool refuse_direct) {
+             PyReader r;
+             r.impl = make_reader(num_threads, direct, debug_delay(debug_delay_us, "Reader"), refuse_direct);
+             register_engine(r.impl);
+             return r;
+           }),
+           py::arg("num_threads") = 2, py::arg("direct") = true, py::arg("debug_delay_us") = py::none(),
+           py::arg("_refuse_direct") = false)
+      .def(
+          "read_async",
+          [](PyReader& self, py::object file, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& extents,
+             const at::Tensor& dst, EventPtr after, std::optional<std::tuple<int64_t, int64_t>> expect) {
+            std::string path;
+            int fd = -1;
+            if (py::isinstance<py::int_>(file) && !py::isinstance<py::bool_>(file)) {
+              fd = file.cast<int>();
+              TORCH_CHECK_VALUE(fd >= 0, "Reader.read_async: a file descriptor must be >= 0, got ", fd);
+            } else {
+              py::object p = py::module_::import("os").attr("fsdecode")(file);  // str, bytes or os.PathLike
+              path = p.cast<std::string>();
+            }
+            TORCH_CHECK_VALUE(dst.is_cpu() && dst.has_storage(), "Reader.read_async: dst must be a host tensor "
+                              "with storage of its own (a pinned staging buffer), got ", describe(dst));
+            TORCH_CHECK_VALUE(dst.is_contiguous() && dst.scalar_type() == at::kByte, "Reader.read_async: dst must "
+                              "be a contiguous uint8 tensor (use .view(torch.uint8)), got ", describe(dst));
+            std::vector<Extent> ext = to_extents(extents);
+            FileExpect exp = to_expect(expect);
+            self.impl->drop_retired();  // with the GIL: may free storages
+            // Marked in flight before its address is read: from here on dst cannot move under the read.
+            auto keep = std::make_unique<InFlight>(std::vector<c10::Storage>{dst.storage()});
+            auto* to = static_cast<uint8_t*>(dst.data_ptr());
+            const size_t n = dst.nbytes();
+            py::gil_scoped_release r;
+            return self.impl->read_async(path, fd, std::move(ext), to, n, after, std::move(keep), exp);
+          },
+          py::arg("file"), py::arg("extents"), py::arg("dst"), py::arg("after") = py::none(),
+          py::arg("expect") = py::none(),
+          "Queue a read of `extents` [(file_offset, length, dst_offset), ...] of `file` (a path, or an open file "
+          "descriptor, duplicated here) into the uint8 host tensor `dst`, after `after`; returns its Event. "
+          "`expect`=(st_size, st_mtime_ns): the read fails if the file differs (or was deleted) when it is read.")
+      .def(
+          "check_file",
+          [](PyReader& self, int fd, int64_t size, int64_t mtime_ns) {
+            self.impl->check_file(fd, to_expect(std::make_tuple(size, mtime_ns)));
+          },
+          py::arg("fd"), py::arg("size"), py::arg("mtime_ns"),
+          "Raise ReadError unless fstat(fd) shows this size and mtime (-1: not checked) and the file still has a name")
+      .def(
+          "forget", [](PyReader& self, int fd) { self.impl->forget(fd); }, py::arg("fd"),
+          "Close the reader's cached O_DIRECT descriptor of fd's file (when that file is closed for good)")
+      .def("synchronize",
+           [](PyReader& self) {
+             {
+               py::gil_scoped_release r;
+               self.impl->synchronize();
+             }
+             self.impl->drop_retired();
+           },
+           "Block until every read issued so far has completed (failed ones raise on their own events)")
+      .def("shutdown", [](PyReader& self) { self.impl->shutdown(); },
+           "Stop the reader threads (reads not started yet fail with 'cancelled'); later reads raise")
+      .def("stats", [](PyReader& self) { return self.impl->stats(); },
+           "Counters: reads, failed, runs_direct / runs_buffered (vectored reads of contiguous runs), bytes_direct, "
+           "bytes_buffered, bytes_padding, syscalls, direct_refused, direct_fallbacks, ...")
+      .def_property_readonly("num_threads", [](const PyReader& self) { return self.impl->num_threads(); })
+      .def_property_readonly("direct", [](const PyReader& self) { return self.impl->direct(); })
+      .def_property_readonly("debug_delay_us", [](const PyReader& self) { return self.impl->debug_delay_us(); })
+      .def_property_readonly_static("alignment", [](py::object) { return kDirectAlign; },
+                                    "O_DIRECT alignment of buffer, file offset and length (bytes)");
+
   m.def("build_info", []() {
     py::dict d;
 #ifdef LAYERWISE_WITH_CUDA
@@ -164,7 +279,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   });
   m.def("shutdown_all", &shutdown_all,
-        "Finish every queued copy and stop every copy engine's threads (layerwise._native runs it at exit)");
+        "Finish every queued copy, stop every copy engine's and disk reader's threads (layerwise._native runs it "
+        "at exit)");
   m.def("cuda_device_count", []() {
 #ifdef LAYERWISE_WITH_CUDA
     try {

@@ -23,7 +23,7 @@ std::mutex g_marks_mu;
 std::unordered_map<const c10::StorageImpl*, Mark> g_marks;
 
 std::mutex g_engines_mu;
-std::vector<std::weak_ptr<CopyEngine>> g_engines;
+std::vector<std::weak_ptr<Stoppable>> g_engines;
 
 // A mutex some other thread holds at fork() stays locked forever in the child:
 // take both around fork() so that the child inherits them unlocked.
@@ -88,14 +88,14 @@ void InFlight::release() {
   }
 }
 
-void register_engine(const EnginePtr& engine) {
+void register_engine(const std::shared_ptr<Stoppable>& engine) {
   std::lock_guard<std::mutex> l(g_engines_mu);
-  std::erase_if(g_engines, [](const std::weak_ptr<CopyEngine>& w) { return w.expired(); });
+  std::erase_if(g_engines, [](const std::weak_ptr<Stoppable>& w) { return w.expired(); });
   g_engines.push_back(engine);
 }
 
 void shutdown_all() {
-  std::vector<EnginePtr> live;
+  std::vector<std::shared_ptr<Stoppable>> live;
   {
     std::lock_guard<std::mutex> l(g_engines_mu);
     for (auto& w : g_engines)

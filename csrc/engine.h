@@ -63,7 +63,14 @@ struct Event {
 };
 using EventPtr = std::shared_ptr<Event>;
 
-struct CopyEngine {
+// What shutdown_all() stops before the interpreter finalises: copy engines and
+// disk readers (reader.h), anything that owns threads.
+struct Stoppable {
+  virtual ~Stoppable() = default;
+  virtual void shutdown() = 0;
+};
+
+struct CopyEngine : Stoppable {
   virtual ~CopyEngine() = default;
   // Copies n bytes src -> dst on one of the engine's streams, after `after`
   // (if given) has completed. Returns the event that completes with the copy
@@ -86,8 +93,8 @@ struct CopyEngine {
 };
 using EnginePtr = std::shared_ptr<CopyEngine>;
 
-// Live engines, so that shutdown_all() (an atexit hook) can stop them all.
-void register_engine(const EnginePtr& engine);
+// Live engines and readers, so that shutdown_all() (an atexit hook) can stop them all.
+void register_engine(const std::shared_ptr<Stoppable>& engine);
 void shutdown_all();
 [[noreturn]] void throw_shut_down();
 

@@ -19,8 +19,10 @@ except ImportError as e:  # pragma: no cover - exercised by hand on a broken ins
 HostArena = _C.HostArena
 CopyEngine = _C.CopyEngine
 Event = _C.Event
+Reader = _C.Reader
+ReadError = _C.ReadError
 
-# Copy worker threads must be finished and joined while the interpreter is still
+# Copy worker threads (and disk reader threads) must be finished and joined while the interpreter is still
 # whole: a thread that outlives it is ended mid-way by finalisation (SIGABRT,
 # "terminate called without an active exception"). atexit handlers run before
 # finalisation, and in reverse order of registration: this one runs before

@@ -51,8 +51,10 @@ def test_cli_runs_every_cpu_suite(tiny_run):
     assert md[0].startswith("Command: `python -m layerwise.bench --tiny") and " (cpu, " in md_text  # command, machine
     header = md.index("| measured | ours: median [q20, q80] | unit | vs baseline | met |")
     assert md[header + 1] == "|---|---|---|---|---|"
-    sections = [re.match(r"\| [*_]+(\w+): ", line) for line in md if line.startswith("| **") or line.startswith("| _")]
-    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "startup", "hooks"}
+    # a section is "name: title", or "name" alone for a suite without a title in report.SUITE_TITLES
+    sections = [re.match(r"\| [*_]+(\w+)(: |\*\* \|)", line) for line in md
+                if line.startswith("| **") or line.startswith("| _")]
+    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "startup", "hooks", "disk"}
     assert "| _scatter: skipped: " in md_text
 
 
@@ -66,9 +68,12 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
     assert env["device"] == "cpu" and "--tiny" in env["argv"]
 
     suites = doc["suites"]
-    assert set(suites) == {"h2d", "scatter", "stream", "startup", "hooks"}
+    assert set(suites) == {"h2d", "scatter", "stream", "startup", "hooks", "disk"}
     assert suites["scatter"]["status"] == "skipped" and "CUDA" in suites["scatter"]["reason"]
-    for name in CPU_SUITES:
+    # disk: skipped only where no disk-backed file system is writable (the reason says so)
+    assert suites["disk"]["status"] == "ok" or (suites["disk"]["status"] == "skipped" and
+                                                "file system" in suites["disk"]["reason"]), suites["disk"]
+    for name in CPU_SUITES + (["disk"] if suites["disk"]["status"] == "ok" else []):
         suite = suites[name]
         assert suite["status"] == "ok", (name, suite["reason"])
         assert suite["rows"], name
@@ -107,6 +112,12 @@ def test_suite_specific_figures(tiny_run):
     assert all(row["met"] is None for row in stream["rows"])
     # hooks: the flatness row has its target.
     assert suites["hooks"]["rows"][-1]["targets"]
+    # disk: the reader read with O_DIRECT, compared with a plain O_DIRECT read in the same run.
+    disk = suites["disk"]
+    if disk["status"] == "ok":
+        assert disk["data"]["reader_stats"]["runs_direct"] > 0 and disk["data"]["reader_stats"]["failed"] == 0
+        assert disk["rows"][0]["targets"][0]["label"] == ">= 0.9x O_DIRECT seq"
+        assert disk["data"]["filesystem"] not in ("tmpfs", "ramfs")
 
 
 def test_failing_suite_is_reported_and_the_others_still_run(monkeypatch, tmp_path, capsys):

@@ -9,7 +9,7 @@
 // ending the thread (pthread_exit through noexcept code: std::terminate).
 // Finished jobs' events are handed back ("retired") to be dropped on a Python
 // thread instead.
-#include "../engine.h"
+#include "../host_event.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -22,64 +22,7 @@
 namespace layerwise {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// Waking a sleeping thread through a condition variable costs tens of
-// microseconds on a VM (measured ~80 us for a 51 KB copy handed to an idle
-// worker, `python -m layerwise.bench hooks`, 2-core VM): both sides spin
-// briefly before they block, since a layer's copy usually lands within that.
-constexpr auto kSpin = std::chrono::microseconds(50);
-
-template <class Ready>
-bool spin_until(Ready ready) {
-  const auto until = Clock::now() + kSpin;
-  do {
-    if (ready()) return true;
-    std::this_thread::yield();
-  } while (Clock::now() < until);
-  return ready();
-}
-
-struct CpuEvent : Event {
-  std::mutex m;
-  std::condition_variable cv;
-  std::atomic<bool> done{false};
-  std::atomic<int> waiters{0};
-  Clock::time_point when{};
-  Clock::time_point started{};
-
-  double copy_ms() override {
-    if (!query() || started == Clock::time_point{}) return -1.0;
-    return std::chrono::duration<double, std::milli>(when - started).count();
-  }
-
-  void set() {
-    when = Clock::now();
-    {
-      std::lock_guard<std::mutex> l(m);
-      done.store(true, std::memory_order_release);
-    }
-    if (waiters.load()) cv.notify_all();
-  }
-  bool query() override { return done.load(std::memory_order_acquire); }
-  void synchronize() override {
-    if (query()) return;
-    // Its worker stayed behind in the parent: it would never complete here.
-    if (origin.forked()) origin.throw_forked("the copy this event waits for");
-    if (spin_until([&] { return query(); })) return;
-    std::unique_lock<std::mutex> l(m);
-    waiters++;
-    cv.wait(l, [&] { return query(); });
-    waiters--;
-  }
-  double elapsed_ms(Event& end) override {
-    auto* e = dynamic_cast<CpuEvent*>(&end);
-    TORCH_CHECK_TYPE(e != nullptr, "Event.elapsed_ms: both events must come from the same backend");
-    synchronize();
-    e->synchronize();
-    return std::chrono::duration<double, std::milli>(e->when - when).count();
-  }
-};
+using Clock = HostClock;
 
 struct Job {
   void* dst;
@@ -158,6 +101,10 @@ class Worker {
         pending_.store(queue_.size());
       }
       // An exception must not end the thread (std::terminate): the event completes regardless.
+      // A copy after a failed read (a disk tier's staging buffer) copies nothing and fails
+      // with the read's error: whoever waits on the copy learns that its bytes are not there.
+      std::string failed_after;
+      int failed_errno = 0;
       try {
         if (job.after) job.after->synchronize();
         if (delay_us_ > 0) {
@@ -165,12 +112,18 @@ class Worker {
           std::unique_lock<std::mutex> l(m_);
           cv_.wait_for(l, std::chrono::microseconds(d(rng_)), [&] { return stop_; });
         }
+      } catch (const ReadError& e) {
+        failed_after = e.what();
+        failed_errno = e.err;
       } catch (...) {
       }
       job.done->started = Clock::now();
-      if (job.n) std::memcpy(job.dst, job.src, job.n);
+      if (failed_after.empty() && job.n) std::memcpy(job.dst, job.src, job.n);
       if (job.done->keepalive) job.done->keepalive->release();  // resizable again once the copy is done
-      job.done->set();
+      if (failed_after.empty())
+        job.done->set();
+      else
+        job.done->fail("layerwise: copy not done: the read it waited on failed: " + failed_after, failed_errno);
       retired_->add(std::move(job.after), std::move(job.done));
     }
   }
@@ -210,7 +163,8 @@ class CpuEngine : public CopyEngine {
     check_usable();
     if (after) {
       TORCH_CHECK_TYPE(dynamic_cast<CpuEvent*>(after.get()), "copy_async: `after` is not a CPU event");
-      if (!after->query() && after->origin.forked()) after->origin.throw_forked("the copy `after` waits for");
+      if (!static_cast<CpuEvent*>(after.get())->completed() && after->origin.forked())
+        after->origin.throw_forked("the copy `after` waits for");
     }
     retired_->drop();
     auto done = std::make_shared<CpuEvent>();

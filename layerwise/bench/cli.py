@@ -13,10 +13,10 @@ import torch
 
 import layerwise
 
-from . import h2d, hooks, pipeline, report, scatter, startup, stream
+from . import disk, h2d, hooks, pipeline, report, scatter, startup, stream
 from .common import Context, Skip, SuiteResult
 
-SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks, pipeline)}
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks, disk, pipeline)}
 # Run only when named: it needs diffusers and transformers, and starts a fresh
 # interpreter per method (python -m layerwise.bench pipeline).
 ON_REQUEST = {pipeline.NAME}

@@ -11,8 +11,10 @@ event that completes when they have. Stages compose by holding the next one:
 a compressed layer read from disk is read -> transfer -> decode. Each stage is
 a small module of this package:
 
+    read.py       file extents -> pinned host staging (the disk tier's reader threads)
     transfer.py   host arena -> device slot (the copy engine)
 """
+from .read import Read
 from .transfer import Transfer
 
-__all__ = ["Transfer"]
+__all__ = ["Read", "Transfer"]

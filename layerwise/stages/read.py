@@ -1,0 +1,232 @@
+"""read: a layer's bytes in a file -> a page-aligned (pinned) host staging
+buffer, on the reader threads of ``layerwise._C.Reader`` (the disk tier's first
+stage; DESIGN.md, "Tiers and stages"). Not wired into the manager yet: this is
+the API it is built on.
+
+A layer is a list of extents ``(file_offset, length, dst_offset)``: where each
+of its tensors lies in the file and where it goes in the staging buffer.
+``Reader.read_async`` reads one layer with one vectored read (``preadv``, one
+iovec per tensor) per run of extents contiguous in the file, on one of its
+threads, and returns an ``Event`` of the CPU copy engine's kind:
+``CopyEngine("cpu").copy_async(dst, staging, after=event)`` waits on it, and a
+read can wait on a copy (``after=``; any event, a CUDA one included: the reader
+thread waits for it on the host) - which is how a staging slot is reused only
+once the copy out of it has finished.
+
+Zero-copy O_DIRECT: ``O_DIRECT`` needs the buffer, the file offset and the
+length aligned to 4096 (``Reader.alignment``). Checkpoint tensors start
+anywhere (a safetensors data section starts right after its JSON header), so
+the reader reads the aligned superset of a run - from the page boundary below
+its first byte to the one above its last - straight into the staging buffer,
+and the caller places the run so that this lands on whole pages of the buffer:
+``dst_offset == file_offset (mod 4096)``, each run on pages of its own.
+``staging_layout`` computes such a placement and the staging size it needs;
+the tensor then lies at its ``dst_offset`` and the head/tail bytes of its
+first/last page are file bytes nobody asked for. This keeps the common case
+(a layer's tensors in one contiguous run) at one O_DIRECT read and no memcpy on
+the host: the bytes go disk -> staging by DMA, staging -> device by the copy
+engine. A bounce buffer would have cost a host memcpy of every byte (on a
+2-core host, about as slow as the disk itself). Where the layout does not allow
+it (dst offsets not congruent, a run scattered into a padded slot layout), on a
+memory file system (tmpfs: O_DIRECT gains nothing there) or where the file
+system refuses O_DIRECT, the run is read buffered (``preadv`` through the page
+cache, still one call per run). ``Reader.stats()`` counts which path was taken.
+
+Errors: an I/O error, a short read (the file is shorter than an extent: it was
+truncated) or a file that changed since it was recorded (``expect=(size,
+mtime_ns)``, checked with ``fstat`` by the reader thread right before and right
+after the read - the authoritative check, no race with a check in Python; a
+file deleted since it was opened fails too) complete the event with an error:
+``Event.synchronize()`` (and ``query()``) raise ``ReadError`` (an ``OSError``)
+naming the file, the offset and the errno text. A copy that waited on a failed
+read copies nothing and raises the same error. The reader goes on with later
+reads.
+
+CUDA: a read's event is a host event. A CUDA copy engine cannot make its stream
+wait on it, so the H2D copy out of staging is issued once the read has
+completed - see the integration notes in ``Read``'s docstring.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .._native import HostArena, ReadError, Reader
+
+PAGE = Reader.alignment  # 4096
+
+__all__ = ["PAGE", "OpenFile", "Read", "ReadError", "Reader", "aligned_staging", "filesystem_type", "read_layer",
+           "staging_layout"]
+
+
+def _round_up(x: int, a: int = PAGE) -> int:
+    return (x + a - 1) // a * a
+
+
+def aligned_staging(nbytes: int, pinned: bool = True, device: int = -1) -> torch.Tensor:
+    """A page-aligned uint8 host buffer of ``nbytes`` rounded up to a page, in a
+    ``HostArena`` of its own (pinned: mlock on CPU builds, cudaHostRegister on
+    CUDA builds where a GPU is visible; where pinning fails it stays pageable,
+    with the reason in the arena's ``pin_error``). The tensor keeps the mapping
+    alive; reads into it may be O_DIRECT whatever its pinning."""
+    if nbytes < 0:
+        raise ValueError(f"aligned_staging: nbytes must be >= 0, got {nbytes}")
+    size = max(_round_up(nbytes), PAGE)
+    arena = HostArena(size, pinned=pinned, device=device)
+    return arena.allocate(size, alignment=PAGE)
+
+
+def staging_layout(file_extents, base: int = 0) -> tuple[list[tuple[int, int, int]], int]:
+    """Where to put a layer's tensors in a (page-aligned) staging buffer so that
+    the reader reads them with O_DIRECT straight into place.
+
+    ``file_extents``: ``[(file_offset, length), ...]`` in any order. Returns
+    ``(extents, nbytes)``: ``extents[k] = (file_offset_k, length_k, dst_offset_k)``
+    in the given order, for ``Reader.read_async``, and the staging bytes the
+    layer needs from ``base`` (a page multiple; ``base`` must be page aligned).
+    Extents contiguous in the file stay contiguous in the buffer (one read per
+    run); each run starts at its file offset's position within a page and has
+    pages of its own, so the aligned reads of two runs never overwrite each other.
+    """
+    if base % PAGE:
+        raise ValueError(f"staging_layout: base must be a multiple of {PAGE}, got {base}")
+    order = sorted(range(len(file_extents)), key=lambda k: file_extents[k][0])
+    out: list = [None] * len(file_extents)
+    cursor = base  # page aligned: where the next run's first page starts
+    run_start = run_end = run_dst = None
+    for k in order:
+        off, length = (int(v) for v in file_extents[k][:2])
+        if off < 0 or length < 0:
+            raise ValueError(f"staging_layout: extent {k} ({off}, {length}) has a negative field")
+        if run_end is None or off != run_end:  # a new run, on fresh pages
+            if run_end is not None:
+                cursor = _round_up(run_dst + (run_end - run_start))
+            run_start, run_end, run_dst = off, off, cursor + off % PAGE
+        out[k] = (off, length, run_dst + (off - run_start))
+        run_end = off + length
+    if run_end is not None:
+        cursor = _round_up(run_dst + (run_end - run_start))
+    return out, cursor - base
+
+
+@dataclass
+class OpenFile:
+    """A file opened for reading, with the size and mtime it had when opened: a
+    read through it fails (ReadError) if the file has changed since, or was
+    deleted. Close it (or use it as a context manager) when done; ``reader``
+    (if given to ``close``) also drops its cached O_DIRECT descriptor."""
+
+    path: str
+    fd: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def open(cls, path) -> OpenFile:
+        path = os.fsdecode(path)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, st.st_size, st.st_mtime_ns)
+
+    @property
+    def expect(self) -> tuple[int, int]:
+        return (self.size, self.mtime_ns)
+
+    def close(self, reader: Reader | None = None) -> None:
+        if self.fd >= 0:
+            if reader is not None:
+                reader.forget(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> OpenFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_layer(reader: Reader, file, extents, staging: torch.Tensor, after=None):
+    """Queue the read of one layer: ``extents`` ``[(file_offset, length,
+    dst_offset), ...]`` of ``file`` into ``staging`` (a contiguous uint8 host
+    tensor, e.g. from ``aligned_staging``), after the event ``after``.
+
+    ``file``: an ``OpenFile`` (its descriptor; the read fails if the file changed
+    since it was opened), an open descriptor (int) or a path (opened by the
+    reader thread for this read). Returns the read's Event; errors are raised by
+    its ``synchronize()``, except bad arguments, which raise here.
+    """
+    if isinstance(file, OpenFile):
+        if file.fd < 0:
+            raise ValueError(f"read_layer: {file.path} was closed")
+        return reader.read_async(file.fd, extents, staging, after=after, expect=file.expect)
+    return reader.read_async(file, extents, staging, after=after)
+
+
+def filesystem_type(path) -> str:
+    """The type of the file system that holds ``path`` ("ext4", "tmpfs", ...),
+    from /proc/mounts (the longest mount point above it); "" if unknown."""
+    path = os.path.realpath(os.fsdecode(path))
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return ""
+    return kind
+
+
+class Read:
+    """The read stage: layer ``i``'s extents in its file -> a host staging buffer.
+
+    ``layers[i] = (file, extents)`` (``file`` as for ``read_layer``).
+    ``fetch(i, dst, after, timing)`` queues the read into ``dst`` (a staging
+    slot, host) after ``after`` and returns its Event (``timing`` is ignored:
+    a read's event records when it started and ended).
+
+    Integration (what the manager does with it, not done here):
+
+    * Staging: one slot per read in flight, each ``aligned_staging`` of the
+      largest layer's ``staging_layout`` size; a slot is read into only after
+      the copy out of it has completed (``after=`` that copy's event; on CUDA
+      the reader thread host-waits on the CUDA event, which is fine off the
+      Python thread).
+    * CPU backend: ``engine.copy_async(slot_dst, staging, after=read_event)``
+      chains as any copy does; a failed read fails the copy's event too.
+    * CUDA backend: a stream cannot wait on a host event. Issue the H2D copy
+      once ``read_event.query()`` is True (poll from the hooks: the host never
+      blocks unless the layer is needed), or ``read_event.synchronize()`` where
+      the layer is needed and not read yet. Either raises ReadError for a failed
+      read: never copy a staging slot whose read has not been waited on. The
+      staging slots must be pinned (``aligned_staging(pinned=True)`` on a CUDA
+      build registers them) or the copy is synchronous.
+    * The staging layout puts tensors at ``dst_offset`` in the slot, not at the
+      plan's per-dtype offsets: copy the layer's runs to where the slot wants
+      them (one copy per run when the plan keeps checkpoint order; else a
+      scatter on the device), or write spill files in the plan's layout with
+      runs page aligned, where one run is the whole layer.
+    * Files: ``OpenFile.open`` once per checkpoint shard, ``close(reader)`` at
+      the end; record ``expect`` so that a checkpoint rewritten under a running
+      model is an error, not silently different weights.
+    """
+
+    def __init__(self, reader: Reader, layers: dict):
+        self.reader = reader
+        self.layers = layers
+
+    def fetch(self, i: int, dst: torch.Tensor, after=None, timing: bool = False):
+        file, extents = self.layers[i]
+        return read_layer(self.reader, file, extents, dst, after=after)
