@@ -19,6 +19,7 @@ except ImportError as e:  # pragma: no cover - exercised by hand on a broken ins
 HostArena = _C.HostArena
 CopyEngine = _C.CopyEngine
 Event = _C.Event
+codec = _C.codec  # lossless bf16/fp16 codec (csrc/codec.cpp); layerwise/codec.py wraps it
 
 # Copy worker threads must be finished and joined while the interpreter is still
 # whole: a thread that outlives it is ended mid-way by finalisation (SIGABRT,
