@@ -281,6 +281,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shutdown_all", &shutdown_all,
         "Finish every queued copy, stop every copy engine's and disk reader's threads (layerwise._native runs it "
         "at exit)");
+  void bind_codec(py::module_&); bind_codec(m);  // layerwise._C.codec: csrc/codec.cpp
   m.def("cuda_device_count", []() {
 #ifdef LAYERWISE_WITH_CUDA
     try {

@@ -34,6 +34,7 @@ SUITE_TITLES = {
     "stream": "step time of a DiT-like stack whose layers are streamed",
     "startup": "configuring a multi-group model: bytes moved, memory, time",
     "hooks": "CPU time of the offload hooks per layer",
+    "compress": "lossless compression of 16-bit weights: ratio, C++ encode/decode, Triton decode",
 }
 
 
