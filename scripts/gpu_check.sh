@@ -6,7 +6,7 @@
 #   build      the CUDA variant, with the python3 found there (+ .whl/*.whl)  <= 150 s
 #   cuda       the CUDA-specific tests first (-k cuda over every test file)   <= 90 s
 #   tests      the CPU variants of the engine's own test files               <= 150 s
-#   bench      the full GPU benchmark (JSON, Markdown, plot after each suite) <= 150 s
+#   bench      the GPU benchmark suites, compress included (files after each) <= 150 s
 # At most 540 s of stages (under 6 minutes with start-up), files: gpu.txt,
 # build.log, cuda.log, cuda.xml, tests.log, tests.xml, bench.log, bench.json,
 # bench.md, stream.png, summary.txt (11 files; the device tool returns 8: pass
@@ -53,7 +53,7 @@ junit() {  # --junitxml into the results, unless the file count must stay at 8
 # The CPU variants of the files that exercise this build's engine and kernels (CI
 # runs every test on CPU; the whole suite would not fit the stage's limit).
 CPU_TESTS="tests/test_native.py tests/test_manager.py tests/test_contract.py tests/test_cuda_path.py
- tests/test_scatter.py tests/test_loading.py"
+ tests/test_scatter.py tests/test_loading.py tests/test_reader.py tests/test_codec.py"
 
 gpu_file="$OUT/gpu.txt"
 [ "$FEW" = 1 ] && gpu_file="$OUT/summary.txt"
@@ -65,7 +65,9 @@ stage build 150 bash -c build
 stage cuda 90 "$PY" -m pytest -q -rfE -p no:cacheprovider -k cuda $(junit cuda) tests
 # shellcheck disable=SC2046
 stage tests 150 "$PY" -m pytest -q -rfE -p no:cacheprovider -k "not cuda" $(junit tests) ${GPU_CHECK_TESTS:-$CPU_TESTS}
-stage bench 150 "$PY" -m layerwise.bench --device "${BENCH_DEVICE:-cuda}" ${BENCH_ARGS:-} \
+# shellcheck disable=SC2086
+stage bench 150 "$PY" -m layerwise.bench ${BENCH_SUITES:-h2d scatter stream startup hooks disk compress} \
+  --device "${BENCH_DEVICE:-cuda}" ${BENCH_ARGS:-} \
   --json "$OUT/bench.json" --plot "$OUT/stream.png" --markdown "$OUT/bench.md"
 
 echo
