@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "engine.h"
 
@@ -104,6 +105,26 @@ struct CpuEvent : Event {
     synchronize();
     e->synchronize();
     return std::chrono::duration<double, std::milli>(e->when - when).count();
+  }
+};
+
+// Events of finished copies and reads, dropped on a Python thread: the last
+// reference to a storage may need the GIL, which a worker must never take
+// (interpreter finalisation kills a thread that does).
+struct Retired {
+  std::mutex m;
+  std::vector<EventPtr> events;
+  void add(EventPtr a, EventPtr b) {
+    std::lock_guard<std::mutex> l(m);
+    if (a) events.push_back(std::move(a));
+    if (b) events.push_back(std::move(b));
+  }
+  void drop() {
+    std::vector<EventPtr> gone;
+    {
+      std::lock_guard<std::mutex> l(m);
+      gone.swap(events);
+    }
   }
 };
 

@@ -93,24 +93,6 @@ struct Job {
   FileExpect expect;
 };
 
-// Events of finished jobs, to be dropped on a Python thread.
-struct Retired {
-  std::mutex m;
-  std::vector<EventPtr> events;
-  void add(EventPtr a, EventPtr b) {
-    std::lock_guard<std::mutex> l(m);
-    if (a) events.push_back(std::move(a));
-    if (b) events.push_back(std::move(b));
-  }
-  void drop() {
-    std::vector<EventPtr> gone;
-    {
-      std::lock_guard<std::mutex> l(m);
-      gone.swap(events);
-    }
-  }
-};
-
 struct Failure {
   std::string what;
   int err = 0;

@@ -32,24 +32,6 @@ struct Job {
   std::shared_ptr<CpuEvent> done;
 };
 
-// Events whose copies are finished, to be dropped on a Python thread.
-struct Retired {
-  std::mutex m;
-  std::vector<EventPtr> events;
-  void add(EventPtr a, EventPtr b) {
-    std::lock_guard<std::mutex> l(m);
-    if (a) events.push_back(std::move(a));
-    if (b) events.push_back(std::move(b));
-  }
-  void drop() {
-    std::vector<EventPtr> gone;
-    {
-      std::lock_guard<std::mutex> l(m);
-      gone.swap(events);
-    }
-  }
-};
-
 class Worker {
  public:
   Worker(int64_t delay_us, std::shared_ptr<Retired> retired)
