@@ -388,14 +388,24 @@ def _state_dict_hook(manager, owned):
         if not manager._finalized:
             return
         with torch.inference_mode(False):  # version counters exist outside inference mode only
+            copies = {}  # layers whose truth is not in host memory: read once per call
             for attr, e, i in owned:
                 key = prefix + attr
-                if key in state_dict:
-                    t, raw = _host_alias(e, manager._host_blocks[i])
-                    # The base is held, not the alias: a write through an alias freed since
-                    # still shows in the base's version at the next check.
-                    manager._handed_out.append((weakref.ref(t), raw, raw._version, i))
-                    state_dict[key] = e.wrap(t)
+                if key not in state_dict:
+                    continue
+                host = manager._layer_host(i)
+                if host is None:
+                    # A copy of the true bytes (a layer on disk, say): a write into it does not
+                    # reach the model; load_state_dict does.
+                    if i not in copies:
+                        copies[i] = manager._read_layer(i)
+                    state_dict[key] = e.wrap(manager._materialize(e, copies[i], "cpu"))
+                    continue
+                t, raw = _host_alias(e, host)
+                # The base is held, not the alias: a write through an alias freed since
+                # still shows in the base's version at the next check.
+                manager._handed_out.append((weakref.ref(t), raw, raw._version, i))
+                state_dict[key] = e.wrap(t)
 
     return hook
 
@@ -442,11 +452,10 @@ def _load_pre_hook(manager, owned):
                     )
                     continue
                 try:
-                    e.view_in(manager._host_blocks[i]).copy_(local_tensor(value))
+                    manager._write_layer(i, lambda block, e=e, value=value: e.view_in(block).copy_(local_tensor(value)))
                 except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
                     error_msgs.append(f"While copying the parameter named {key!r}: {err}")
                     continue
-                arena_written(manager, i)
                 # Taken: torch does not copy it into the slot (that would only bump the slot's
                 # version counter, which says "written in place"), and the post-hook takes
                 # it off the missing keys again.
@@ -500,9 +509,9 @@ def editing(manager, i: int):
             if s >= 0:
                 if manager.device.type == "cuda":
                     torch.cuda.current_stream(manager.device).synchronize()
-                block = manager._host_blocks[i]
-                block.copy_(manager._dst[i])
-                manager._loaded_version[s] = block._version
+                manager._write_layer(i, lambda block: block.copy_(manager._dst[i]))
+                manager._slot_holder[s] = i  # the slot holds the edited bytes already
+                manager._loaded_version[s] = manager._src[i].version()
                 manager._ring_version[s] = manager._ring[s]._version
                 manager._busy[s] -= 1
 
@@ -634,7 +643,7 @@ def saved_slot_hooks(manager):
                 "Run forward and backward without changing the weights in between."
             )
         t = ref.tensor
-        block = manager._host_blocks[ref.layer]
+        block = manager._read_layer(ref.layer)
         fresh = torch.empty(manager._ring[ref.slot].numel(), dtype=torch.uint8, device=manager.device)
         fresh[: block.numel()].copy_(block)
         out = torch.empty(0, dtype=t.dtype, device=manager.device)

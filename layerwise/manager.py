@@ -103,7 +103,8 @@ class LayerwiseOffloadManager:
         self._packed = False
         self._finalized = False
         self._arena = None
-        self._host_blocks: list[torch.Tensor | None] = []
+        self._host_blocks: list[torch.Tensor | None] = []  # arena blocks (None: the layer lives elsewhere)
+        self._src: list = []  # each layer's source of truth (stages/source.py)
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
@@ -159,6 +160,7 @@ class LayerwiseOffloadManager:
                                         device=self.device.index if cuda else -1)
         self._placeholders = {}
         self._host_blocks = []
+        self._src = []
         bar = None
         if total >= _PROGRESS_MIN_BYTES and sys.stderr.isatty():
             from tqdm.auto import tqdm
@@ -168,6 +170,7 @@ class LayerwiseOffloadManager:
             for lp in self.plan.layers:
                 block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
                 self._host_blocks.append(block)
+                self._src.append(stages.ArenaSource(block))
                 for e in lp.params:
                     if fill is not None:
                         fill(e, block)
@@ -288,8 +291,9 @@ class LayerwiseOffloadManager:
             # Resident layers become ordinary device tensors (one storage each, as in a
             # resident model); streamed ones are bound to views of their slot.
             for i in self.resident:
+                block = self._src[i].read()
                 for e in layers[i].params:
-                    e.param.data = e.wrap(self._materialize(e, self._host_blocks[i], self.device))
+                    e.param.data = e.wrap(self._materialize(e, block, self.device))
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
             # Each streamed layer's copy destination: the front of its slot.
             self._dst = [self._ring[s][: lp.nbytes] if s >= 0 else None for s, lp in zip(self._slot_of, layers)]
@@ -299,11 +303,16 @@ class LayerwiseOffloadManager:
             self._ring_version = [r._version for r in self._ring]
             # Where a layer's host block spans two pinned registrations (a block too large
             # to register at once), its copy is split there: normally none.
-            base = self._arena.data_ptr
+            base = self._arena.data_ptr if self._arena is not None else 0
             self._splits = [self._arena.split_points(self._host_blocks[i].data_ptr() - base, layers[i].nbytes)
-                            if i in self._streamed else [] for i in range(self.num_layers)]
-            # The chain of stages that makes a layer ready in its slot (layerwise/stages).
-            self._fetch = stages.Transfer(self._engine, self._host_blocks, self._splits).fetch
+                            if i in self._streamed and self._host_blocks[i] is not None else []
+                            for i in range(self.num_layers)]
+            # The chain of stages that makes a layer ready in its slot (layerwise/stages):
+            # each source knows its own; arena layers go through the copy engine.
+            transfer = stages.Transfer(self._engine, self._host_blocks, self._splits)
+            for src in self._src:
+                if src.fetch is None:
+                    src.fetch = transfer.fetch
             self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
@@ -340,8 +349,8 @@ class LayerwiseOffloadManager:
         already (and the arena has not changed since). False when a prefetch
         finds the slot busy: the layer that computes there keeps it."""
         s = self._slot_of[i]
-        block = self._host_blocks[i]
-        version = block._version
+        src = self._src[i]
+        version = src.version()
         if self._slot_holder[s] == i and self._loaded_version[s] == version:
             return True
         if self._busy[s]:
@@ -364,19 +373,43 @@ class LayerwiseOffloadManager:
         self._dirty = True  # until the records below match what the engine has queued
         self._slot_gen[s] += 1
         timing = self._timing
-        ev = self._fetch(i, self._dst[i], after, timing)
+        ev = src.fetch(i, self._dst[i], after, timing)
         if timing:
             self._timed_copies.append((self._steps, ev))
         self._slot_holder[s] = i
         self._slot_event[s] = ev
         self._copy_event[i] = ev
         self._loaded_version[s] = version
-        self._bytes += block.numel()
+        self._bytes += src.transfer_bytes
         self._copies += 1
         if not prefetch:
             self._sync_loads += 1
         self._dirty = False
         return True
+
+    # ------------------------------------------------- a layer's true bytes
+    def _layer_host(self, i: int):
+        """Layer i's plan-layout bytes as a host tensor that is the truth (a write
+        reaches the model), or None where the truth is elsewhere (disk, encoded)."""
+        return self._src[i].host
+
+    def _read_layer(self, i: int) -> torch.Tensor:
+        """Layer i's true bytes in plan layout (host uint8; the arena block or a copy)."""
+        return self._src[i].read()
+
+    def _write_layer(self, i: int, edit) -> None:
+        """Change layer i's true bytes: `edit(block)` writes into its plan-layout
+        host bytes, which then become the truth (the source refuses, before
+        anything changes, where it cannot be written). Its slot reloads."""
+        src = self._src[i]
+        block = src.host
+        if block is None:
+            block = src.read().clone()
+            edit(block)
+            src.write(block)
+        else:
+            edit(block)
+        contract.arena_written(self, i)
 
     def _resync(self) -> None:
         """After an interrupt between a queued copy and its record: wait for every
@@ -628,7 +661,8 @@ class LayerwiseOffloadManager:
         bytes: the data it had before a load (if kept), its resident copy on the
         device, or its bytes in the arena. Parameters never packed are not touched."""
         resident = set(self.resident) if self._finalized and not original_devices else set()
-        for lp, block in zip(self.plan.layers, self._host_blocks):
+        for lp, src in zip(self.plan.layers, self._src):
+            block = None
             for e in lp.params:
                 if not e.packed:
                     continue
@@ -637,10 +671,15 @@ class LayerwiseOffloadManager:
                 elif lp.index not in resident:  # a resident layer's parameters are its truth already
                     dev = e.orig_device if original_devices else self.device
                     if dev.type != "meta":  # a meta parameter had no data to give back
+                        if block is None:
+                            block = src.read()
                         e.param.data = e.wrap(self._materialize(e, block, dev))
                 e.saved = None
                 e.packed = False
+        for src in self._src:
+            src.close()
         self._host_blocks = []
+        self._src = []
         self._arena = None
         self._packed = False
 
@@ -666,7 +705,6 @@ class LayerwiseOffloadManager:
             self._restore_parameters(original_devices)
         self._ring = []
         self._dst = []
-        self._fetch = None  # its stages hold the host blocks
         self._resident_bytes = 0
         self._engine = None
         self._finalized = False

@@ -608,9 +608,8 @@ def _restore_component(c: Component) -> None:
                     # Resident layers are ordinary device tensors (load_state_dict writes
                     # there): their arena copy may be stale, so bring it up to date first.
                     for i in m.resident:
-                        block = m._host_blocks[i]
-                        for e in m.plan.layers[i].params:
-                            e.view_in(block).copy_(local_tensor(e.param.data))
+                        m._write_layer(i, lambda block, lp=m.plan.layers[i]: [
+                            e.view_in(block).copy_(local_tensor(e.param.data)) for e in lp.params])
                 m.remove(original_devices=True)
             contract.detach(c.module)
     with torch.no_grad():

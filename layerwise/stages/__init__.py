@@ -11,10 +11,13 @@ event that completes when they have. Stages compose by holding the next one:
 a compressed layer read from disk is read -> transfer -> decode. Each stage is
 a small module of this package:
 
+    source.py     where a layer's true bytes live (ArenaSource: the host arena), and
+                  the interface the manager and the state contract use for them
     read.py       file extents -> pinned host staging (the disk tier's reader threads)
     transfer.py   host arena -> device slot (the copy engine)
 """
 from .read import Read
+from .source import ArenaSource
 from .transfer import Transfer
 
-__all__ = ["Read", "Transfer"]
+__all__ = ["ArenaSource", "Read", "Transfer"]
