@@ -132,8 +132,15 @@ class LayerwiseOffloadManager:
         return slots * max(streamed, default=0) + sum(self.plan.layers[i].nbytes for i in resident)
 
     # ------------------------------------------------------------------ pack
+    # Layers whose truth lives elsewhere than a plain arena block (the disk tier, ...):
+    # `_store(lp, scratch) -> source` takes the layer's plan-layout bytes, packed into a
+    # host scratch block, and keeps them its way. None: every layer in the arena.
+    _store = None
+    _stored_elsewhere: frozenset = frozenset()  # their indices (no arena block of their own)
+
     def _arena_capacity(self) -> int:
-        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp in self.plan.layers)
+        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp in self.plan.layers
+                   if lp.index not in self._stored_elsewhere)
 
     def _initialize_layer_weights(self, fill=None) -> None:
         """Pack every layer into the host arena; managed parameters become (1,) placeholders.
@@ -166,10 +173,20 @@ class LayerwiseOffloadManager:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"layerwise: packing {self.layer_name}")
+        scratch = None
         try:
             for lp in self.plan.layers:
-                block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
-                self._host_blocks.append(block)
+                elsewhere = lp.index in self._stored_elsewhere
+                if elsewhere:  # packed into scratch, then kept by the tier's store
+                    if scratch is None:
+                        size = max(self.plan.layers[i].nbytes for i in self._stored_elsewhere)
+                        scratch = stages.read.aligned_staging(size, pinned=False)
+                    block = scratch[: lp.nbytes]
+                    self._host_blocks.append(None)
+                else:
+                    block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
+                    self._host_blocks.append(block)
+                # (for a layer stored elsewhere: what a failure restores from, until stored)
                 self._src.append(stages.ArenaSource(block))
                 for e in lp.params:
                     if fill is not None:
@@ -185,6 +202,8 @@ class LayerwiseOffloadManager:
                     # same bytes from the arena even if the swap below never happened.
                     e.packed = True
                     e.param.data = e.wrap(self._placeholder(e.dtype))
+                if elsewhere:
+                    self._src[-1] = self._store(lp, block)
                 if bar is not None:
                     bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
         except BaseException:
