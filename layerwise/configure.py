@@ -12,6 +12,7 @@ from torch import nn
 from . import contract
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
+from .hostplan import check_disk_options, plan_host_budget
 from .options import resolve_device, resolve_resident, validate_depth
 from .plan import resolve_group
 
@@ -54,6 +55,10 @@ def configure_layerwise_offload(
     budget_margin=None,
     num_copy_streams: int = 1,
     debug_copy_delay_us: int | None = None,
+    host_budget=None,
+    spill_dir=None,
+    disk_prefetch_depth: int | None = None,
+    debug_read_delay_us: int | None = None,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -62,23 +67,55 @@ def configure_layerwise_offload(
     device memory less `budget_margin`) lets layerwise choose the resident
     layers and, if it must, a smaller prefetch depth (layerwise.budget).
 
+    `host_budget` (bytes, or "auto": the cgroup limit or available memory, less
+    a reserve) caps the host memory the streamed weights take: the layers that
+    do not fit are written to one spill file per group in `spill_dir` as they
+    are packed, and stream back disk -> pinned staging -> device
+    (layerwise.hostplan, layerwise/stages/disk.py). `disk_prefetch_depth`: disk
+    layers read ahead (default: prefetch_depth + 1, at least 2).
+
     Returns one LayerwiseOffloadManager per name, in the order given.
     Everything is validated before anything in the model changes; if packing
     fails half way, the model is put back as it was.
     """
     managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
-                             pin_memory, num_copy_streams, debug_copy_delay_us)
+                             pin_memory, num_copy_streams, debug_copy_delay_us, disk_prefetch_depth,
+                             debug_read_delay_us)
+    check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
+    if spill_dir is not None and host_budget is None:
+        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
+                         "(bytes or 'auto'), or leave spill_dir out")
     contract.check_configurable(model, managers)
     if device_budget is not None:
         from .budget import apply_device_budget
 
         apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
                             resident_layers)
+    if host_budget is not None:
+        _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth)
     return _build(model, managers, dev)
 
 
+def _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth) -> None:
+    """Choose the layers that go to spill files (an in-memory model's disk tier)."""
+    from .stages.disk import spill_store
+
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+    plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, held_bytes=held)
+    on_disk = sum(len(m._stored_elsewhere) for m in managers)
+    if on_disk and spill_dir is None:
+        raise ValueError(
+            f"host_budget={host_budget!r} leaves {on_disk} layer(s) out of host memory, and an in-memory model "
+            "has no file to stream them from: pass spill_dir=<a directory on a local disk> (they are written "
+            "there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
+        )
+    for m in managers:
+        if m._stored_elsewhere:
+            m._store = spill_store(m, spill_dir)
+
+
 def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-             num_copy_streams, debug_copy_delay_us):
+             num_copy_streams, debug_copy_delay_us, disk_prefetch_depth=None, debug_read_delay_us=None):
     """Validate everything and plan every group; changes nothing in the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -110,6 +147,7 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
             model, path, device=dev, prefetch_depth=prefetch_depth, resident_layers=resident_layers,
             residency_policy=residency_policy, pin_memory=pin_memory, initialize=False,
             num_copy_streams=num_copy_streams, debug_copy_delay_us=debug_copy_delay_us,
+            disk_prefetch_depth=disk_prefetch_depth, debug_read_delay_us=debug_read_delay_us,
         )
         for path in names
     ]

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import contract
+from .hostplan import check_disk_options, plan_host_budget
 from .configure import _build, _prepare
 
 log = logging.getLogger("layerwise")
@@ -569,7 +570,7 @@ def _parameter_entries(model: nn.Module):
 def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefetch_depth: int = 1,
                    resident_layers=0, residency_policy: str = "leading", pin_memory: bool | str = "auto",
                    device_budget=None, budget_margin=None, strict: bool = True, dtype: torch.dtype | None = None,
-                   **kwargs):
+                   host_budget=None, spill_dir=None, disk_prefetch_depth: int | None = None, **kwargs):
     """Load `checkpoint` (a .safetensors file, a list of them, or an index JSON)
     into `model` (built on the meta device) and stream `layer_names` to `device`.
     Returns the managers, as configure_layerwise_offload does.
@@ -579,6 +580,14 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     module that owns them. `dtype` (a floating-point dtype) casts every floating-point
     parameter and buffer to it while reading, as `model.to(dtype)` would; without it
     the checkpoint's dtypes must be the model's.
+
+    `host_budget` (bytes, or "auto") caps the host memory the weights take: the
+    layers that do not fit stay in the checkpoint files and stream disk ->
+    pinned staging -> device at every step (layerwise/stages/disk.py). Such
+    layers are read-only (load_state_dict into them is refused) unless
+    `spill_dir` is given: they are then copied into spill files of their own,
+    which is also how layers stored in another dtype (`dtype=`) or strided
+    parameters reach the disk tier.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
@@ -593,12 +602,18 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
     num_copy_streams = kwargs.pop("num_copy_streams", 1)
     debug_copy_delay_us = kwargs.pop("debug_copy_delay_us", None)
+    debug_read_delay_us = kwargs.pop("debug_read_delay_us", None)
     if kwargs:
         raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
 
+    check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
+    if spill_dir is not None and host_budget is None:
+        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
+                         "(bytes or 'auto'), or leave spill_dir out")
+
     def prepare():
         return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-                        num_copy_streams, debug_copy_delay_us)
+                        num_copy_streams, debug_copy_delay_us, disk_prefetch_depth, debug_read_delay_us)
 
     managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
     # Ties and dtype change which parameter objects the model holds (and so the
@@ -611,7 +626,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         if changed:
             managers, dev = prepare()
         return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
-                     residency_policy, resident_layers)
+                     residency_policy, resident_layers, (host_budget, spill_dir, disk_prefetch_depth))
     except BaseException:
         if not contract.managers_of(model):  # (a Ctrl-C delivered once the model was whole keeps it)
             for mod, attr, p in registered:
@@ -620,7 +635,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
 
 def _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin, residency_policy,
-          resident_layers):
+          resident_layers, disk=(None, None, None)):
     def want(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
@@ -711,6 +726,10 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
                             resident_layers)
 
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
+    entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
+    host_budget, spill_dir, disk_prefetch_depth = disk
+    if host_budget is not None:
+        _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth)
     total = sum(s.nbytes for s in stored.values())
     bar = None
     if total >= 1 << 30:
@@ -747,8 +766,6 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
             new = nn.Parameter(torch.empty((1,), dtype=e.dtype), requires_grad=e.param.requires_grad)
             swap(pid, new)
             e.param = new
-
-    entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
 
     def fill(e, block):
         s = stored[entry_key[id(e)]]
@@ -793,6 +810,88 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
             os.close(fd)
         if bar is not None:
             bar.close()
+
+
+def _streams_from_file(e, s: _Stored) -> str | None:
+    """Why parameter entry `e` cannot be read from its checkpoint bytes as they are
+    (None: it can)."""
+    if s.dtype != e.dtype:
+        return f"{e.qualname} is stored as {s.dtype} and used as {e.dtype}"
+    if e.span_bytes != s.nbytes or tuple(e.stride) != torch.empty(e.shape, device="meta").stride():
+        return f"{e.qualname} is strided"
+    return None
+
+
+def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth) -> None:
+    """The disk tier of load_offloaded: layers over the host budget stay in the
+    checkpoint files (or go to spill files with spill_dir)."""
+    from .stages.disk import spill_store
+
+    def why_not_disk(m, i):
+        if spill_dir is not None:
+            return None
+        for e in m.plan.layers[i].params:
+            why = _streams_from_file(e, stored[entry_key[id(e)]])
+            if why:
+                return why
+        return None
+
+    plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk)
+    for m in managers:
+        if m._stored_elsewhere:
+            m._store = spill_store(m, spill_dir) if spill_dir is not None else _checkpoint_store(m, stored, entry_key)
+
+
+def _same_layout(path: str, expected: dict):
+    """A DiskFile's layout check: the reopened checkpoint must hold the tensors it
+    held, at the same places."""
+    def check(of):
+        now = _read_header(path)
+        for key, s in expected.items():
+            t = now.get(key)
+            if t is None or (t.start, t.nbytes, t.dtype, t.shape) != (s.start, s.nbytes, s.dtype, s.shape):
+                raise ValueError(f"layerwise: {path} is not the checkpoint the model was loaded from: tensor {key!r} "
+                                 "is gone or moved. Restore the file, or load the model again.")
+    return check
+
+
+def _checkpoint_store(manager, stored: dict, entry_key: dict):
+    """The manager's `_store` for layers that stay in the checkpoint: a DiskSource
+    that reads each file's tensors of the layer with one vectored read per run."""
+    from .stages.disk import DiskFile, DiskSource, crc_of
+    from .stages.read import staging_layout
+
+    files: dict = {}  # this manager's own descriptors (a reader caches per descriptor)
+
+    def disk_file(path):
+        if path not in files:
+            expected = {k: s for k, s in stored.items() if s.path == path}
+            files[path] = DiskFile(path, check_layout=_same_layout(path, expected))
+            manager._disk_files.append(files[path])
+        return files[path]
+
+    def store(lp, block):
+        by_file: dict = {}
+        for e in lp.params:
+            s = stored[entry_key[id(e)]]
+            if s.nbytes:
+                by_file.setdefault(s.path, []).append((s.start, s.nbytes, e.offset))
+        parts, copies, base = [], [], 0
+        for path, items in by_file.items():
+            extents, size = staging_layout([(a, n) for a, n, _ in items], base)
+            parts.append((disk_file(path), extents))
+            copies += [(d, poff, n) for (_, n, d), (_, _, poff) in zip(extents, items)]
+            base += size
+        merged = []
+        for c in sorted(copies, key=lambda c: c[1]):
+            if merged and merged[-1][0] + merged[-1][2] == c[0] and merged[-1][1] + merged[-1][2] == c[1]:
+                merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + c[2])
+            else:
+                merged.append(c)
+        return DiskSource(lp.index, lp.nbytes, parts, merged, crc_of(block),
+                          what=f"layer {manager.layer_name}[{lp.index}]")
+
+    return store
 
 
 def _same_values(stored: dict[str, _Stored], names: list[str]) -> None:

@@ -30,6 +30,7 @@ layer; an in-place write into a slot view is discarded and reported.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import sys
@@ -77,6 +78,8 @@ class LayerwiseOffloadManager:
         num_copy_streams: int = 1,
         debug_copy_delay_us: int | None = None,
         measure_stalls: bool = True,
+        disk_prefetch_depth: int | None = None,
+        debug_read_delay_us: int | None = None,
     ):
         self.prefetch_depth = validate_depth(prefetch_depth)
         self.device = resolve_device(device)
@@ -98,6 +101,10 @@ class LayerwiseOffloadManager:
             raise ValueError(f"num_copy_streams must be >= 1, got {num_copy_streams}")
         self.debug_copy_delay_us = debug_copy_delay_us
         self.measure_stalls = measure_stalls
+        self.disk_prefetch_depth = disk_prefetch_depth
+        self.debug_read_delay_us = debug_read_delay_us
+        self._disk = None  # the disk tier (stages/disk.py), when some layers stay in files
+        self._disk_files: list = []  # files its layers are read from (closed by remove)
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
         self._packed = False
@@ -182,6 +189,7 @@ class LayerwiseOffloadManager:
                         size = max(self.plan.layers[i].nbytes for i in self._stored_elsewhere)
                         scratch = stages.read.aligned_staging(size, pinned=False)
                     block = scratch[: lp.nbytes]
+                    block.zero_()  # alignment gaps included: the layer's bytes (and CRC) are deterministic
                     self._host_blocks.append(None)
                 else:
                     block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
@@ -333,6 +341,9 @@ class LayerwiseOffloadManager:
                 if src.fetch is None:
                     src.fetch = transfer.fetch
             self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
+            self._disk_order = [i for i in self._streamed if self._src[i].kind == "disk"]
+            if self._disk_order:
+                self._start_disk_tier()
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -350,6 +361,25 @@ class LayerwiseOffloadManager:
                 self._hooks.extend(contract.install_layer_hooks(self))
         self._finalized = True
         self._reset_stats()
+
+    def _start_disk_tier(self) -> None:
+        from .hostplan import staging_slots
+
+        srcs = [self._src[i] for i in self._disk_order]
+        slot_bytes = max(max((off + n for p in src.parts for _, n, off in p.extents), default=0) for src in srcs)
+        self._disk = stages.DiskTier(
+            self._engine, staging_slots(self, self.disk_prefetch_depth), slot_bytes, self.device,
+            pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
+        for src in srcs:
+            src.tier = self._disk
+        self._disk_pos = {i: k for k, i in enumerate(self._disk_order)}
+
+    def _upcoming_disk(self, i: int):
+        """The disk layers streamed after layer i, in order (wrapping around)."""
+        order = self._disk_order
+        k = bisect.bisect_right(order, i)
+        n = len(self._disk.slots)
+        return [self._src[order[(k + j) % len(order)]] for j in range(min(n, len(order)))]
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
@@ -382,6 +412,12 @@ class LayerwiseOffloadManager:
                 "(resident_layers) or raise prefetch_depth so that the two get distinct slots."
             )
         after = self._slot_event[s]
+        if type(after) is stages.Deferred:  # the slot's last copy, out of disk staging
+            try:
+                after = after.resolve()
+            except Exception:  # that layer's read failed: nothing was copied, its error stays with it
+                self._engine.synchronize()
+                after = None
         if self._engine.is_cuda:
             # Everything enqueued on the compute stream so far (the slot's last user
             # and its forward hooks) and the slot's previous copy come before this one.
@@ -433,6 +469,8 @@ class LayerwiseOffloadManager:
     def _resync(self) -> None:
         """After an interrupt between a queued copy and its record: wait for every
         copy and forget what the slots hold; the next uses reload."""
+        if self._disk is not None:
+            self._disk.forget()
         self._engine.synchronize()
         start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
         self._slot_event = [start] * self.num_slots
@@ -460,14 +498,17 @@ class LayerwiseOffloadManager:
         for _ in range(64):  # a walk over the chain of groups, bounded
             for j in mgr._streamed[pos : pos + want]:
                 if mgr is self and j == i:
-                    return  # wrapped back onto the computing layer
+                    want = 0
+                    break  # wrapped back onto the computing layer
                 if mgr._dirty:
                     mgr._resync()
                 mgr._load(j, prefetch=True)
                 want -= 1
             if want <= 0:
-                return
+                break
             mgr, pos = mgr.next_manager, 0
+        if self._disk is not None:
+            self._disk.read_ahead(self._upcoming_disk(i))
 
     def _check_slot_writes(self, s: int) -> None:
         """Our copies do not bump version counters: a change means someone wrote
@@ -495,6 +536,8 @@ class LayerwiseOffloadManager:
             self._resync()
         if i == 0 and not self._root_driven:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
+        if self._disk is not None:
+            self._disk.pump()
         s = self._slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
@@ -502,6 +545,13 @@ class LayerwiseOffloadManager:
             self._busy[s] += 1
             self._entered.append(i)
             ev = self._copy_event[i]
+            if type(ev) is stages.Deferred:  # read from disk: its copy is issued once the read is done
+                try:
+                    ev = ev.resolve()
+                except BaseException:
+                    self._slot_holder[s] = -1  # the next call of the layer reads it again
+                    self._copy_event[i] = None
+                    raise
             if ev is not None:
                 stream = self._stream()
                 if self._timing:
@@ -575,7 +625,7 @@ class LayerwiseOffloadManager:
         self._copy_s = 0.0
         self._step_copy: dict[int, float] = {}
         self._steps = 0
-        self._step_mark = (0, 0, 0, 0.0)
+        self._step_mark = (0, 0, 0, 0.0, *self._disk_counts())
         self._step_t0 = None
         self._step_open = False
         self._root_driven = False  # steps follow the model's forward (contract._root_*_hook)
@@ -609,7 +659,7 @@ class LayerwiseOffloadManager:
         self._resolve_stalls()
         if self._step_open:
             self._end_step()
-        self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s)
+        self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s, *self._disk_counts())
         self._step_t0 = time.perf_counter()
         self._step_open = True
         self._steps += 1
@@ -619,8 +669,8 @@ class LayerwiseOffloadManager:
     def _end_step(self) -> None:
         """Close the step: its figures become the last complete step's."""
         self._step_open = False
-        now = (self._bytes, self._copies, self._sync_loads, self._stall_s)
-        last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s"),
+        now = (self._bytes, self._copies, self._sync_loads, self._stall_s, *self._disk_counts())
+        last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s", "bytes_read", "read_wait_s"),
                         (a - b for a, b in zip(now, self._step_mark))))
         last["step"] = self._steps
         last["wall_s"] = time.perf_counter() - self._step_t0  # host time of the step, not of the pause after it
@@ -632,12 +682,41 @@ class LayerwiseOffloadManager:
         self._step_copy = {k: v for k, v in self._step_copy.items() if k >= self._steps}
         self._last_step = last
 
+    def _disk_counts(self) -> tuple:
+        d = getattr(self, "_disk", None)
+        return (d.bytes_read, d.read_wait_s) if d is not None else (0, 0.0)
+
+    def _disk_stats(self) -> dict | None:
+        d = self._disk
+        if d is None:
+            return None
+        r = d.reader.stats()
+        srcs = [self._src[i] for i in self._disk_order]
+        return {
+            "layers": len(srcs),
+            "layer_bytes": sum(src.nbytes for src in srcs),
+            "files": sorted({p.file.path for src in srcs for p in src.parts}),
+            "spill": any(src.spill is not None for src in srcs),
+            "staging_bytes": d.staging_bytes,
+            "staging_slots": len(d.slots),
+            "bytes_read": d.bytes_read,
+            "reads": d.reads,
+            "read_wait_s": d.read_wait_s,
+            "read_gbps": d.timed_bytes / d.read_s / 1e9 if d.read_s else None,
+            "bytes_direct": r.get("bytes_direct", 0),
+            "bytes_buffered": r.get("bytes_buffered", 0),
+            "read_failures": r.get("failed", 0),
+        }
+
     def stats(self, sync: bool = False) -> dict:
         """Bytes copied, copies, synchronous loads and compute-stream stall time,
         in total and for the last complete step, plus the memory this group uses.
         Never waits for the device unless `sync=True` (then every copy and the
         compute stream are drained first, so every figure is final)."""
         if sync and self.enabled and self._finalized:
+            if self._disk is not None:
+                self._disk.flush()
+                self._disk.synchronize()
             self._engine.synchronize()
             if self._engine.is_cuda:
                 torch.cuda.synchronize(self.device)
@@ -671,6 +750,7 @@ class LayerwiseOffloadManager:
             "sync_loads": self._sync_loads,
             "stall_s": self._stall_s,
             "copy_s": self._copy_s,
+            "disk": self._disk_stats() if self._finalized else None,
             "last_step": dict(last) if last is not None else None,
         }
 
@@ -701,6 +781,13 @@ class LayerwiseOffloadManager:
         self._src = []
         self._arena = None
         self._packed = False
+        reader = self._disk.reader if self._disk is not None else None
+        for f in self._disk_files:
+            f.close(reader)
+        self._disk_files = []
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
 
     def remove(self, original_devices: bool = False) -> None:
         """Undo the offload of this group: hooks removed, ordinary parameters on the
@@ -709,6 +796,9 @@ class LayerwiseOffloadManager:
             h.remove()
         self._hooks = []
         if self._finalized:
+            if self._disk is not None:
+                self._disk.flush()
+                self._disk.synchronize()
             self._engine.synchronize()
             self._resolve_stalls()
             for _, ctx in self._grad_hooks:

@@ -122,6 +122,19 @@ def _summary(r: dict) -> str:
             text += " (on a CPU device this only means its pages may be swapped out)"
         parts.append(text)
     parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
+    d = r.get("disk")
+    if d:
+        text = (f"disk tier: {d['layers']} layers ({fmt_bytes(d['layer_bytes'])}) stay in "
+                f"{'spill files' if d['spill'] else 'the checkpoint'}, staging {fmt_bytes(d['staging_bytes'])} "
+                f"in {d['staging_slots']} slots")
+        if r["disk_bytes_per_step"] is not None:
+            text += (f", {fmt_bytes(r['disk_bytes_per_step'])} read per step, compute waited "
+                     f"{r['disk_wait_ms_per_step']:.2f} ms per step on reads")
+        if d["read_gbps"] is not None:
+            text += f", {d['read_gbps']:.2f} GB/s per read"
+        if d["read_failures"]:
+            text += f", {d['read_failures']} failed reads"
+        parts.append(text)
     if r["sync_loads"]:
         n, last = r["sync_loads"], r["sync_loads_per_step"]
         where = f" ({last} in the last step)" if last is not None else ""
@@ -155,6 +168,9 @@ def _row(m, s: dict) -> dict:
         "pin_memory": getattr(m, "pin_memory", None), "pin_error": _pin_error(m, s),
         "ring_bytes": s["ring_bytes"], "ring_mib": s["ring_bytes"] / 2**20,
         "resident_bytes": s["resident_bytes"], "resident_mib": s["resident_bytes"] / 2**20,
+        "disk": s.get("disk"),
+        "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,
+        "disk_wait_ms_per_step": last["read_wait_s"] * 1e3 if has and s.get("disk") else None,
     }
     row["summary"] = _summary(row)
     return row
@@ -180,7 +196,7 @@ def report(model, sync: bool = False) -> Report:
     total["steps"] = max((g["steps"] for g in groups), default=0)
     total["resident_of"] = f"{total['resident']} of {total['layers']}"
     for key in ("bytes_per_step", "mib_per_step", "copies_per_step", "sync_loads_per_step", "stall_ms_per_step",
-                "copy_s_per_step"):
+                "copy_s_per_step", "disk_bytes_per_step", "disk_wait_ms_per_step"):
         vals = [g[key] for g in groups]
         total[key] = sum(vals) if all(v is not None for v in vals) else None
     for key in ("sync_loads", "bytes_copied", "copies", "stall_s", "arena_bytes", "arena_mib", "ring_bytes",

@@ -14,10 +14,12 @@ a small module of this package:
     source.py     where a layer's true bytes live (ArenaSource: the host arena), and
                   the interface the manager and the state contract use for them
     read.py       file extents -> pinned host staging (the disk tier's reader threads)
+    disk.py       the disk tier: layers in files (checkpoint or spill), read -> transfer
     transfer.py   host arena -> device slot (the copy engine)
 """
+from .disk import Deferred, DiskSource, DiskTier, SpillFile
 from .read import Read
 from .source import ArenaSource
 from .transfer import Transfer
 
-__all__ = ["ArenaSource", "Read", "Transfer"]
+__all__ = ["ArenaSource", "Deferred", "DiskSource", "DiskTier", "Read", "SpillFile", "Transfer"]

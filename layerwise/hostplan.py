@@ -1,0 +1,142 @@
+"""Host-memory planner: which streamed layers stay in the host arena and which
+stay on disk (the disk tier, stages/disk.py) so that host memory fits
+`host_budget`.
+
+What counts against the budget: the arenas of the layers kept in memory, the
+disk tier's staging slots, the scratch block a layer is packed through, and on
+a CPU device (where the "device" is host memory) the non-layer weights, the
+slot rings and the resident layers. The layers kept in memory are spread
+evenly over each group (every k-th layer, by bytes), so that the reads of the
+disk layers are spread over the step and overlap the compute of the others.
+Resident layers never go to disk.
+
+`host_budget="auto"`: the tightest of the cgroup limit and the host's available
+memory, less a reserve (layerwise.hostmem), with the weights about to be packed
+counted as free.
+"""
+from __future__ import annotations
+
+import logging
+
+from .budget import fmt_bytes, non_layer_bytes
+from .plan import BLOCK_ALIGN, round_up
+
+log = logging.getLogger("layerwise")
+
+PAGE = 4096
+
+
+def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
+    """(bytes, how it was found) for a host_budget argument (a number or "auto")."""
+    if isinstance(host_budget, str):
+        if host_budget != "auto":
+            raise ValueError(f"host_budget must be a number of bytes, 'auto' or None, got {host_budget!r}")
+        from .hostmem import host_limits
+
+        limits = host_limits(held_bytes, lock=False)
+        tight = min(limits, key=lambda lim: lim.budget)
+        return tight.budget, f"auto: {tight.describe()}"
+    if isinstance(host_budget, bool) or not isinstance(host_budget, (int, float)) or host_budget < 0:
+        raise ValueError(f"host_budget must be a number of bytes >= 0, 'auto' or None, got {host_budget!r}")
+    return int(host_budget), "given"
+
+
+def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> None:
+    if host_budget is not None and host_budget != "auto":
+        resolve_host_budget(host_budget)
+    if disk_prefetch_depth is not None and (isinstance(disk_prefetch_depth, bool)
+                                            or not isinstance(disk_prefetch_depth, int) or disk_prefetch_depth < 1):
+        raise ValueError(f"disk_prefetch_depth must be an int >= 1 or None, got {disk_prefetch_depth!r}")
+    if spill_dir is not None:
+        import os
+
+        path = os.fsdecode(spill_dir)
+        if not os.path.isdir(path):
+            raise ValueError(f"spill_dir {path!r} is not a directory: create it first (a path on a local disk, "
+                             "not tmpfs, for the read speed)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"spill_dir {path!r} is not writable by this process")
+
+
+def staging_slots(manager, disk_prefetch_depth) -> int:
+    return max(disk_prefetch_depth or 2, manager.prefetch_depth + 1)
+
+
+def staging_slot_bytes(manager, layers) -> int:
+    """An upper bound on a disk layer's staging layout: its bytes, plus a page of
+    head and tail per tensor (checkpoint runs start anywhere in a page)."""
+    return max((round_up(manager.plan.layers[i].nbytes, PAGE) + 2 * PAGE * (len(manager.plan.layers[i].params) + 1)
+                for i in layers), default=0)
+
+
+def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
+                     why_not_disk=None) -> dict:
+    """Choose each manager's disk layers (sets `m._stored_elsewhere`) so that
+    host memory fits the budget; returns the plan (also logged).
+
+    `why_not_disk(manager, index) -> str | None`: a reason a layer cannot stay
+    on disk (then it must be in the arena)."""
+    budget, how = resolve_host_budget(host_budget, held_bytes)
+    enabled = [m for m in managers if m.enabled]
+    streamed = {m: [lp.index for lp in m.plan.layers if lp.index not in set(m.resident)] for m in enabled}
+    total_streamed = sum(m.plan.layers[i].nbytes for m in enabled for i in streamed[m])
+    fixed = max((lp.nbytes for m in enabled for lp in m.plan.layers), default=0)  # the packing scratch
+    on_host_device = device.type == "cpu"
+    if on_host_device:
+        fixed += non_layer_bytes(model, managers) + sum(m._device_bytes() for m in enabled)
+    forced = {m: [i for i in streamed[m] if why_not_disk is not None and why_not_disk(m, i)] for m in enabled}
+
+    def staging(disk_sets):
+        return sum(staging_slots(m, disk_prefetch_depth) * staging_slot_bytes(m, d) for m, d in disk_sets.items() if d)
+
+    every = sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for m in enabled for i in streamed[m])
+    if fixed + every <= budget:
+        for m in enabled:
+            m._stored_elsewhere = frozenset()
+        log.info("layerwise: host_budget %s (%s): every layer fits in host memory (%s of layers, %s else)",
+                 fmt_bytes(budget), how, fmt_bytes(every), fmt_bytes(fixed))
+        return {"budget": budget, "disk_layers": 0, "disk_bytes": 0, "arena_bytes": every, "staging_bytes": 0}
+
+    # Staging if every layer not forced into the arena went to disk: the most it can be.
+    worst = {m: [i for i in streamed[m] if i not in forced[m]] for m in enabled}
+    room = budget - fixed - staging(worst)
+    forced_bytes = sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for m in enabled for i in forced[m])
+    if room < forced_bytes:
+        need = fixed + staging(worst) + forced_bytes
+        raise ValueError(
+            f"host_budget {fmt_bytes(budget)} ({how}) is too small: even with every streamed layer on disk, host "
+            f"memory needs {fmt_bytes(need)} ({need} bytes: {fmt_bytes(staging(worst))} of staging slots, "
+            f"{fmt_bytes(fixed)} for the packing scratch" + (" and, on a CPU device, the non-layer weights, slot "
+                                                             "rings and resident layers" if on_host_device else "")
+            + (f", {fmt_bytes(forced_bytes)} of layers that cannot stay on disk" if forced_bytes else "")
+            + "). Raise host_budget, or lower disk_prefetch_depth / prefetch_depth."
+        )
+    fraction = (room - forced_bytes) / max(1, total_streamed)
+    disk: dict = {}
+    kept_bytes = forced_bytes
+    for m in enabled:
+        credit = 0.0
+        d = []
+        for i in streamed[m]:
+            nb = m.plan.layers[i].nbytes
+            if i in forced[m]:
+                continue
+            credit += fraction * nb
+            size = round_up(nb, BLOCK_ALIGN)
+            if credit >= size and kept_bytes + size <= room:
+                credit -= size
+                kept_bytes += size
+            else:
+                d.append(i)
+        disk[m] = d
+        m._stored_elsewhere = frozenset(d)
+    disk_bytes = sum(m.plan.layers[i].nbytes for m in enabled for i in disk[m])
+    per_group = "; ".join(
+        f"{m.layer_name}: {len(streamed[m]) - len(disk[m])} in memory, {len(disk[m])} on disk" for m in enabled)
+    stage = staging(disk)
+    log.info(
+        "layerwise: host_budget %s (%s): %s. Host arena %s, disk %s (read every step), staging %s, other host "
+        "memory %s", fmt_bytes(budget), how, per_group, fmt_bytes(kept_bytes), fmt_bytes(disk_bytes),
+        fmt_bytes(stage), fmt_bytes(fixed))
+    return {"budget": budget, "disk_layers": sum(len(d) for d in disk.values()), "disk_bytes": disk_bytes,
+            "arena_bytes": kept_bytes, "staging_bytes": stage, "fixed_bytes": fixed}

@@ -1,0 +1,594 @@
+"""disk: the disk tier. Layers that do not fit the host budget stay in files (the
+checkpoint's own, or spill files written at pack time) and reach their ring
+slot as read -> transfer: the reader threads read a layer into a pinned,
+page-aligned staging slot (`read.py`), then the copy engine copies staging ->
+device slot (DESIGN.md, "Tiers and stages").
+
+The read's event is a host event, which a CUDA stream cannot wait on. So the
+copy out of staging is *deferred*: `DiskSource.fetch` queues the read and
+returns a `Deferred`, which issues the copy once the read has completed. The
+manager's hooks `pump()` the tier (copies of finished reads are issued without
+blocking) and `resolve()` a layer's Deferred where the layer is needed: the
+host blocks only there, and only if the read is not done yet. The same logic
+runs on the CPU backend, so CI exercises it.
+
+Staging: `num_slots` slots (`disk_prefetch_depth`), each the size of the
+largest disk layer's staging layout. A slot is read into only after the copy
+out of it was issued (the read waits on that copy's event), and the next disk
+layers are read ahead (`read_ahead`) while slots are free.
+
+Files and errors: every file is opened once and recorded (size, mtime); a read
+of a file that changed since, a short read (truncated) or an I/O error fails
+its event, and the error (ReadError, naming the file) is raised by the
+forward that needed the layer. The file is then reopened at the layer's next
+fetch: its layout must be the one recorded, and every layer read from it
+again is checked once against the CRC-32 taken when the model was loaded, so
+a restored file streams exactly again while a modified one keeps raising.
+
+Spill files (`SpillFile`): one per group in `spill_dir`, each layer at a page
+boundary in plan layout (one O_DIRECT read per layer, one copy to the slot);
+written as the layers are packed, rewritten by load_state_dict, deleted by
+remove_layerwise_offload, by a failed configure and at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+import zlib
+
+import torch
+
+from .read import PAGE, OpenFile, ReadError, Reader, _round_up, aligned_staging, read_layer
+
+log = logging.getLogger("layerwise")
+
+__all__ = ["Deferred", "DiskFile", "DiskSource", "DiskTier", "SpillFile", "crc_of", "spill_store"]
+
+
+def crc_of(block: torch.Tensor) -> int:
+    """CRC-32 of a host uint8 tensor's bytes."""
+    return zlib.crc32(memoryview(block.numpy()))
+
+
+class DiskFile:
+    """A file the tier reads: opened once, with the size and mtime it had; after a
+    failed read it is reopened (`revalidate`) and its generation bumped, so that
+    every layer read from it is verified once more."""
+
+    def __init__(self, path: str, check_layout=None, owned: bool = False):
+        self.path = os.fsdecode(path)
+        self.check_layout = check_layout  # callable(path) -> None, raises if the layout changed
+        self.owned = owned  # a spill file: deleted on close
+        self.of = OpenFile.open(self.path)
+        self.gen = 0
+        self.failed = False
+
+    def revalidate(self, reader: Reader) -> None:
+        """Reopen after a failed read: the file must be back (same layout)."""
+        try:
+            new = OpenFile.open(self.path)
+        except OSError as err:
+            raise ReadError(err.errno or errno.EIO,
+                            f"layerwise: {self.path} cannot be opened again after a failed read ({err.strerror}); "
+                            "restore the file, or reload the model") from None
+        try:
+            if self.check_layout is not None:
+                self.check_layout(new)
+        except BaseException:
+            new.close()
+            raise
+        self.of.close(reader)
+        self.of = new
+        self.gen += 1
+        self.failed = False
+
+    def close(self, reader: Reader | None = None) -> None:
+        self.of.close(reader)
+        if self.owned:
+            _forget_spill(self.path)
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+# ------------------------------------------------------------------ spill files
+_SPILLED: set[str] = set()
+_SPILL_LOCK = threading.Lock()
+
+
+def _forget_spill(path: str) -> None:
+    with _SPILL_LOCK:
+        _SPILLED.discard(path)
+
+
+@atexit.register
+def _delete_spill_files() -> None:
+    with _SPILL_LOCK:
+        paths = list(_SPILLED)
+        _SPILLED.clear()
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+class SpillFile:
+    """One group's spill file: layers appended at page boundaries, in plan layout,
+    written with O_DIRECT where the file system takes it (no page cache held)."""
+
+    def __init__(self, spill_dir, group: str):
+        spill_dir = os.fsdecode(spill_dir)
+        if not os.path.isdir(spill_dir):
+            raise ValueError(f"spill_dir {spill_dir!r} is not a directory (create it first)")
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in group)
+        self.path = os.path.join(spill_dir, f"layerwise-{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}.spill")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with _SPILL_LOCK:
+            _SPILLED.add(self.path)
+        self.fd = fd
+        self.direct_fd = -1
+        try:
+            self.direct_fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError:  # tmpfs and others: buffered writes
+            pass
+        self.size = 0
+        try:
+            self.file = DiskFile(self.path, owned=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def append(self, block: torch.Tensor) -> int:
+        """Write a page-aligned host block (its length rounded up to a page; the
+        tensor's storage must extend that far) at the end; returns its offset."""
+        offset = self.size
+        self.write_at(offset, block)
+        self.size = offset + _round_up(block.numel())
+        return offset
+
+    def write_at(self, offset: int, block: torch.Tensor) -> None:
+        n = _round_up(block.numel())
+        raw = torch.empty(0, dtype=torch.uint8).set_(block.untyped_storage(), block.storage_offset(), (n,))
+        view = memoryview(raw.numpy())
+        fd = self.direct_fd if self.direct_fd >= 0 and block.data_ptr() % PAGE == 0 else self.fd
+        done = 0
+        while done < n:
+            try:
+                k = os.pwrite(fd, view[done:], offset + done)
+            except OSError as err:
+                if fd == self.direct_fd and err.errno == errno.EINVAL:
+                    fd = self.fd
+                    continue
+                raise OSError(err.errno, f"layerwise: writing the spill file {self.path} failed "
+                                         f"({err.strerror}); free space in spill_dir or choose another") from None
+            done += k
+
+    def refresh(self) -> None:
+        """After a write of our own: record the file's new size and mtime."""
+        st = os.fstat(self.fd)
+        self.file.of.size, self.file.of.mtime_ns = st.st_size, st.st_mtime_ns
+
+    def close(self, reader: Reader | None = None) -> None:
+        """Close and delete the file."""
+        for fd in (self.direct_fd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.direct_fd = self.fd = -1
+        if getattr(self, "file", None) is not None:
+            self.file.close(reader)
+        else:
+            _forget_spill(self.path)
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+# --------------------------------------------------------------------- the tier
+class Deferred:
+    """The copy of a read layer out of staging into its slot, issued once the read
+    has completed. Quacks like an Event for the manager (query, synchronize,
+    copy_ms); `resolve()` returns the copy's real Event."""
+
+    __slots__ = ("tier", "src", "slot", "dst", "after", "timing", "ev", "error", "copies")
+
+    def __init__(self, tier, src, slot, dst, after, timing):
+        self.tier, self.src, self.slot, self.dst, self.after, self.timing = tier, src, slot, dst, after, timing
+        self.ev = None
+        self.error = None
+        self.copies = []
+
+    def ready(self) -> bool:
+        """True once resolve() would not block (the read finished, well or not)."""
+        if self.ev is not None or self.error is not None:
+            return True
+        try:
+            return all(ev.query() for ev in self.tier.slots[self.slot].reads)
+        except Exception:  # a failed read: resolve() raises it
+            return True
+
+    def resolve(self):
+        if self.ev is not None:
+            return self.ev
+        if self.error is not None:
+            raise self.error
+        self.ev = self.tier._issue(self)
+        return self.ev
+
+    def query(self) -> bool:
+        return self.ev is not None and self.ev.query()
+
+    def synchronize(self) -> None:
+        self.resolve().synchronize()
+
+    @property
+    def copy_ms(self) -> float:
+        if self.ev is None:
+            return -1.0
+        ms = [c.copy_ms for c in self.copies]
+        return -1.0 if any(m < 0 for m in ms) else sum(ms)
+
+
+class _Slot:
+    __slots__ = ("buf", "src", "version", "reads", "out", "pending", "used")
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.src = None  # the DiskSource whose bytes it holds (or is reading)
+        self.version = -1
+        self.reads = []  # the read events of its current content
+        self.out = None  # the last copy out of it (a read into it waits for that)
+        self.pending = None  # a Deferred copy out of it, not issued yet
+        self.used = 0
+
+
+class DiskTier:
+    """A manager's reader, staging slots and the reads in flight."""
+
+    def __init__(self, engine, num_slots: int, slot_bytes: int, device, pinned: bool, reader_threads: int = 2,
+                 debug_read_delay_us: int | None = None, direct: bool = True):
+        cuda = device.type == "cuda"
+        self.engine = engine
+        self.reader = Reader(num_threads=reader_threads, direct=direct,
+                             debug_delay_us=-1 if debug_read_delay_us is None else debug_read_delay_us)
+        self.slots = [_Slot(aligned_staging(slot_bytes, pinned=pinned, device=device.index if cuda else -1))
+                      for _ in range(max(1, num_slots))]
+        self.slot_bytes = slot_bytes
+        self.pending: list[Deferred] = []
+        self.order: list = []  # disk sources in the order the manager streams them (read-ahead)
+        self._clock = 0
+        # figures
+        self.bytes_read = 0
+        self.reads = 0
+        self.read_wait_s = 0.0  # host time the hooks blocked on reads
+        self.read_s = 0.0  # time reads took, from start to end, summed (several run at once)
+        self.timed_bytes = 0.0  # the bytes of those reads
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(s.buf.numel() for s in self.slots)
+
+    # ------------------------------------------------------------ staging
+    def _free_slot(self, protect=()):
+        """A slot to read into: one holding nothing, else the least recently used
+        one whose bytes are not wanted (a pending copy is issued first)."""
+        best = None
+        for k, s in enumerate(self.slots):
+            if s.src is None and s.pending is None:
+                return k
+            if s.src in protect and s.pending is None:
+                continue
+            if best is None or (s.pending is None, -s.used) > (self.slots[best].pending is None, -self.slots[best].used):
+                best = k
+        if best is None:
+            return None
+        s = self.slots[best]
+        if s.pending is not None:
+            try:
+                s.pending.resolve()
+            except Exception:
+                pass  # its layer raises when it is needed
+        return best
+
+    def stage(self, src, protect=()) -> int:
+        """The staging slot that holds (or is reading) `src`'s current bytes;
+        queues the read if none does."""
+        k = src.slot
+        if k is not None and self.slots[k].src is src and self.slots[k].version == src.version():
+            return k
+        if src.file_failed():
+            src.recover(self)
+        k = self._free_slot(protect)
+        if k is None:  # every slot's bytes are wanted: take the least recently used anyway
+            k = min(range(len(self.slots)), key=lambda j: self.slots[j].used)
+            if self.slots[k].pending is not None:
+                try:
+                    self.slots[k].pending.resolve()
+                except Exception:
+                    pass
+        s = self.slots[k]
+        if s.src is not None and s.src.slot == k:
+            s.src.slot = None
+        s.src, s.version, s.reads = None, -1, []
+        after = s.out
+        reads = []
+        for part in src.parts:
+            reads.append(read_layer(self.reader, part.file.of, part.extents, s.buf, after=after))
+        s.src, s.version, s.reads = src, src.version(), reads
+        self._clock += 1
+        s.used = self._clock
+        src.slot = k
+        self.bytes_read += src.read_bytes
+        self.reads += 1
+        return k
+
+    def fetch(self, src, dst, after, timing) -> Deferred:
+        k = self.stage(src)
+        s = self.slots[k]
+        if s.pending is not None:  # an earlier copy of the same bytes, never issued: it is superseded
+            self._drop(s.pending)
+        d = Deferred(self, src, k, dst, after, timing)
+        s.pending = d
+        self.pending.append(d)
+        return d
+
+    def _drop(self, d: Deferred) -> None:
+        d.error = RuntimeError("layerwise: internal: a superseded disk copy was used")
+        if d in self.pending:
+            self.pending.remove(d)
+
+    def _issue(self, d: Deferred):
+        """Wait for d's read (host), then queue its copies staging -> slot."""
+        s = self.slots[d.slot]
+        t0 = None
+        try:
+            for ev in s.reads:
+                if not ev.query():
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                    ev.synchronize()
+        except BaseException as err:
+            if t0 is not None:
+                self.read_wait_s += time.perf_counter() - t0
+            if isinstance(err, Exception):
+                d.error = err
+                d.src.read_failed(err)
+            if s.pending is d:
+                s.pending = None
+            s.src, s.version, s.reads = None, -1, []
+            if d.src.slot == d.slot:
+                d.src.slot = None
+            if d in self.pending:
+                self.pending.remove(d)
+            raise
+        if t0 is not None:
+            self.read_wait_s += time.perf_counter() - t0
+        for ev in s.reads:
+            ms = ev.copy_ms
+            if ms >= 0:
+                self.read_s += ms / 1e3
+                self.timed_bytes += d.src.read_bytes / len(s.reads)
+        d.src.read_ok()
+        after = d.after
+        ev = None
+        for n, (soff, poff, length) in enumerate(d.src.copies):
+            ev = self.engine.copy_async(d.dst[poff:poff + length], s.buf[soff:soff + length], after, d.timing)
+            d.copies.append(ev)
+            after = ev
+        s.out = ev
+        if s.pending is d:
+            s.pending = None
+        if d in self.pending:
+            self.pending.remove(d)
+        return ev
+
+    def pump(self) -> None:
+        """Issue the copies of reads that have finished, without blocking."""
+        for d in list(self.pending):
+            if d.ev is None and d.error is None and d.ready():
+                try:
+                    d.resolve()
+                except Exception:
+                    pass  # kept in d.error: raised where the layer is needed
+
+    def read_ahead(self, upcoming) -> None:
+        """Queue reads of the next disk layers (`upcoming`, in order) while slots
+        hold nothing that is wanted sooner."""
+        upcoming = list(upcoming)[: len(self.slots)]
+        want = set(upcoming)
+        for src in upcoming:
+            k = src.slot
+            if k is not None and self.slots[k].src is src and self.slots[k].version == src.version():
+                continue
+            if src.file_failed():
+                return  # its recovery happens where it is needed
+            free = None
+            for j, s in enumerate(self.slots):
+                if s.pending is None and (s.src is None or s.src not in want):
+                    if free is None or s.used < self.slots[free].used:
+                        free = j
+            if free is None:
+                return
+            self.stage(src, protect=want)
+
+    def flush(self) -> None:
+        """Issue every pending copy (blocking on its read); errors stay with their Deferred."""
+        for d in list(self.pending):
+            try:
+                d.resolve()
+            except Exception:
+                pass
+
+    def forget(self) -> None:
+        """Wait for every read and drop what the slots hold (after an interrupt)."""
+        self.reader.synchronize()
+        for d in self.pending:
+            d.error = d.error or RuntimeError("layerwise: internal: a forgotten disk copy was used")
+        self.pending = []
+        for s in self.slots:
+            if s.src is not None and s.src.slot is not None:
+                s.src.slot = None
+            s.src, s.version, s.reads, s.pending = None, -1, [], None
+
+    def synchronize(self) -> None:
+        self.reader.synchronize()
+
+    def close(self) -> None:
+        self.reader.synchronize()
+        self.pending = []
+        for s in self.slots:
+            s.src, s.reads, s.pending, s.out = None, [], None, None
+        self.reader.drop_retired() if hasattr(self.reader, "drop_retired") else None
+        self.slots = []
+
+
+class _Part:
+    __slots__ = ("file", "extents")
+
+    def __init__(self, file: DiskFile, extents):
+        self.file, self.extents = file, extents
+
+
+class DiskSource:
+    """A layer whose truth is in a file (stages/source.py interface).
+
+    `parts`: [(DiskFile, [(file_offset, length, staging_offset), ...])], the
+    layer's extents per file, laid out in staging by `read.staging_layout`;
+    `copies`: [(staging_offset, plan_offset, length)], what the transfer copies
+    into the slot; `crc`: CRC-32 of the plan-layout bytes when loaded.
+    `spill`: the SpillFile it lives in (writable), else None (a checkpoint)."""
+
+    kind = "disk"
+    host = None
+    stored_bytes = 0
+
+    def __init__(self, index: int, nbytes: int, parts, copies, crc: int, spill: SpillFile | None = None,
+                 spill_offset: int = 0, what: str = ""):
+        self.index = index
+        self.nbytes = nbytes
+        self.transfer_bytes = sum(c[2] for c in copies)
+        self.parts = [_Part(f, ex) for f, ex in parts]
+        self.copies = copies
+        self.read_bytes = sum(length for _, ex in parts for _, length, _ in ex)
+        self.crc = crc
+        self.spill = spill
+        self.spill_offset = spill_offset
+        self.what = what  # "layer group[i]" for messages
+        self.tier: DiskTier | None = None
+        self.slot = None
+        self._version = 0
+        self.verified = {id(p.file): p.file.gen for p in self.parts}
+        self.lock = threading.Lock()
+
+    def fetch(self, i, dst, after, timing):
+        return self.tier.fetch(self, dst, after, timing)
+
+    def version(self) -> int:
+        return self._version
+
+    # -------------------------------------------------------------- failures
+    def file_failed(self) -> bool:
+        return any(p.file.failed or self.verified[id(p.file)] != p.file.gen for p in self.parts)
+
+    def read_failed(self, err) -> None:
+        for p in self.parts:
+            p.file.failed = True
+
+    def read_ok(self) -> None:
+        pass
+
+    def recover(self, tier: DiskTier) -> None:
+        """After a failed read: reopen the files, then check this layer's bytes
+        against the CRC taken at load, once per reopening."""
+        for p in self.parts:
+            if p.file.failed:
+                tier.reader.synchronize()
+                p.file.revalidate(tier.reader)
+        block = self._read_sync(tier.reader)
+        got = crc_of(block)
+        if got != self.crc:
+            for p in self.parts:
+                p.file.failed = True
+            raise ReadError(errno.EIO, f"layerwise: {self.what}: its bytes in {self.parts[0].file.path} are not "
+                                       "the ones loaded (CRC-32 differs): the file was modified while the model "
+                                       "streams from it. Restore the file, or load the model again.")
+        for p in self.parts:
+            self.verified[id(p.file)] = p.file.gen
+
+    # --------------------------------------------------------- the contract
+    def _read_sync(self, reader: Reader) -> torch.Tensor:
+        size = max((off + length for p in self.parts for _, length, off in p.extents), default=0)
+        staging = aligned_staging(size, pinned=False)
+        evs = [read_layer(reader, p.file.of, p.extents, staging) for p in self.parts]
+        for ev in evs:
+            ev.synchronize()
+        out = torch.zeros(self.nbytes, dtype=torch.uint8)
+        for soff, poff, length in self.copies:
+            out[poff:poff + length].copy_(staging[soff:soff + length])
+        return out
+
+    def read(self) -> torch.Tensor:
+        tier = self.tier
+        if self.file_failed() and tier is not None:
+            self.recover(tier)
+        reader = tier.reader if tier is not None else _shared_reader()
+        block = self._read_sync(reader)
+        return block
+
+    def write(self, block: torch.Tensor) -> None:
+        if self.spill is None:
+            raise RuntimeError(
+                f"layerwise: {self.what} streams from the checkpoint file {self.parts[0].file.path}, which "
+                "layerwise does not write. Give load_offloaded a spill_dir= (layers kept on disk then live in spill "
+                "files of their own, which can be changed), or a host_budget that holds the layer."
+            )
+        if block.numel() != self.nbytes:
+            raise ValueError(f"layerwise: {self.what}: {block.numel()} bytes given for a {self.nbytes}-byte layer")
+        tier = self.tier
+        if tier is not None:
+            tier.flush()
+            tier.synchronize()
+        staging = aligned_staging(self.nbytes, pinned=False)
+        staging[: self.nbytes].copy_(block)
+        self.spill.write_at(self.spill_offset, staging[: self.nbytes])
+        self.spill.refresh()
+        self.crc = crc_of(block)
+        self._version += 1
+
+    def close(self) -> None:
+        self.tier = None
+
+
+_READER = []
+
+
+def _shared_reader() -> Reader:
+    if not _READER:
+        _READER.append(Reader(num_threads=1))
+    return _READER[0]
+
+
+def spill_store(manager, spill_dir):
+    """The manager's `_store` for configure(host_budget=, spill_dir=): each layer
+    that stays on disk is appended to the group's spill file as it is packed."""
+    spill = None
+
+    def store(lp, block):
+        nonlocal spill
+        if spill is None:
+            spill = SpillFile(spill_dir, manager.layer_name)
+            manager._disk_files.append(spill)
+        offset = spill.append(block)
+        spill.refresh()
+        n = lp.nbytes
+        return DiskSource(lp.index, n, [(spill.file, [(offset, n, 0)])], [(0, 0, n)], crc_of(block), spill,
+                          offset, what=f"layer {manager.layer_name}[{lp.index}]")
+
+    return store
