@@ -370,8 +370,36 @@ def install_layer_hooks(manager) -> list:
         for sub in module.modules():
             _WATCHED[sub] = (weakref.ref(manager), i)
             handles.extend(_guard_merge(sub))
+    handles.extend(_read_only_guards(manager))
     _ensure_registration_hook()
     return handles
+
+
+def _read_only_guards(manager) -> list:
+    """Layers whose truth cannot be written (a checkpoint file the disk tier reads):
+    a load_state_dict that would change one is refused where it starts - in the
+    outermost module it was called on, before any tensor was copied."""
+    fixed = {id(e.param): i for i in manager._streamed if not manager._src[i].writable
+             for e in manager.plan.layers[i].params}
+    if not fixed:
+        return []
+    handles = []
+    for name, mod in manager.model.named_modules():
+        inner = [(rel, fixed[id(p)]) for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in fixed]
+        if inner:
+            handles.append(mod.register_load_state_dict_pre_hook(_refuse_read_only(manager, inner)))
+    return handles
+
+
+def _refuse_read_only(manager, inner):
+    def hook(module, state_dict, prefix, *args):
+        if not manager._finalized:
+            return
+        for rel, i in inner:
+            if prefix + rel in state_dict:
+                manager._src[i].write(None)  # raises, naming the file and the way out
+
+    return hook
 
 
 def _host_alias(e, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

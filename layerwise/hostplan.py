@@ -84,7 +84,14 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     on_host_device = device.type == "cpu"
     if on_host_device:
         fixed += non_layer_bytes(model, managers) + sum(m._device_bytes() for m in enabled)
-    forced = {m: [i for i in streamed[m] if why_not_disk is not None and why_not_disk(m, i)] for m in enabled}
+    reasons = {}
+    if why_not_disk is not None:
+        for m in enabled:
+            for i in streamed[m]:
+                why = why_not_disk(m, i)
+                if why:
+                    reasons[(m, i)] = why
+    forced = {m: [i for i in streamed[m] if (m, i) in reasons] for m in enabled}
 
     def staging(disk_sets):
         return sum(staging_slots(m, disk_prefetch_depth) * staging_slot_bytes(m, d) for m, d in disk_sets.items() if d)
@@ -110,6 +117,8 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
                                                              "rings and resident layers" if on_host_device else "")
             + (f", {fmt_bytes(forced_bytes)} of layers that cannot stay on disk" if forced_bytes else "")
             + "). Raise host_budget, or lower disk_prefetch_depth / prefetch_depth."
+            + (f" {len(reasons)} layer(s) cannot stay on disk as stored ({next(iter(reasons.values()))}): give "
+               "spill_dir= to write them to spill files in the dtype and layout the model uses." if reasons else "")
         )
     fraction = (room - forced_bytes) / max(1, total_streamed)
     disk: dict = {}

@@ -487,6 +487,10 @@ class DiskSource:
         self.verified = {id(p.file): p.file.gen for p in self.parts}
         self.lock = threading.Lock()
 
+    @property
+    def writable(self) -> bool:
+        return self.spill is not None
+
     def fetch(self, i, dst, after, timing):
         return self.tier.fetch(self, dst, after, timing)
 

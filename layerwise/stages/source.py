@@ -16,6 +16,8 @@ branch in the manager:
     write(block)    replace the true bytes with `block` (plan layout, host uint8,
                     nbytes); raises, naming why and what to do, where the source
                     cannot be written (a checkpoint file that is not ours)
+    writable        False where write() always refuses (checked before a
+                    load_state_dict changes anything)
     fetch           the stage that brings the bytes to a slot (stages/__init__.py)
     close()         drop what it holds (files, staging); called by remove()
 """
@@ -28,6 +30,7 @@ class ArenaSource:
     """The layer's block in the host arena, in plan layout: the truth itself."""
 
     kind = "arena"
+    writable = True
 
     def __init__(self, block: torch.Tensor, fetch=None):
         self.block = block
