@@ -37,6 +37,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import stages
 from .plan import local_tensor
 
 _MANAGERS = "_layerwise_managers"
@@ -516,6 +517,10 @@ def editing(manager, i: int):
                 manager._resync()
             manager._load(i, prefetch=False)
             ev = manager._copy_event[i]
+            if type(ev) is stages.Deferred:
+                manager._dirty = True
+                ev = ev.resolve()
+                manager._dirty = False
             if ev is not None:
                 ev.synchronize()
                 manager._copy_event[i] = None

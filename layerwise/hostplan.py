@@ -62,15 +62,16 @@ def staging_slots(manager, disk_prefetch_depth) -> int:
     return max(disk_prefetch_depth or 2, manager.prefetch_depth + 1)
 
 
-def staging_slot_bytes(manager, layers) -> int:
-    """An upper bound on a disk layer's staging layout: its bytes, plus a page of
-    head and tail per tensor (checkpoint runs start anywhere in a page)."""
-    return max((round_up(manager.plan.layers[i].nbytes, PAGE) + 2 * PAGE * (len(manager.plan.layers[i].params) + 1)
-                for i in layers), default=0)
+def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
+    """A disk layer's staging size: its bytes rounded to a page in a spill file;
+    from a checkpoint, an upper bound (a page of head and tail per tensor: its
+    runs start anywhere in a page)."""
+    pad = (lambda i: 0) if spill else (lambda i: 2 * PAGE * (len(manager.plan.layers[i].params) + 1))
+    return max((round_up(manager.plan.layers[i].nbytes, PAGE) + pad(i) for i in layers), default=0)
 
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
-                     why_not_disk=None) -> dict:
+                     why_not_disk=None, spill: bool = True) -> dict:
     """Choose each manager's disk layers (sets `m._stored_elsewhere`) so that
     host memory fits the budget; returns the plan (also logged).
 
@@ -94,7 +95,8 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     forced = {m: [i for i in streamed[m] if (m, i) in reasons] for m in enabled}
 
     def staging(disk_sets):
-        return sum(staging_slots(m, disk_prefetch_depth) * staging_slot_bytes(m, d) for m, d in disk_sets.items() if d)
+        return sum(staging_slots(m, disk_prefetch_depth) * staging_slot_bytes(m, d, spill)
+                   for m, d in disk_sets.items() if d)
 
     every = sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for m in enabled for i in streamed[m])
     if fixed + every <= budget:

@@ -836,7 +836,8 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
                 return why
         return None
 
-    plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk)
+    plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
+                     spill=spill_dir is not None)
     for m in managers:
         if m._stored_elsewhere:
             m._store = spill_store(m, spill_dir) if spill_dir is not None else _checkpoint_store(m, stored, entry_key)

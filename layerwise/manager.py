@@ -411,6 +411,7 @@ class LayerwiseOffloadManager:
                 "(a block that calls another block of the same list). Keep one of them resident "
                 "(resident_layers) or raise prefetch_depth so that the two get distinct slots."
             )
+        self._dirty = True  # until the records below match what the engine has queued
         after = self._slot_event[s]
         if type(after) is stages.Deferred:  # the slot's last copy, out of disk staging
             try:
@@ -425,7 +426,6 @@ class LayerwiseOffloadManager:
             if after is not None:
                 self._engine.wait(after, stream)
             after = self._engine.record(stream, False)
-        self._dirty = True  # until the records below match what the engine has queued
         self._slot_gen[s] += 1
         timing = self._timing
         ev = src.fetch(i, self._dst[i], after, timing)
@@ -450,6 +450,9 @@ class LayerwiseOffloadManager:
 
     def _read_layer(self, i: int) -> torch.Tensor:
         """Layer i's true bytes in plan layout (host uint8; the arena block or a copy)."""
+        if self._finalized and self._src[i].host is None:
+            with self._lock:  # a file's recovery changes shared state
+                return self._src[i].read()
         return self._src[i].read()
 
     def _write_layer(self, i: int, edit) -> None:
@@ -459,9 +462,13 @@ class LayerwiseOffloadManager:
         src = self._src[i]
         block = src.host
         if block is None:
-            block = src.read().clone()
+            block = src.read()
+            if block is src.host:
+                block = block.clone()
             edit(block)
+            self._dirty = self._finalized  # a disk source waits for its reads and rewrites its file
             src.write(block)
+            self._dirty = False
         else:
             edit(block)
         contract.arena_written(self, i)
@@ -508,7 +515,9 @@ class LayerwiseOffloadManager:
                 break
             mgr, pos = mgr.next_manager, 0
         if self._disk is not None:
+            self._dirty = True  # reads queued and not recorded yet: an interrupt makes the next hook resync
             self._disk.read_ahead(self._upcoming_disk(i))
+            self._dirty = False
 
     def _check_slot_writes(self, s: int) -> None:
         """Our copies do not bump version counters: a change means someone wrote
@@ -537,7 +546,9 @@ class LayerwiseOffloadManager:
         if i == 0 and not self._root_driven:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
         if self._disk is not None:
+            self._dirty = True
             self._disk.pump()
+            self._dirty = False
         s = self._slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
@@ -546,12 +557,14 @@ class LayerwiseOffloadManager:
             self._entered.append(i)
             ev = self._copy_event[i]
             if type(ev) is stages.Deferred:  # read from disk: its copy is issued once the read is done
+                self._dirty = True
                 try:
                     ev = ev.resolve()
                 except BaseException:
                     self._slot_holder[s] = -1  # the next call of the layer reads it again
                     self._copy_event[i] = None
                     raise
+                self._dirty = False
             if ev is not None:
                 stream = self._stream()
                 if self._timing:
@@ -715,8 +728,11 @@ class LayerwiseOffloadManager:
         compute stream are drained first, so every figure is final)."""
         if sync and self.enabled and self._finalized:
             if self._disk is not None:
-                self._disk.flush()
-                self._disk.synchronize()
+                with self._lock:
+                    self._dirty = True
+                    self._disk.flush()
+                    self._disk.synchronize()
+                    self._dirty = False
             self._engine.synchronize()
             if self._engine.is_cuda:
                 torch.cuda.synchronize(self.device)

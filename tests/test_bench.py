@@ -118,6 +118,12 @@ def test_suite_specific_figures(tiny_run):
         assert disk["data"]["reader_stats"]["runs_direct"] > 0 and disk["data"]["reader_stats"]["failed"] == 0
         assert disk["rows"][0]["targets"][0]["label"] == ">= 0.9x O_DIRECT seq"
         assert disk["data"]["filesystem"] not in ("tmpfs", "ramfs")
+        # ... and a model streamed with host_budget at 25%: layers read from the checkpoint every step,
+        # host memory within the budget.
+        stream = disk["data"]["stream"]
+        assert stream["disk_layers"] > 0 and stream["disk_bytes_per_step"] > 0 and stream["bytes_direct"] > 0
+        rss = [r for r in disk["rows"] if r["measure"].startswith("peak RSS growth")]
+        assert len(rss) == 1 and rss[0]["met"] is True, rss
 
 
 def test_failing_suite_is_reported_and_the_others_still_run(monkeypatch, tmp_path, capsys):

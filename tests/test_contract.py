@@ -497,11 +497,35 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
                     print("WRONG", k, k2, flush=True)
     else:
         torch.manual_seed(0)
-        model = TwoGroupModel(n_a=7, n_b=4)
+        d = 256 if mode.startswith("disk") else 32
+        model = TwoGroupModel(d=d, n_a=7, n_b=4)
         ref = copy.deepcopy(model)
+        disk = {{}}
+        if mode.startswith("disk"):  # the disk tier: most layers in spill files, reads delayed at random
+            def fits(budget):
+                try:
+                    probe = copy.deepcopy(ref)
+                    layerwise.configure_layerwise_offload(probe, GROUPS, device="cpu", prefetch_depth=int(mode[-1]),
+                                                          host_budget=budget, spill_dir=sys.argv[4])
+                except ValueError:
+                    return False
+                layerwise.remove_layerwise_offload(probe)
+                return True
+
+            hi = 1 << 14
+            while not fits(hi):
+                hi *= 2
+            lo = hi // 2
+            while hi - lo > 1024:  # about the smallest budget that works: nearly every layer on disk
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+            budget = hi
+            disk = dict(host_budget=budget, spill_dir=sys.argv[4], debug_read_delay_us=300)
         layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=int(mode[-1]),
-                                              debug_copy_delay_us=300)
-        xs = [torch.randn(2, 32) for _ in range(4)]
+                                              debug_copy_delay_us=300, **disk)
+        if disk:
+            assert sum(s.kind == "disk" for m in managers_of(model) for s in m._src) >= 4
+        xs = [torch.randn(2, d) for _ in range(4)]
         with torch.no_grad():
             expect = [ref(x) for x in xs]
             times = []
@@ -523,14 +547,15 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.parametrize("mode,n", [("configure", 120), ("forward1", 300), ("forward2", 300)])
+@pytest.mark.parametrize("mode,n", [("configure", 120), ("forward1", 300), ("forward2", 300), ("disk1", 200),
+                                    ("disk2", 200)])
 def test_real_sigints_never_leave_a_wrong_model(mode, n, tmp_path):
     import os
 
     script = tmp_path / "sigint.py"
     script.write_text(SIGINT_SCRIPT.format(tests=os.path.dirname(__file__)))
-    proc = subprocess.run([sys.executable, str(script), mode, str(n), "7"], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(script), mode, str(n), "7", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
     interrupted, bad = map(int, line.split()[1:])

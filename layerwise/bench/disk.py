@@ -1,5 +1,6 @@
 """disk: the disk tier's reader (``layerwise._C.Reader``) against a plain
-O_DIRECT read of the same file, in one run.
+O_DIRECT read of the same file, in one run; then a model streamed with
+host_budget at 25% of its size (``disk_stream.py``).
 
 A test file (256 MiB; --quick 64 MiB) is written on a disk-backed file system:
 ``LAYERWISE_BENCH_DIR`` if set, else the temporary directory, else the working
@@ -175,6 +176,10 @@ def run(ctx: Context) -> SuiteResult:
         os.close(fd_plain)
         for r in readers.values():
             r.synchronize()
+        os.unlink(path)
+        from . import disk_stream
+
+        stream_rows, stream_data = disk_stream.run(ctx, work, bw["O_DIRECT seq"].median, filesystem_type(where))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -204,4 +209,6 @@ def run(ctx: Context) -> SuiteResult:
         NAME, f"plain O_DIRECT sequential read, 1 thread ({size}, {fs})", "GB/s", bw["O_DIRECT seq"],
         short="O_DIRECT seq (baseline)",
     ))
+    result.rows += stream_rows
+    result.data["stream"] = stream_data
     return result
