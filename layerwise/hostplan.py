@@ -80,11 +80,11 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     budget, how = resolve_host_budget(host_budget, held_bytes)
     enabled = [m for m in managers if m.enabled]
     streamed = {m: [lp.index for lp in m.plan.layers if lp.index not in set(m.resident)] for m in enabled}
-    total_streamed = sum(m.plan.layers[i].nbytes for m in enabled for i in streamed[m])
     fixed = max((lp.nbytes for m in enabled for lp in m.plan.layers), default=0)  # the packing scratch
     on_host_device = device.type == "cpu"
-    if on_host_device:
-        fixed += non_layer_bytes(model, managers) + sum(m._device_bytes() for m in enabled)
+    if on_host_device:  # (`model`: a module, or the modules of a pipeline)
+        models = model if isinstance(model, (list, tuple)) else [model]
+        fixed += sum(non_layer_bytes(mm, managers) for mm in models) + sum(m._device_bytes() for m in enabled)
     reasons = {}
     if why_not_disk is not None:
         for m in enabled:
@@ -106,11 +106,23 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
                  fmt_bytes(budget), how, fmt_bytes(every), fmt_bytes(fixed))
         return {"budget": budget, "disk_layers": 0, "disk_bytes": 0, "arena_bytes": every, "staging_bytes": 0}
 
-    # Staging if every layer not forced into the arena went to disk: the most it can be.
-    worst = {m: [i for i in streamed[m] if i not in forced[m]] for m in enabled}
-    room = budget - fixed - staging(worst)
-    forced_bytes = sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for m in enabled for i in forced[m])
-    if room < forced_bytes:
+    # Which groups take part in the disk tier: the largest first, as few as work (each one that
+    # does costs its staging slots). Staging is counted as if every layer of those groups not
+    # forced into the arena went to disk: the most it can be.
+    def arena_of(m, layers):
+        return sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for i in layers)
+
+    order = sorted(enabled, key=lambda m: -arena_of(m, streamed[m]))
+    for k in range(1, len(order) + 1):
+        part, rest = order[:k], order[k:]
+        worst = {m: [i for i in streamed[m] if i not in forced[m]] for m in part}
+        room = budget - fixed - staging(worst) - sum(arena_of(m, streamed[m]) for m in rest)
+        forced_bytes = sum(arena_of(m, forced[m]) for m in part)
+        if room >= forced_bytes:
+            break
+    else:
+        worst = {m: [i for i in streamed[m] if i not in forced[m]] for m in enabled}
+        forced_bytes = sum(arena_of(m, forced[m]) for m in enabled)
         need = fixed + staging(worst) + forced_bytes
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: even with every streamed layer on disk, host "
@@ -122,25 +134,28 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
             + (f" {len(reasons)} layer(s) cannot stay on disk as stored ({next(iter(reasons.values()))}): give "
                "spill_dir= to write them to spill files in the dtype and layout the model uses." if reasons else "")
         )
-    fraction = (room - forced_bytes) / max(1, total_streamed)
+    total_part = sum(m.plan.layers[i].nbytes for m in part for i in streamed[m])
+    fraction = (room - forced_bytes) / max(1, total_part)
     disk: dict = {}
-    kept_bytes = forced_bytes
+    kept_bytes = forced_bytes  # of the groups taking part (what `room` is for)
     for m in enabled:
-        credit = 0.0
         d = []
-        for i in streamed[m]:
-            nb = m.plan.layers[i].nbytes
-            if i in forced[m]:
-                continue
-            credit += fraction * nb
-            size = round_up(nb, BLOCK_ALIGN)
-            if credit >= size and kept_bytes + size <= room:
-                credit -= size
-                kept_bytes += size
-            else:
-                d.append(i)
+        if m in part:
+            credit = 0.0
+            for i in streamed[m]:
+                nb = m.plan.layers[i].nbytes
+                if i in forced[m]:
+                    continue
+                credit += fraction * nb
+                size = round_up(nb, BLOCK_ALIGN)
+                if credit >= size and kept_bytes + size <= room:
+                    credit -= size
+                    kept_bytes += size
+                else:
+                    d.append(i)
         disk[m] = d
         m._stored_elsewhere = frozenset(d)
+    kept_bytes += sum(arena_of(m, streamed[m]) for m in rest)
     disk_bytes = sum(m.plan.layers[i].nbytes for m in enabled for i in disk[m])
     per_group = "; ".join(
         f"{m.layer_name}: {len(streamed[m]) - len(disk[m])} in memory, {len(disk[m])} on disk" for m in enabled)

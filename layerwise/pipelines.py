@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from . import contract
-from .hostmem import PinBudget, host_limits, pinnable_host_bytes
+from .hostmem import PinBudget, pinnable_host_bytes
+from .hostplan import check_disk_options, plan_host_budget, resolve_host_budget
 from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
 from .configure import _prepare, configure_models, managers_of
 from .options import resolve_device, validate_depth
@@ -59,7 +60,7 @@ DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_
 _STATE = "_layerwise_pipeline"
 REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
 _OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
-            "debug_copy_delay_us", "uses")
+            "debug_copy_delay_us", "uses", "spill_dir", "disk_prefetch_depth", "debug_read_delay_us")
 
 
 # ------------------------------------------------------------ components
@@ -354,13 +355,16 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     pin_budget: bytes of host memory that may be pinned, "auto" (see
         pinnable_host_bytes) or None (no limit). Groups that do not fit are
         pageable, and exact.
-    host_budget: bytes (or "auto") the streamed arenas may take; more is an
-        error for now (a disk tier is not implemented yet).
+    host_budget: bytes (or "auto") the streamed weights may take in host
+        memory; with `spill_dir`, the layers that do not fit go to spill files
+        there (the disk tier, as configure_layerwise_offload), else a budget
+        smaller than the arenas is an error.
     device_budget: bytes or "auto", shared by every component (budget.py plans
         resident layers; the denoiser gets them first).
     options: resident_layers, residency_policy, pin_memory ("auto" default,
         True: every arena pinned or an error, False: none), budget_margin,
-        num_copy_streams, debug_copy_delay_us as in configure_layerwise_offload,
+        num_copy_streams, debug_copy_delay_us, spill_dir, disk_prefetch_depth,
+        debug_read_delay_us as in configure_layerwise_offload,
         and `uses`: {component: runs per request}, or a callable warm-up
         `uses(pipe)` whose runs are counted by the hooks (the pipeline is
         offloaded pageable for it, then offloaded again with the counts).
@@ -381,6 +385,13 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
     resident_layers = options.get("resident_layers", 0)
     budget_margin = options.pop("budget_margin", None)
+    spill_dir = options.pop("spill_dir", None)
+    disk_prefetch_depth = options.pop("disk_prefetch_depth", None)
+    debug_read_delay_us = options.pop("debug_read_delay_us", None)
+    check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
+    if spill_dir is not None and host_budget is None:
+        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
+                         "(bytes or 'auto'), or leave spill_dir out")
     if _STATE in getattr(pipe, "__dict__", {}):
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
                            "layerwise.remove_pipeline_offload(pipe) first")
@@ -406,12 +417,15 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
             continue
         c.managers, _ = _prepare(c.module, c.layer_names, dev, prefetch_depth, resident_layers,
                                  options.get("residency_policy", "leading"), "auto",
-                                 options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"))
+                                 options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"),
+                                 disk_prefetch_depth, debug_read_delay_us)
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)
     _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
                         resident_layers)
+    if host_budget is not None and spill_dir is not None:
+        _plan_disk_tier(parts, dev, host_budget, spill_dir, disk_prefetch_depth)
     for c in parts:
         for m in c.managers:
             if not m.enabled:
@@ -424,7 +438,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         if c.groups and any(g.uses_source == "counted in a warm-up call" for g in c.groups):
             c.uses, c.uses_source = max(g.uses for g in c.groups), "counted in a warm-up call"
     arena = sum(g.arena_bytes for c in parts for g in c.groups)
-    _check_host_budget(host_budget, arena, _held_bytes(parts))
+    if spill_dir is None:
+        _check_host_budget(host_budget, arena, _held_bytes(parts))
     budget = _resolve_pin_budget(pin_budget, _held_bytes(parts))
     _plan_pins(parts, budget, pin_memory)
     for c in parts:
@@ -454,6 +469,19 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     return {c.name: list(c.managers) for c in parts if c.managers}
 
 
+def _plan_disk_tier(parts, dev, host_budget, spill_dir, disk_prefetch_depth) -> None:
+    """host_budget with spill_dir: the layers that do not fit (over every
+    component, spread evenly) go to spill files (layerwise.hostplan)."""
+    from .stages.disk import spill_store
+
+    managers = [m for c in parts for m in c.managers]
+    plan_host_budget([c.module for c in parts], managers, dev, host_budget, disk_prefetch_depth,
+                     held_bytes=_held_bytes(parts))
+    for m in managers:
+        if m._stored_elsewhere:
+            m._store = spill_store(m, spill_dir)
+
+
 def _held_bytes(parts: list[Component]) -> int:
     """Bytes of streamed weights in host memory now: the arenas replace them."""
     total = 0
@@ -469,21 +497,13 @@ def _held_bytes(parts: list[Component]) -> int:
 def _check_host_budget(host_budget, arena_bytes: int, held: int) -> None:
     if host_budget is None:
         return
-    if isinstance(host_budget, str):
-        if host_budget != "auto":
-            raise ValueError(f"host_budget must be a number of bytes, 'auto' or None, got {host_budget!r}")
-        limits = host_limits(held, lock=False)
-        tight = min(limits, key=lambda lim: lim.budget)
-        budget, how = tight.budget, f"auto: {tight.describe()}"
-    elif isinstance(host_budget, bool) or not isinstance(host_budget, (int, float)) or host_budget < 0:
-        raise ValueError(f"host_budget must be a number of bytes >= 0, 'auto' or None, got {host_budget!r}")
-    else:
-        budget, how = int(host_budget), "given"
+    budget, how = resolve_host_budget(host_budget, held)
     if arena_bytes > budget:
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: the streamed components' host arenas need "
-            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes). Keeping part of the weights on disk (the disk tier) "
-            "is not implemented yet: raise host_budget, or stream fewer components (components=...)"
+            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes). Pass spill_dir=<a directory on a local disk> to keep "
+            "the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
+            "(components=...)"
         )
 
 

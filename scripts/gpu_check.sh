@@ -53,7 +53,7 @@ junit() {  # --junitxml into the results, unless the file count must stay at 8
 # The CPU variants of the files that exercise this build's engine and kernels (CI
 # runs every test on CPU; the whole suite would not fit the stage's limit).
 CPU_TESTS="tests/test_native.py tests/test_manager.py tests/test_contract.py tests/test_cuda_path.py
- tests/test_scatter.py tests/test_loading.py tests/test_reader.py tests/test_codec.py"
+ tests/test_scatter.py tests/test_loading.py tests/test_reader.py tests/test_codec.py tests/test_disk_tier.py"
 
 gpu_file="$OUT/gpu.txt"
 [ "$FEW" = 1 ] && gpu_file="$OUT/summary.txt"

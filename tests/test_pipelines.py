@@ -572,3 +572,32 @@ def test_a_component_streamed_on_its_own_is_kept_as_it_is(pipe, reference):
     assert managers_of(pipe.transformer) == own  # given back as it was: still streamed on its own
     assert not managers_of(pipe.text_encoder)
     assert torch.equal(generate(pipe, SIZE), reference)
+
+
+def test_host_budget_with_spill_dir_keeps_layers_on_disk(pipe, reference, tmp_path):
+    import glob
+
+    sizes = sum(_arena(ms) for ms in layerwise.offload_pipeline(pipe, device="cpu").values())
+    layerwise.remove_pipeline_offload(pipe)
+    before = state_dicts(pipe)
+    # Not even the rings and the non-layer weights fit: refused before anything changes.
+    with pytest.raises(ValueError, match="too small"):
+        layerwise.offload_pipeline(pipe, device="cpu", host_budget=1 << 16, spill_dir=tmp_path)
+    assert_state_dicts_equal(pipe, before)
+    budget = 1 << 18
+    while True:  # the smallest budget that works (to 1/8): most layers on disk
+        try:
+            managers = layerwise.offload_pipeline(pipe, device="cpu", host_budget=budget, spill_dir=tmp_path,
+                                                  debug_read_delay_us=200, debug_copy_delay_us=200)
+            break
+        except ValueError:
+            budget += budget // 8
+    on_disk = sum(s.kind == "disk" for ms in managers.values() for m in ms for s in m._src)
+    assert on_disk >= 4
+    assert sum(m.stats()["arena_bytes"] for ms in managers.values() for m in ms) < sizes
+    assert glob.glob(str(tmp_path / "layerwise-*.spill"))
+    assert torch.equal(generate(pipe, SIZE), reference)
+    assert "disk tier" in str(layerwise.report(pipe.transformer))
+    layerwise.remove_pipeline_offload(pipe)
+    assert glob.glob(str(tmp_path / "layerwise-*.spill")) == []
+    assert_state_dicts_equal(pipe, before)
