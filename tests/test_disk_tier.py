@@ -504,3 +504,24 @@ def test_a_model_four_times_the_budget_streams_within_it(disk_dir):
     assert r["equal"]
     assert r["disk_layers"] >= depth // 2
     assert r["growth"] <= budget + r["staging"] + 0.05 * model_bytes, (r, budget, model_bytes)
+
+
+def test_auto_budget_reads_the_memory_left(disk_dir, monkeypatch, caplog):
+    import logging
+
+    from layerwise import hostmem
+
+    ref = make()
+    ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
+    want = budget(ref, 1)
+    monkeypatch.setattr(hostmem, "_cgroup_dirs", lambda *a: [])
+    # 16 GiB of RAM (reserve: 2 GiB), of which 2 GiB + `want` are available.
+    monkeypatch.setattr(hostmem, "_host_memory", lambda: (2 * hostmem.GiB + want, 16 * hostmem.GiB))
+    model = meta_model()
+    with caplog.at_level(logging.INFO, logger="layerwise"):
+        (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget="auto")
+    assert sum(s.kind == "disk" for s in m._src) >= 4
+    assert any("auto: host" in r.getMessage() and "on disk" in r.getMessage() for r in caplog.records)
+    for x in inputs():
+        assert torch.equal(model(x), ref(x))
+    layerwise.remove_layerwise_offload(model)

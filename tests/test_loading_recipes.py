@@ -403,10 +403,10 @@ def test_bad_dtype_is_refused(tmp_path):
 
 
 # ----------------------------------------------------------- README recipes
-def _readme_recipes():
+def _readme_recipes(disk=False):
     text = README.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    return [b for b in blocks if "load_offloaded(" in b and "from_config" in b]
+    return [b for b in blocks if "load_offloaded(" in b and "from_config" in b and ("host_budget" in b) == disk]
 
 
 @pytest.mark.parametrize("sharded", [True, False])
@@ -440,6 +440,33 @@ def test_readme_recipes_run_as_written(tmp_path, sharded):
                 a = arch.output(model(*args, **_cast_inputs(kwargs, torch.bfloat16)))
                 b = arch.output(want(*args, **_cast_inputs(kwargs, torch.bfloat16)))
             assert torch.equal(a, b)
+
+
+def test_readme_disk_tier_recipe_runs_as_written(tmp_path):
+    """The "Larger than host memory" recipe, as written (device "cuda" -> "cpu", the
+    budget a quarter of the model's bytes, or the least that works if more)."""
+    (code,) = _readme_recipes(disk=True)
+    transformers = pytest.importorskip("transformers")
+    config = llama_config(True)
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 128, 512, 12  # layers dominate
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    ref.save_pretrained(tmp_path / "llm")
+    model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    budget = model_bytes // 4
+    while True:
+        scope = {"path": str(tmp_path / "llm")}
+        try:
+            exec(code.replace('"cuda"', '"cpu"').replace("budget = 16 << 30", f"budget = {budget}"), scope)
+            break
+        except ValueError as err:
+            assert "too small" in str(err)
+            budget += model_bytes // 16
+    model = scope["model"]
+    (m,) = layerwise.contract.managers_of(model)
+    assert sum(s.kind == "disk" for s in m._src) >= m.num_layers // 2
+    assert all(torch.equal(x, y) for x, y in zip(generate(model), generate(ref)))
+    assert m.stats()["last_step"]["bytes_read"] > 0
 
 
 # ------------------------------------------------- found by attacking the loader
