@@ -223,6 +223,8 @@ class Deferred:
         return self.ev
 
     def query(self) -> bool:
+        if self.error is not None:
+            return True  # it never copied (copy_ms stays -1)
         return self.ev is not None and self.ev.query()
 
     def synchronize(self) -> None:
@@ -332,17 +334,17 @@ class DiskTier:
     def fetch(self, src, dst, after, timing) -> Deferred:
         k = self.stage(src)
         s = self.slots[k]
-        if s.pending is not None:  # an earlier copy of the same bytes, never issued: it is superseded
-            self._drop(s.pending)
+        if s.pending is not None:  # an earlier copy out of this slot, not issued yet: issue it first
+            try:
+                s.pending.resolve()
+            except Exception:
+                pass  # its layer raises where it is needed
+            k = self.stage(src)  # (a failed read freed the slot)
+            s = self.slots[k]
         d = Deferred(self, src, k, dst, after, timing)
         s.pending = d
         self.pending.append(d)
         return d
-
-    def _drop(self, d: Deferred) -> None:
-        d.error = RuntimeError("layerwise: internal: a superseded disk copy was used")
-        if d in self.pending:
-            self.pending.remove(d)
 
     def _issue(self, d: Deferred):
         """Wait for d's read (host), then queue its copies staging -> slot."""
@@ -360,6 +362,8 @@ class DiskTier:
             if isinstance(err, Exception):
                 d.error = err
                 d.src.read_failed(err)
+            else:  # interrupted while waiting: the read may still be in flight (the manager resyncs)
+                d.error = RuntimeError("layerwise: a disk read was interrupted; the layer is read again")
             if s.pending is d:
                 s.pending = None
             s.src, s.version, s.reads = None, -1, []
