@@ -12,7 +12,7 @@ from torch import nn
 from . import contract
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
-from .options import resolve_device, resolve_resident, validate_depth
+from .options import resolve_device, resolve_resident, validate_compress, validate_depth
 from .plan import resolve_group
 
 log = logging.getLogger("layerwise")
@@ -54,6 +54,7 @@ def configure_layerwise_offload(
     budget_margin=None,
     num_copy_streams: int = 1,
     debug_copy_delay_us: int | None = None,
+    compress: str | None = None,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -61,13 +62,16 @@ def configure_layerwise_offload(
     (layerwise.detect_layer_groups). `device_budget` (bytes, or "auto": free
     device memory less `budget_margin`) lets layerwise choose the resident
     layers and, if it must, a smaller prefetch depth (layerwise.budget).
+    `compress="lossless"`: the bf16/fp16 weights of streamed layers are kept
+    encoded in host memory and cross the bus encoded, bit-exact
+    (layerwise/stages/decode.py); None: as they are.
 
     Returns one LayerwiseOffloadManager per name, in the order given.
     Everything is validated before anything in the model changes; if packing
     fails half way, the model is put back as it was.
     """
     managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
-                             pin_memory, num_copy_streams, debug_copy_delay_us)
+                             pin_memory, num_copy_streams, debug_copy_delay_us, compress)
     contract.check_configurable(model, managers)
     if device_budget is not None:
         from .budget import apply_device_budget
@@ -78,7 +82,7 @@ def configure_layerwise_offload(
 
 
 def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-             num_copy_streams, debug_copy_delay_us):
+             num_copy_streams, debug_copy_delay_us, compress=None):
     """Validate everything and plan every group; changes nothing in the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -102,6 +106,7 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
         )
     _validate_paths(model, names)
     validate_depth(prefetch_depth)
+    validate_compress(compress)
     dev = resolve_device(device)
     for path in names:
         resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy)
@@ -109,7 +114,7 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
         LayerwiseOffloadManager(
             model, path, device=dev, prefetch_depth=prefetch_depth, resident_layers=resident_layers,
             residency_policy=residency_policy, pin_memory=pin_memory, initialize=False,
-            num_copy_streams=num_copy_streams, debug_copy_delay_us=debug_copy_delay_us,
+            num_copy_streams=num_copy_streams, debug_copy_delay_us=debug_copy_delay_us, compress=compress,
         )
         for path in names
     ]

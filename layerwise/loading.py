@@ -36,6 +36,7 @@ from torch import nn
 
 from . import contract
 from .configure import _build, _prepare
+from .options import validate_compress
 
 log = logging.getLogger("layerwise")
 
@@ -578,7 +579,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     all); non-persistent buffers left on meta are recomputed from the config of the
     module that owns them. `dtype` (a floating-point dtype) casts every floating-point
     parameter and buffer to it while reading, as `model.to(dtype)` would; without it
-    the checkpoint's dtypes must be the model's.
+    the checkpoint's dtypes must be the model's. `compress`, `num_copy_streams`,
+    `debug_copy_delay_us`: as in configure_layerwise_offload.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
@@ -593,12 +595,13 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
     num_copy_streams = kwargs.pop("num_copy_streams", 1)
     debug_copy_delay_us = kwargs.pop("debug_copy_delay_us", None)
+    compress = validate_compress(kwargs.pop("compress", None))
     if kwargs:
         raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
 
     def prepare():
         return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-                        num_copy_streams, debug_copy_delay_us)
+                        num_copy_streams, debug_copy_delay_us, compress)
 
     managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
     # Ties and dtype change which parameter objects the model holds (and so the

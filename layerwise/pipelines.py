@@ -46,7 +46,7 @@ from . import contract
 from .hostmem import PinBudget, host_limits, pinnable_host_bytes
 from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
 from .configure import _prepare, configure_models, managers_of
-from .options import resolve_device, validate_depth
+from .options import resolve_device, validate_compress, validate_depth
 from .plan import local_tensor
 from .report import report as model_report
 
@@ -59,7 +59,7 @@ DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_
 _STATE = "_layerwise_pipeline"
 REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
 _OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
-            "debug_copy_delay_us", "uses")
+            "debug_copy_delay_us", "compress", "uses")
 
 
 # ------------------------------------------------------------ components
@@ -360,7 +360,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         resident layers; the denoiser gets them first).
     options: resident_layers, residency_policy, pin_memory ("auto" default,
         True: every arena pinned or an error, False: none), budget_margin,
-        num_copy_streams, debug_copy_delay_us as in configure_layerwise_offload,
+        num_copy_streams, debug_copy_delay_us, compress as in configure_layerwise_offload,
         and `uses`: {component: runs per request}, or a callable warm-up
         `uses(pipe)` whose runs are counted by the hooks (the pipeline is
         offloaded pageable for it, then offloaded again with the counts).
@@ -385,6 +385,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
                            "layerwise.remove_pipeline_offload(pipe) first")
     validate_depth(prefetch_depth)
+    validate_compress(options.get("compress"))
     dev = resolve_device(device)
     comps = _components_of(pipe)
     _validate_uses(uses, comps)
@@ -406,7 +407,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
             continue
         c.managers, _ = _prepare(c.module, c.layer_names, dev, prefetch_depth, resident_layers,
                                  options.get("residency_policy", "leading"), "auto",
-                                 options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"))
+                                 options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"),
+                                 options.get("compress"))
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)

@@ -15,9 +15,12 @@ a small module of this package:
                   the interface the manager and the state contract use for them
     read.py       file extents -> pinned host staging (the disk tier's reader threads)
     transfer.py   host arena -> device slot (the copy engine)
+    decode.py     layers kept encoded (compress="lossless"): copy to device staging,
+                  then decode into the slot (CodecTier, CodecSource)
 """
+from .decode import CodecSource, CodecTier
 from .read import Read
 from .source import ArenaSource
 from .transfer import Transfer
 
-__all__ = ["ArenaSource", "Read", "Transfer"]
+__all__ = ["ArenaSource", "CodecSource", "CodecTier", "Read", "Transfer"]
