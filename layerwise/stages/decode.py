@@ -232,11 +232,11 @@ class CodecTier:
         """Staging buffers on the device (each the largest encoded layer), once packed."""
         self.engine = engine
         biggest = max((s.transfer_bytes for s in self.sources if s.encoded), default=0)
-        n = STAGING_BUFFERS if biggest else 0
+        n = STAGING_BUFFERS  # (empty where no layer is encoded: a write may make one so, fetch grows them)
         self._staging = [torch.empty(_round16(biggest), dtype=torch.uint8, device=device) for _ in range(n)]
         self._staging_event = [None] * n
         self._stream = None
-        if engine.is_cuda and n:
+        if engine.is_cuda:
             self._stream = torch.cuda.ExternalStream(engine.stream_handle(0), device=device)
         self.log_summary()
 
@@ -246,8 +246,15 @@ class CodecTier:
             return engine.copy_async(dst, state.block, after, timing)
         k = self._next
         self._next = (k + 1) % len(self._staging)
-        staging = self._staging[k][: state.block.numel()]
         prev = self._staging_event[k]
+        need = state.block.numel()
+        if need > self._staging[k].numel():
+            # A write made this layer's encoding larger than any at start(): grow staging k
+            # once its last decode has finished (rare; the host waits here only then).
+            if prev is not None:
+                prev[0].synchronize()
+            self._staging[k] = torch.empty(_round16(need), dtype=torch.uint8, device=self._staging[k].device)
+        staging = self._staging[k][:need]
         # The copy into staging k waits for the last decode out of it.
         copy_ev = engine.copy_async(staging, state.block, prev[0] if prev else None)
         if engine.is_cuda:
