@@ -183,6 +183,42 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("dst"), py::arg("src"), py::arg("after") = py::none(), py::arg("timing") = false)
       .def(
+          "decode_async",
+          [](PyEngine& self, const at::Tensor& dst, const at::Tensor& enc,
+             const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& pieces, EventPtr after,
+             EventPtr after2, bool timing) {
+            TORCH_CHECK_VALUE(!self.impl->is_cuda(), "decode_async: the CPU backend's decoder; on CUDA launch the "
+                              "Triton decoder on stream_handle(0) (layerwise/stages/decode.py)");
+            for (const at::Tensor* t : {&dst, &enc}) {
+              const char* name = t == &dst ? "dst" : "encoded";
+              TORCH_CHECK_VALUE(t->is_cpu() && t->has_storage() && t->is_contiguous() &&
+                                t->scalar_type() == at::kByte, "decode_async: ", name,
+                                " must be a contiguous uint8 host tensor with storage, got ", describe(*t));
+            }
+            const auto dn = static_cast<uint64_t>(dst.numel()), en = static_cast<uint64_t>(enc.numel());
+            std::vector<DecodePiece> list;
+            for (const auto& [eo, el, doff, dl] : pieces) {
+              TORCH_CHECK_VALUE(eo >= 0 && el >= 0 && doff >= 0 && dl >= 0 && static_cast<uint64_t>(eo + el) <= en &&
+                                static_cast<uint64_t>(doff + dl) <= dn, "decode_async: piece (", eo, ", ", el, ", ",
+                                doff, ", ", dl, ") lies outside encoded (", en, " bytes) or dst (", dn, " bytes)");
+              list.push_back(DecodePiece{size_t(eo), size_t(el), size_t(doff), size_t(dl)});
+            }
+            auto keep = std::make_unique<InFlight>(std::vector<c10::Storage>{dst.storage(), enc.storage()});
+            auto* to = static_cast<uint8_t*>(dst.data_ptr());
+            const auto* from = static_cast<const uint8_t*>(enc.data_ptr());
+            TORCH_CHECK_VALUE(dn == 0 || en == 0 || to + dn <= from || from + en <= to,
+                              "decode_async: dst overlaps the encoded bytes");
+            py::gil_scoped_release r;
+            return self.impl->decode_async(to, from, std::move(list), after, after2, std::move(keep), timing);
+          },
+          py::arg("dst"), py::arg("encoded"), py::arg("pieces"), py::arg("after") = py::none(),
+          py::arg("after2") = py::none(), py::arg("timing") = false,
+          "Queue a decode of codec segments: piece (enc_off, enc_n, dst_off, dst_n) of `encoded` into `dst`, "
+          "after `after` and `after2`; returns its Event (CPU backend)")
+      .def(
+          "stream_handle", [](PyEngine& self, int k) { return self.impl->stream_handle(k); }, py::arg("k") = 0,
+          "The raw handle of copy stream k (cudaStream_t; 0 on CPU): torch.cuda.ExternalStream wraps it")
+      .def(
           "wait", [](PyEngine& self, const EventPtr& ev, uintptr_t stream) { self.impl->wait(ev, stream); },
           py::arg("event"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(

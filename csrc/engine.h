@@ -70,6 +70,10 @@ struct Stoppable {
   virtual void shutdown() = 0;
 };
 
+struct DecodePiece {
+  size_t enc_off, enc_n, dst_off, dst_n;
+};
+
 struct CopyEngine : Stoppable {
   virtual ~CopyEngine() = default;
   // Copies n bytes src -> dst on one of the engine's streams, after `after`
@@ -78,6 +82,16 @@ struct CopyEngine : Stoppable {
   // `timing` (CUDA): also record when the copy starts, for copy_ms().
   virtual EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
                               std::unique_ptr<InFlight> keep, bool timing) = 0;
+  // Decodes lossless-codec segments (csrc/codec.h) from `enc` into `dst` once
+  // `after` and `after2` (either may be null) have completed; piece k is
+  // enc[enc_off, +enc_n) -> dst[dst_off, +dst_n). The event completes with the
+  // decode (a malformed segment fails it, naming why). CPU backend only: on
+  // CUDA the Triton decoder runs on stream_handle(0) (layerwise/stages/decode.py).
+  virtual EventPtr decode_async(uint8_t* dst, const uint8_t* enc, std::vector<DecodePiece> pieces,
+                                const EventPtr& after, const EventPtr& after2, std::unique_ptr<InFlight> keep,
+                                bool timing) = 0;
+  // The raw handle of copy stream k (a cudaStream_t; 0 on the CPU backend).
+  virtual uintptr_t stream_handle(int k) const = 0;
   // Makes the compute stream (CUDA: handle `stream`) wait for `ev` (CPU: blocks).
   virtual void wait(const EventPtr& ev, uintptr_t stream) = 0;
   // An event recorded on the compute stream (CPU: already complete).

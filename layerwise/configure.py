@@ -13,7 +13,7 @@ from . import contract
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
 from .hostplan import check_disk_options, plan_host_budget
-from .options import resolve_device, resolve_resident, validate_depth
+from .options import resolve_device, resolve_resident, validate_compress, validate_depth
 from .plan import resolve_group
 
 log = logging.getLogger("layerwise")
@@ -55,6 +55,7 @@ def configure_layerwise_offload(
     budget_margin=None,
     num_copy_streams: int = 1,
     debug_copy_delay_us: int | None = None,
+    compress: str | None = None,
     host_budget=None,
     spill_dir=None,
     disk_prefetch_depth: int | None = None,
@@ -66,6 +67,9 @@ def configure_layerwise_offload(
     (layerwise.detect_layer_groups). `device_budget` (bytes, or "auto": free
     device memory less `budget_margin`) lets layerwise choose the resident
     layers and, if it must, a smaller prefetch depth (layerwise.budget).
+    `compress="lossless"`: the bf16/fp16 weights of streamed layers are kept
+    encoded in host memory and cross the bus encoded, bit-exact
+    (layerwise/stages/decode.py); None: as they are.
 
     `host_budget` (bytes, or "auto": the cgroup limit or available memory, less
     a reserve) caps the host memory the streamed weights take: the layers that
@@ -79,7 +83,7 @@ def configure_layerwise_offload(
     fails half way, the model is put back as it was.
     """
     managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
-                             pin_memory, num_copy_streams, debug_copy_delay_us, disk_prefetch_depth,
+                             pin_memory, num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth,
                              debug_read_delay_us)
     check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
     if spill_dir is not None and host_budget is None:
@@ -102,7 +106,7 @@ def _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_dept
 
     held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
     plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, held_bytes=held)
-    on_disk = sum(len(m._stored_elsewhere) for m in managers)
+    on_disk = sum(len(m._disk_layers) for m in managers)
     if on_disk and spill_dir is None:
         raise ValueError(
             f"host_budget={host_budget!r} leaves {on_disk} layer(s) out of host memory, and an in-memory model "
@@ -110,12 +114,13 @@ def _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_dept
             "there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
         )
     for m in managers:
-        if m._stored_elsewhere:
-            m._store = spill_store(m, spill_dir)
+        if m._disk_layers:
+            m._disk_store = spill_store(m, spill_dir)
 
 
 def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-             num_copy_streams, debug_copy_delay_us, disk_prefetch_depth=None, debug_read_delay_us=None):
+             num_copy_streams, debug_copy_delay_us, compress=None, disk_prefetch_depth=None,
+             debug_read_delay_us=None):
     """Validate everything and plan every group; changes nothing in the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -139,6 +144,7 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
         )
     _validate_paths(model, names)
     validate_depth(prefetch_depth)
+    validate_compress(compress)
     dev = resolve_device(device)
     for path in names:
         resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy)
@@ -146,7 +152,7 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
         LayerwiseOffloadManager(
             model, path, device=dev, prefetch_depth=prefetch_depth, resident_layers=resident_layers,
             residency_policy=residency_policy, pin_memory=pin_memory, initialize=False,
-            num_copy_streams=num_copy_streams, debug_copy_delay_us=debug_copy_delay_us,
+            num_copy_streams=num_copy_streams, debug_copy_delay_us=debug_copy_delay_us, compress=compress,
             disk_prefetch_depth=disk_prefetch_depth, debug_read_delay_us=debug_read_delay_us,
         )
         for path in names

@@ -72,7 +72,7 @@ def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
                      why_not_disk=None, spill: bool = True) -> dict:
-    """Choose each manager's disk layers (sets `m._stored_elsewhere`) so that
+    """Choose each manager's disk layers (sets `m._disk_layers`) so that
     host memory fits the budget; returns the plan (also logged).
 
     `why_not_disk(manager, index) -> str | None`: a reason a layer cannot stay
@@ -101,7 +101,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     every = sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for m in enabled for i in streamed[m])
     if fixed + every <= budget:
         for m in enabled:
-            m._stored_elsewhere = frozenset()
+            m._disk_layers = frozenset()
         log.info("layerwise: host_budget %s (%s): every layer fits in host memory (%s of layers, %s else)",
                  fmt_bytes(budget), how, fmt_bytes(every), fmt_bytes(fixed))
         return {"budget": budget, "disk_layers": 0, "disk_bytes": 0, "arena_bytes": every, "staging_bytes": 0}
@@ -154,7 +154,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
                 else:
                     d.append(i)
         disk[m] = d
-        m._stored_elsewhere = frozenset(d)
+        m._disk_layers = frozenset(d)
     kept_bytes += sum(arena_of(m, streamed[m]) for m in rest)
     disk_bytes = sum(m.plan.layers[i].nbytes for m in enabled for i in disk[m])
     per_group = "; ".join(

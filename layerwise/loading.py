@@ -37,6 +37,7 @@ from torch import nn
 from . import contract
 from .hostplan import check_disk_options, plan_host_budget
 from .configure import _build, _prepare
+from .options import validate_compress
 
 log = logging.getLogger("layerwise")
 
@@ -588,6 +589,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     `spill_dir` is given: they are then copied into spill files of their own,
     which is also how layers stored in another dtype (`dtype=`) or strided
     parameters reach the disk tier.
+    `compress`, `num_copy_streams`, `debug_copy_delay_us`: as in configure_layerwise_offload.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
@@ -603,6 +605,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     num_copy_streams = kwargs.pop("num_copy_streams", 1)
     debug_copy_delay_us = kwargs.pop("debug_copy_delay_us", None)
     debug_read_delay_us = kwargs.pop("debug_read_delay_us", None)
+    compress = validate_compress(kwargs.pop("compress", None))
     if kwargs:
         raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
 
@@ -613,7 +616,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
     def prepare():
         return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-                        num_copy_streams, debug_copy_delay_us, disk_prefetch_depth, debug_read_delay_us)
+                        num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth, debug_read_delay_us)
 
     managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
     # Ties and dtype change which parameter objects the model holds (and so the
@@ -839,8 +842,9 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
     plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
                      spill=spill_dir is not None)
     for m in managers:
-        if m._stored_elsewhere:
-            m._store = spill_store(m, spill_dir) if spill_dir is not None else _checkpoint_store(m, stored, entry_key)
+        if m._disk_layers:
+            m._disk_store = (spill_store(m, spill_dir) if spill_dir is not None
+                             else _checkpoint_store(m, stored, entry_key))
 
 
 def _same_layout(path: str, expected: dict):

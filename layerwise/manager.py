@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import _native, contract, stages
-from .options import resolve_device, resolve_resident, validate_depth
+from .options import resolve_device, resolve_resident, validate_compress, validate_depth
 from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_tensor, round_up
 
 log = logging.getLogger("layerwise")
@@ -78,10 +78,12 @@ class LayerwiseOffloadManager:
         num_copy_streams: int = 1,
         debug_copy_delay_us: int | None = None,
         measure_stalls: bool = True,
+        compress: str | None = None,
         disk_prefetch_depth: int | None = None,
         debug_read_delay_us: int | None = None,
     ):
         self.prefetch_depth = validate_depth(prefetch_depth)
+        self.compress = validate_compress(compress)
         self.device = resolve_device(device)
         self.plan: GroupPlan = build_group_plan(model, layer_name, num_layers)
         if getattr(self.plan.module_list, "_layerwise_manager", None) is not None:
@@ -112,6 +114,7 @@ class LayerwiseOffloadManager:
         self._arena = None
         self._host_blocks: list[torch.Tensor | None] = []  # arena blocks (None: the layer lives elsewhere)
         self._src: list = []  # each layer's source of truth (stages/source.py)
+        self._tiers: list = []  # tiers that keep layers outside the arena (stages/decode.py: CodecTier)
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
@@ -144,10 +147,34 @@ class LayerwiseOffloadManager:
     # host scratch block, and keeps them its way. None: every layer in the arena.
     _store = None
     _stored_elsewhere: frozenset = frozenset()  # their indices (no arena block of their own)
+    _disk_layers: frozenset = frozenset()  # those the disk tier keeps (layerwise.hostplan)
+    _disk_store = None  # its `_store`
+
+    def _choose_tiers(self) -> None:
+        """Which layers a tier keeps instead of the arena, decided per layer from the
+        plan and the final residency (right before packing): the disk tier's layers
+        (chosen by layerwise.hostplan: `_disk_layers`, kept by `_disk_store`) stay in
+        files as they are; with compress="lossless" the codec keeps the other
+        streamed layers encoded."""
+        self._tiers = []
+        disk = frozenset(self._disk_layers)
+        codec: frozenset = frozenset()
+        tier = None
+        if self.compress == "lossless":
+            tier = stages.CodecTier(self.layer_name, self.device, self.pin_memory)
+            self._tiers.append(tier)
+            codec = frozenset(tier.select(self.plan, self.resident)) - disk
+        self._stored_elsewhere = disk | codec
+        disk_store = self._disk_store
+
+        def store(lp, scratch):
+            return disk_store(lp, scratch) if lp.index in disk else tier.store(lp, scratch)
+
+        self._store = store
 
     def _arena_capacity(self) -> int:
-        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp in self.plan.layers
-                   if lp.index not in self._stored_elsewhere)
+        elsewhere = self._stored_elsewhere | self._disk_layers
+        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp in self.plan.layers if lp.index not in elsewhere)
 
     def _initialize_layer_weights(self, fill=None) -> None:
         """Pack every layer into the host arena; managed parameters become (1,) placeholders.
@@ -168,6 +195,7 @@ class LayerwiseOffloadManager:
             self._pack(fill)
 
     def _pack(self, fill) -> None:
+        self._choose_tiers()
         total = self._arena_capacity()
         cuda = self.device.type == "cuda"
         self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
@@ -340,6 +368,8 @@ class LayerwiseOffloadManager:
             for src in self._src:
                 if src.fetch is None:
                     src.fetch = transfer.fetch
+            for tier in self._tiers:  # their own stages (staging buffers on the device)
+                tier.start(self._engine, self.device)
             self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
             self._disk_order = [i for i in self._streamed if self._src[i].kind == "disk"]
             if self._disk_order:
@@ -436,6 +466,7 @@ class LayerwiseOffloadManager:
         self._copy_event[i] = ev
         self._loaded_version[s] = version
         self._bytes += src.transfer_bytes
+        self._bytes_raw += src.nbytes
         self._copies += 1
         if not prefetch:
             self._sync_loads += 1
@@ -630,7 +661,7 @@ class LayerwiseOffloadManager:
     stall_sample_every = 8
 
     def _reset_stats(self) -> None:
-        self._bytes = self._copies = self._sync_loads = 0
+        self._bytes = self._bytes_raw = self._copies = self._sync_loads = 0
         self._stall_s = 0.0
         self._stall_pairs = []  # (step, start event, end event), CUDA
         self._step_stall: dict[int, float] = {}
@@ -638,7 +669,7 @@ class LayerwiseOffloadManager:
         self._copy_s = 0.0
         self._step_copy: dict[int, float] = {}
         self._steps = 0
-        self._step_mark = (0, 0, 0, 0.0, *self._disk_counts())
+        self._step_mark = (0, 0, 0, 0.0, 0, *self._disk_counts())
         self._step_t0 = None
         self._step_open = False
         self._root_driven = False  # steps follow the model's forward (contract._root_*_hook)
@@ -672,7 +703,8 @@ class LayerwiseOffloadManager:
         self._resolve_stalls()
         if self._step_open:
             self._end_step()
-        self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s, *self._disk_counts())
+        self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s, self._bytes_raw,
+                           *self._disk_counts())
         self._step_t0 = time.perf_counter()
         self._step_open = True
         self._steps += 1
@@ -682,8 +714,9 @@ class LayerwiseOffloadManager:
     def _end_step(self) -> None:
         """Close the step: its figures become the last complete step's."""
         self._step_open = False
-        now = (self._bytes, self._copies, self._sync_loads, self._stall_s, *self._disk_counts())
-        last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s", "bytes_read", "read_wait_s"),
+        now = (self._bytes, self._copies, self._sync_loads, self._stall_s, self._bytes_raw, *self._disk_counts())
+        last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s", "bytes_raw", "bytes_read",
+                         "read_wait_s"),
                         (a - b for a, b in zip(now, self._step_mark))))
         last["step"] = self._steps
         last["wall_s"] = time.perf_counter() - self._step_t0  # host time of the step, not of the pause after it
@@ -747,6 +780,12 @@ class LayerwiseOffloadManager:
             if not any(step == last["step"] for step, _ in self._timed_copies):
                 last["copy_s"] = self._step_copy.get(last["step"], 0.0)
         arena = self._arena
+        # Layers a tier keeps (encoded, ...) are host memory of this group too.
+        tier_bytes = sum(src.stored_bytes for src, blk in zip(self._src, self._host_blocks) if blk is None)
+        tier_stats = [t.stats() for t in self._tiers]
+        pinned = bool(arena.pinned) if arena is not None else False
+        if tier_stats and arena is not None:  # an arena left empty by a tier does not count
+            pinned = (pinned or not arena.capacity) and all(t["pinned"] for t in tier_stats)
         return {
             "group": self.layer_name,
             "device": str(self.device),
@@ -756,18 +795,21 @@ class LayerwiseOffloadManager:
             "slots": getattr(self, "num_slots", 0),
             "ring_bytes": sum(t.numel() for t in getattr(self, "_ring", [])),
             "resident_bytes": self._resident_bytes,
-            "arena_bytes": arena.capacity if arena is not None else 0,
-            "arena_pinned": bool(arena.pinned) if arena is not None else False,
-            "arena_pin_error": (getattr(arena, "pin_error", None) or None) if arena is not None else None,
+            "arena_bytes": (arena.capacity if arena is not None else 0) + tier_bytes,
+            "arena_pinned": pinned,
+            "arena_pin_error": ((getattr(arena, "pin_error", None) or None) if arena is not None else None)
+            or next((t["pin_error"] for t in tier_stats if t["pin_error"]), None),
             "managed_bytes": self._managed_parameter_bytes(),
             "steps": self._steps,
-            "bytes_copied": self._bytes,
+            "bytes_copied": self._bytes,  # bytes that crossed the bus (encoded where a layer travels so)
+            "bytes_raw": self._bytes_raw,  # the same loads' bytes as the layers hold them (uncompressed)
             "copies": self._copies,
             "sync_loads": self._sync_loads,
             "stall_s": self._stall_s,
             "copy_s": self._copy_s,
             "disk": self._disk_stats() if self._finalized else None,
             "last_step": dict(last) if last is not None else None,
+            "compress": tier_stats[0] if tier_stats else None,
         }
 
     # --------------------------------------------------------------- remove
@@ -793,6 +835,9 @@ class LayerwiseOffloadManager:
                 e.packed = False
         for src in self._src:
             src.close()
+        for tier in self._tiers:
+            tier.close()
+        self._tiers = []
         self._host_blocks = []
         self._src = []
         self._arena = None

@@ -66,3 +66,12 @@ def validate_depth(prefetch_depth) -> int:
     if prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
     return prefetch_depth
+
+
+def validate_compress(compress):
+    """None (layers travel as they are) or "lossless" (bf16/fp16 segments travel
+    encoded, layerwise/codec.py)."""
+    if compress is not None and not (isinstance(compress, str) and compress == "lossless"):
+        raise ValueError(f"compress must be None or 'lossless' (bf16/fp16 weights cross the bus losslessly "
+                         f"encoded), got {compress!r}")
+    return compress

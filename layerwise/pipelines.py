@@ -47,7 +47,7 @@ from .hostmem import PinBudget, pinnable_host_bytes
 from .hostplan import check_disk_options, plan_host_budget, resolve_host_budget
 from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
 from .configure import _prepare, configure_models, managers_of
-from .options import resolve_device, validate_depth
+from .options import resolve_device, validate_compress, validate_depth
 from .plan import local_tensor
 from .report import report as model_report
 
@@ -60,7 +60,7 @@ DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_
 _STATE = "_layerwise_pipeline"
 REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
 _OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
-            "debug_copy_delay_us", "uses", "spill_dir", "disk_prefetch_depth", "debug_read_delay_us")
+            "debug_copy_delay_us", "compress", "uses", "spill_dir", "disk_prefetch_depth", "debug_read_delay_us")
 
 
 # ------------------------------------------------------------ components
@@ -363,7 +363,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         resident layers; the denoiser gets them first).
     options: resident_layers, residency_policy, pin_memory ("auto" default,
         True: every arena pinned or an error, False: none), budget_margin,
-        num_copy_streams, debug_copy_delay_us, spill_dir, disk_prefetch_depth,
+        num_copy_streams, debug_copy_delay_us, compress, spill_dir, disk_prefetch_depth,
         debug_read_delay_us as in configure_layerwise_offload,
         and `uses`: {component: runs per request}, or a callable warm-up
         `uses(pipe)` whose runs are counted by the hooks (the pipeline is
@@ -396,6 +396,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
                            "layerwise.remove_pipeline_offload(pipe) first")
     validate_depth(prefetch_depth)
+    validate_compress(options.get("compress"))
     dev = resolve_device(device)
     comps = _components_of(pipe)
     _validate_uses(uses, comps)
@@ -418,7 +419,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         c.managers, _ = _prepare(c.module, c.layer_names, dev, prefetch_depth, resident_layers,
                                  options.get("residency_policy", "leading"), "auto",
                                  options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"),
-                                 disk_prefetch_depth, debug_read_delay_us)
+                                 options.get("compress"), disk_prefetch_depth, debug_read_delay_us)
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)
@@ -478,8 +479,8 @@ def _plan_disk_tier(parts, dev, host_budget, spill_dir, disk_prefetch_depth) -> 
     plan_host_budget([c.module for c in parts], managers, dev, host_budget, disk_prefetch_depth,
                      held_bytes=_held_bytes(parts))
     for m in managers:
-        if m._stored_elsewhere:
-            m._store = spill_store(m, spill_dir)
+        if m._disk_layers:
+            m._disk_store = spill_store(m, spill_dir)
 
 
 def _held_bytes(parts: list[Component]) -> int:

@@ -135,6 +135,13 @@ def _summary(r: dict) -> str:
         if d["read_failures"]:
             text += f", {d['read_failures']} failed reads"
         parts.append(text)
+    c = r.get("compress")
+    if c:
+        raw = f", {len(c['layers_raw'])} travel raw (encoding saved too little): {c['layers_raw']}" \
+            if c["layers_raw"] else ""
+        parts.append(f"compress='lossless': {c['layers']} layers kept encoded, {fmt_bytes(c['stored_bytes'])} "
+                     f"for {fmt_bytes(c['raw_bytes'])} ({c['ratio']:.3f}x){raw}" if c["ratio"] is not None else
+                     "compress='lossless': no layer to encode")
     if r["sync_loads"]:
         n, last = r["sync_loads"], r["sync_loads_per_step"]
         where = f" ({last} in the last step)" if last is not None else ""
@@ -167,6 +174,10 @@ def _row(m, s: dict) -> dict:
         "arena_bytes": s["arena_bytes"], "arena_mib": s["arena_bytes"] / 2**20, "arena_pinned": s["arena_pinned"],
         "pin_memory": getattr(m, "pin_memory", None), "pin_error": _pin_error(m, s),
         "ring_bytes": s["ring_bytes"], "ring_mib": s["ring_bytes"] / 2**20,
+        # compress="lossless": bytes the same loads hold uncompressed, and the codec's figures
+        "raw_bytes_per_step": last.get("bytes_raw") if has else None,
+        "compress": s.get("compress"),
+        "compress_ratio": (s.get("compress") or {}).get("ratio"),
         "resident_bytes": s["resident_bytes"], "resident_mib": s["resident_bytes"] / 2**20,
         "disk": s.get("disk"),
         "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,

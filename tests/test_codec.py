@@ -605,8 +605,13 @@ def test_bench_compress_tiny_on_cpu():
     assert cli.SUITES["compress"] is compress.run and "compress" in cli.ON_REQUEST
     res = compress.run(Context(torch.device("cpu"), "tiny", show_progress=False))
     by_short = {row.short: row for row in res.rows}
-    ratios = [row for row in res.rows if row.unit == "x"]
+    ratios = [row for row in res.rows if row.unit == "x" and row.short.startswith("ratio")]
     assert len(ratios) == 2 and all(row.met for row in ratios), [(r.short, r.ours) for r in ratios]
+    # The manager's own stream, compress="lossless" against None: fewer bytes per step, bitwise checked.
+    moved = by_short["manager stream bytes/step, 4 x 1 MB bf16"]
+    assert moved.met and 0.3 < moved.ours <= 0.80, moved.ours
+    step = by_short["manager stream step, 4 x 1 MB bf16, compressed"]
+    assert step.ours.median > 0 and step.baselines["uncompressed"].median > 0
     assert all(0 < row.ours <= 0.95 for row in ratios)
     speeds = [row for row in res.rows if row.unit == "GB/s"]
     assert len(speeds) == (6 if (os.cpu_count() or 1) > 1 else 4) and all(isinstance(r.ours, Stat) and r.ours.median > 0 for r in speeds)

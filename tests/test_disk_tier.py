@@ -525,3 +525,25 @@ def test_auto_budget_reads_the_memory_left(disk_dir, monkeypatch, caplog):
     for x in inputs():
         assert torch.equal(model(x), ref(x))
     layerwise.remove_layerwise_offload(model)
+
+
+def test_disk_tier_and_compression_together(disk_dir):
+    """compress="lossless" with a host budget: the disk layers travel raw from their
+    spill file, the others encoded from the arena; bitwise either way."""
+    ref = make()
+    xs = inputs()
+    model = make()
+    (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 3),
+                                                 spill_dir=disk_dir, compress="lossless", debug_read_delay_us=200,
+                                                 debug_copy_delay_us=200)
+    kinds = [s.kind for s in m._src]
+    assert "disk" in kinds and "lossless" in kinds, kinds
+    for _ in range(2):
+        for x in xs:
+            assert torch.equal(model(x), ref(x))
+    other = make(seed=9)
+    model.load_state_dict(other.state_dict())
+    for x in xs:
+        assert torch.equal(model(x), other(x))
+    layerwise.remove_layerwise_offload(model)
+    assert spill_files(disk_dir) == []

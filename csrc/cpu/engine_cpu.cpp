@@ -9,6 +9,7 @@
 // ending the thread (pthread_exit through noexcept code: std::terminate).
 // Finished jobs' events are handed back ("retired") to be dropped on a Python
 // thread instead.
+#include "../codec.h"
 #include "../host_event.h"
 
 #include <chrono>
@@ -30,6 +31,10 @@ struct Job {
   size_t n;
   EventPtr after;
   std::shared_ptr<CpuEvent> done;
+  // A decode job (CopyEngine::decode_async): src holds codec segments, not bytes to copy.
+  bool decode = false;
+  std::vector<DecodePiece> pieces;
+  EventPtr after2;
 };
 
 class Worker {
@@ -89,6 +94,7 @@ class Worker {
       int failed_errno = 0;
       try {
         if (job.after) job.after->synchronize();
+        if (job.after2) job.after2->synchronize();
         if (delay_us_ > 0) {
           std::uniform_int_distribution<int64_t> d(0, delay_us_);
           std::unique_lock<std::mutex> l(m_);
@@ -100,13 +106,28 @@ class Worker {
       } catch (...) {
       }
       job.done->started = Clock::now();
-      if (failed_after.empty() && job.n) std::memcpy(job.dst, job.src, job.n);
+      std::string failed_decode;
+      if (failed_after.empty() && job.decode) {
+        try {
+          auto* dst = static_cast<uint8_t*>(job.dst);
+          auto* enc = static_cast<const uint8_t*>(job.src);
+          for (const DecodePiece& p : job.pieces)
+            codec::decode_into(enc + p.enc_off, p.enc_n, dst + p.dst_off, p.dst_n, 1);
+        } catch (const std::exception& e) {
+          failed_decode = e.what();
+        }
+      } else if (failed_after.empty() && job.n) {
+        std::memcpy(job.dst, job.src, job.n);
+      }
       if (job.done->keepalive) job.done->keepalive->release();  // resizable again once the copy is done
-      if (failed_after.empty())
-        job.done->set();
-      else
+      if (!failed_after.empty())
         job.done->fail("layerwise: copy not done: the read it waited on failed: " + failed_after, failed_errno);
+      else if (!failed_decode.empty())
+        job.done->fail("layerwise: decode failed (its encoded bytes are not a valid segment): " + failed_decode, 0);
+      else
+        job.done->set();
       retired_->add(std::move(job.after), std::move(job.done));
+      retired_->add(std::move(job.after2), nullptr);
     }
   }
 
@@ -155,6 +176,29 @@ class CpuEngine : public CopyEngine {
     w.push(Job{dst, src, n, after, done});
     return done;
   }
+
+  EventPtr decode_async(uint8_t* dst, const uint8_t* enc, std::vector<DecodePiece> pieces, const EventPtr& after,
+                        const EventPtr& after2, std::unique_ptr<InFlight> keep, bool) override {
+    check_usable();
+    for (const EventPtr* a : {&after, &after2}) {
+      if (!*a) continue;
+      TORCH_CHECK_TYPE(dynamic_cast<CpuEvent*>(a->get()), "decode_async: `after` is not a CPU event");
+      if (!static_cast<CpuEvent*>(a->get())->completed() && (*a)->origin.forked())
+        (*a)->origin.throw_forked("the work `after` waits for");
+    }
+    retired_->drop();
+    auto done = std::make_shared<CpuEvent>();
+    done->keepalive = std::move(keep);
+    Job job{dst, enc, 0, after, done};
+    job.decode = true;
+    job.pieces = std::move(pieces);
+    job.after2 = after2;
+    Worker& w = *workers_[next_.fetch_add(1, std::memory_order_relaxed) % workers_.size()];
+    w.push(std::move(job));
+    return done;
+  }
+
+  uintptr_t stream_handle(int) const override { return 0; }
 
   void wait(const EventPtr& ev, uintptr_t) override {
     check_usable();

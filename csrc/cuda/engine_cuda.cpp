@@ -158,6 +158,18 @@ class CudaEngine : public CopyEngine {
     return ev;
   }
 
+  EventPtr decode_async(uint8_t*, const uint8_t*, std::vector<DecodePiece>, const EventPtr&, const EventPtr&,
+                        std::unique_ptr<InFlight>, bool) override {
+    TORCH_CHECK(false, "decode_async is the CPU backend's decoder; on CUDA the Triton decode kernel runs on the copy "
+                       "stream (stream_handle(0)), see layerwise/stages/decode.py");
+  }
+
+  uintptr_t stream_handle(int k) const override {
+    TORCH_CHECK_VALUE(k >= 0 && k < static_cast<int>(streams_.size()), "stream_handle: this engine has ",
+                      streams_.size(), " copy stream(s), got k=", k);
+    return reinterpret_cast<uintptr_t>(streams_[k]);
+  }
+
   void wait(const EventPtr& ev, uintptr_t stream) override {
     check_usable();
     auto* e = dynamic_cast<CudaEvent*>(ev.get());

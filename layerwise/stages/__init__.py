@@ -16,10 +16,14 @@ a small module of this package:
     read.py       file extents -> pinned host staging (the disk tier's reader threads)
     disk.py       the disk tier: layers in files (checkpoint or spill), read -> transfer
     transfer.py   host arena -> device slot (the copy engine)
+    decode.py     layers kept encoded (compress="lossless"): copy to device staging,
+                  then decode into the slot (CodecTier, CodecSource)
 """
+from .decode import CodecSource, CodecTier
 from .disk import Deferred, DiskSource, DiskTier, SpillFile
 from .read import Read
 from .source import ArenaSource
 from .transfer import Transfer
 
-__all__ = ["ArenaSource", "Deferred", "DiskSource", "DiskTier", "Read", "SpillFile", "Transfer"]
+__all__ = ["ArenaSource", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "Read", "SpillFile",
+           "Transfer"]
