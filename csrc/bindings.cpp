@@ -86,13 +86,18 @@ std::vector<Extent> to_extents(const std::vector<std::tuple<int64_t, int64_t, in
   return out;
 }
 
-FileExpect to_expect(const std::optional<std::tuple<int64_t, int64_t>>& expect) {
+FileExpect to_expect(const std::optional<std::vector<int64_t>>& expect) {
   FileExpect e;
   if (expect) {
-    e.size = std::get<0>(*expect);
-    e.mtime_ns = std::get<1>(*expect);
-    TORCH_CHECK_VALUE(e.size >= -1 && e.mtime_ns >= -1, "Reader: expect=(size, mtime_ns) as os.stat gives them "
-                      "(-1: not checked), got (", e.size, ", ", e.mtime_ns, ")");
+    const auto& v = *expect;
+    TORCH_CHECK_VALUE(v.size() == 2 || v.size() == 3, "Reader: expect=(size, mtime_ns[, ctime_ns]) as os.stat "
+                      "gives them, got ", v.size(), " values");
+    e.size = v[0];
+    e.mtime_ns = v[1];
+    e.ctime_ns = v.size() == 3 ? v[2] : -1;
+    TORCH_CHECK_VALUE(e.size >= -1 && e.mtime_ns >= -1 && e.ctime_ns >= -1, "Reader: expect=(size, mtime_ns"
+                      "[, ctime_ns]) as os.stat gives them (-1: not checked), got (", e.size, ", ", e.mtime_ns, ", ",
+                      e.ctime_ns, ")");
   }
   return e;
 }
@@ -243,7 +248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "read_async",
           [](PyReader& self, py::object file, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& extents,
-             const at::Tensor& dst, EventPtr after, std::optional<std::tuple<int64_t, int64_t>> expect) {
+             const at::Tensor& dst, EventPtr after, std::optional<std::vector<int64_t>> expect) {
             std::string path;
             int fd = -1;
             if (py::isinstance<py::int_>(file) && !py::isinstance<py::bool_>(file)) {
@@ -271,14 +276,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("expect") = py::none(),
           "Queue a read of `extents` [(file_offset, length, dst_offset), ...] of `file` (a path, or an open file "
           "descriptor, duplicated here) into the uint8 host tensor `dst`, after `after`; returns its Event. "
-          "`expect`=(st_size, st_mtime_ns): the read fails if the file differs (or was deleted) when it is read.")
+          "`expect`=(st_size, st_mtime_ns[, st_ctime_ns]): the read fails if the file differs (or was deleted) when "
+          "it is read.")
       .def(
           "check_file",
-          [](PyReader& self, int fd, int64_t size, int64_t mtime_ns) {
-            self.impl->check_file(fd, to_expect(std::make_tuple(size, mtime_ns)));
+          [](PyReader& self, int fd, int64_t size, int64_t mtime_ns, int64_t ctime_ns) {
+            self.impl->check_file(fd, to_expect(std::vector<int64_t>{size, mtime_ns, ctime_ns}));
           },
-          py::arg("fd"), py::arg("size"), py::arg("mtime_ns"),
-          "Raise ReadError unless fstat(fd) shows this size and mtime (-1: not checked) and the file still has a name")
+          py::arg("fd"), py::arg("size"), py::arg("mtime_ns"), py::arg("ctime_ns") = -1,
+          "Raise ReadError unless fstat(fd) shows this size, mtime and ctime (-1: not checked) and the file still has "
+          "a name")
       .def(
           "forget", [](PyReader& self, int fd) { self.impl->forget(fd); }, py::arg("fd"),
           "Close the reader's cached O_DIRECT descriptor of fd's file (when that file is closed for good)")

@@ -52,6 +52,10 @@ int64_t mtime_ns(const struct stat& st) {
   return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
 }
 
+int64_t ctime_ns(const struct stat& st) {
+  return static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
+}
+
 struct UniqueFd {
   int fd = -1;
   UniqueFd() = default;
@@ -70,14 +74,17 @@ std::string expect_mismatch(const struct stat& st, const FileExpect& expect, con
   if (!expect.any()) return "";
   const bool size_bad = expect.size >= 0 && st.st_size != expect.size;
   const bool mtime_bad = expect.mtime_ns >= 0 && mtime_ns(st) != expect.mtime_ns;
+  const bool ctime_bad = expect.ctime_ns >= 0 && ctime_ns(st) != expect.ctime_ns;
   const bool deleted = st.st_nlink == 0;
-  if (!size_bad && !mtime_bad && !deleted) return "";
+  if (!size_bad && !mtime_bad && !ctime_bad && !deleted) return "";
   std::ostringstream s;
   s << "layerwise.Reader: " << what << " changed " << when << ": ";
   if (deleted) s << "it was deleted (no name links to it any more); ";
   s << "size " << st.st_size << " bytes (recorded " << expect.size << "), mtime_ns " << mtime_ns(st) << " (recorded "
-    << expect.mtime_ns << "). Its bytes are not the ones that were recorded: restore the file, or reopen it and "
-    << "record its size and mtime again";
+    << expect.mtime_ns << ")";
+  if (ctime_bad) s << ", ctime_ns " << ctime_ns(st) << " (recorded " << expect.ctime_ns << "): written since";
+  s << ". Its bytes are not the ones that were recorded: restore the file, or reopen it and record its size and "
+    << "mtime again";
   return s.str();
 }
 

@@ -42,13 +42,14 @@ struct Extent {
   int64_t dst_offset;
 };
 
-// What the caller recorded about a file (os.stat: st_size, st_mtime_ns); -1:
+// What the caller recorded about a file (os.stat: st_size, st_mtime_ns, st_ctime_ns); -1:
 // not checked. Checked with fstat right before and right after every read of a
 // job that carries it; a file deleted since it was opened (st_nlink 0) fails too.
 struct FileExpect {
   int64_t size = -1;
   int64_t mtime_ns = -1;
-  bool any() const { return size >= 0 || mtime_ns >= 0; }
+  int64_t ctime_ns = -1;  // the inode's change time: moves on every write, whatever mtime is set back to
+  bool any() const { return size >= 0 || mtime_ns >= 0 || ctime_ns >= 0; }
 };
 
 constexpr int64_t kDirectAlign = 4096;  // O_DIRECT alignment of buffer, offset and length

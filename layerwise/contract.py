@@ -512,6 +512,8 @@ def editing(manager, i: int):
     lp = manager.plan.layers[i]
     s = manager._slot_of[i]
     with manager._lock, torch.no_grad():
+        if s >= 0 and not manager._src[i].writable:
+            manager._src[i].write(None)  # refused before the body runs: names the file and the way out
         if s >= 0:
             if manager._dirty:
                 manager._resync()
@@ -529,24 +531,31 @@ def editing(manager, i: int):
         try:
             yield
         finally:
-            for e, view in views:
-                now = e.param.data
-                if now.data_ptr() != view.data_ptr() or now.stride() != view.stride():
-                    if now.shape != view.shape or now.dtype != view.dtype:
-                        raise RuntimeError(
-                            f"layerwise: {e.qualname} became {now.dtype}{list(now.shape)} in an edit; a streamed "
-                            f"parameter keeps {view.dtype}{list(view.shape)} while offloaded"
-                        )
-                    view.copy_(now)
-                    e.param.data = view
-            if s >= 0:
-                if manager.device.type == "cuda":
-                    torch.cuda.current_stream(manager.device).synchronize()
-                manager._write_layer(i, lambda block: block.copy_(manager._dst[i]))
-                manager._slot_holder[s] = i  # the slot holds the edited bytes already
-                manager._loaded_version[s] = manager._src[i].version()
-                manager._ring_version[s] = manager._ring[s]._version
-                manager._busy[s] -= 1
+            try:
+                for e, view in views:
+                    now = e.param.data
+                    if now.data_ptr() != view.data_ptr() or now.stride() != view.stride():
+                        if now.shape != view.shape or now.dtype != view.dtype:
+                            raise RuntimeError(
+                                f"layerwise: {e.qualname} became {now.dtype}{list(now.shape)} in an edit; a "
+                                f"streamed parameter keeps {view.dtype}{list(view.shape)} while offloaded"
+                            )
+                        view.copy_(now)
+                        e.param.data = view
+                if s >= 0:
+                    if manager.device.type == "cuda":
+                        torch.cuda.current_stream(manager.device).synchronize()
+                    manager._write_layer(i, lambda block: block.copy_(manager._dst[i]))
+                    manager._slot_holder[s] = i  # the slot holds the edited bytes already
+                    manager._loaded_version[s] = manager._src[i].version()
+                    manager._ring_version[s] = manager._ring[s]._version
+            except BaseException:
+                if s >= 0:
+                    manager._slot_holder[s] = -1  # the slot may hold bytes the truth does not: reload
+                raise
+            finally:
+                if s >= 0:
+                    manager._busy[s] -= 1
 
 
 # peft's tuner layers (LoRA & co.) merge adapters into the base weight through

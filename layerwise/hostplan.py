@@ -17,6 +17,9 @@ counted as free.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+import operator
 
 from .budget import fmt_bytes, non_layer_bytes
 from .plan import BLOCK_ALIGN, round_up
@@ -36,17 +39,37 @@ def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
         limits = host_limits(held_bytes, lock=False)
         tight = min(limits, key=lambda lim: lim.budget)
         return tight.budget, f"auto: {tight.describe()}"
-    if isinstance(host_budget, bool) or not isinstance(host_budget, (int, float)) or host_budget < 0:
-        raise ValueError(f"host_budget must be a number of bytes >= 0, 'auto' or None, got {host_budget!r}")
-    return int(host_budget), "given"
+    n = _number(host_budget)
+    if n is None or not math.isfinite(n) or n < 0:
+        raise ValueError(f"host_budget must be a number of bytes >= 0 (finite), 'auto' or None, got {host_budget!r}")
+    return int(n), "given"
+
+
+def _number(x):
+    """x as a Python int or float: ints, floats, numpy scalars and one-element
+    tensors are numbers; bools, strings and sequences are not."""
+    if isinstance(x, bool) or isinstance(x, (str, bytes)):
+        return None
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(x)
+    if hasattr(x, "numel") and hasattr(x, "item") and x.numel() == 1 and not x.dtype.is_complex:
+        v = x.item()
+        return None if isinstance(v, bool) else v
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> None:
     if host_budget is not None and host_budget != "auto":
         resolve_host_budget(host_budget)
-    if disk_prefetch_depth is not None and (isinstance(disk_prefetch_depth, bool)
-                                            or not isinstance(disk_prefetch_depth, int) or disk_prefetch_depth < 1):
-        raise ValueError(f"disk_prefetch_depth must be an int >= 1 or None, got {disk_prefetch_depth!r}")
+    if disk_prefetch_depth is not None:
+        n = _number(disk_prefetch_depth)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"disk_prefetch_depth must be an int >= 1 or None, got {disk_prefetch_depth!r}")
     if spill_dir is not None:
         import os
 
@@ -59,7 +82,9 @@ def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> None:
 
 
 def staging_slots(manager, disk_prefetch_depth) -> int:
-    return max(disk_prefetch_depth or 2, manager.prefetch_depth + 1)
+    if disk_prefetch_depth is not None:
+        return int(_number(disk_prefetch_depth))
+    return max(2, manager.prefetch_depth + 1)
 
 
 def staging_slot_bytes(manager, layers, spill: bool = True) -> int:

@@ -498,7 +498,8 @@ class LayerwiseOffloadManager:
                 block = block.clone()
             edit(block)
             self._dirty = self._finalized  # a disk source waits for its reads and rewrites its file
-            src.write(block)
+            with contract.defer_interrupts():  # the layer's bytes, CRC and version change together
+                src.write(block)
             self._dirty = False
         else:
             edit(block)

@@ -547,3 +547,158 @@ def test_disk_tier_and_compression_together(disk_dir):
         assert torch.equal(model(x), other(x))
     layerwise.remove_layerwise_offload(model)
     assert spill_files(disk_dir) == []
+
+
+# ------------------------------------------ found by attacking the disk tier
+@pytest.mark.parametrize("kind", ["ckpt", "spill"])
+def test_one_staging_slot_and_blocks_called_alone(disk_dir, kind):
+    """A read into a staging slot waits for the slot's previous read, not only for
+    the last copy out of it (two reads into one slot raced: a block called alone
+    computed with garbage, 4 times in 60)."""
+    ref = make()
+    xs = inputs(n=2)
+    want = [ref(x) for x in xs]
+    ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
+    rng = random.Random(0)
+    for trial in range(6):
+        if kind == "ckpt":
+            model = meta_model()
+            (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", prefetch_depth=0,
+                                            host_budget=budget(ref, 1, 1, 1), disk_prefetch_depth=1,
+                                            debug_read_delay_us=800)
+        else:
+            model = make()
+            (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=0,
+                                                         host_budget=budget(ref, 1, 1, 1), disk_prefetch_depth=1,
+                                                         spill_dir=disk_dir, debug_read_delay_us=800)
+        assert len(m._disk.slots) == 1
+        for x, w in zip(xs, want):
+            assert torch.equal(model(x), w)
+        h = ref.embed(xs[0])
+        for i in [5, 2, 7, 0, 3, 3, 6, 0, 1, 0] + [rng.randrange(8) for _ in range(10)]:
+            assert torch.equal(model.blocks[i](h), ref.blocks[i](h)), (trial, i)
+        layerwise.remove_layerwise_offload(model)
+
+
+def test_peft_merge_into_a_checkpoint_layer_is_refused_before_it_runs(disk_dir):
+    peft = pytest.importorskip("peft")
+    ref = make(torch.float32)
+    ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
+    model = meta_model(torch.float32)
+    (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
+    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    model = peft.inject_adapter_in_model(peft.LoraConfig(target_modules=["fc"], init_lora_weights=False), model)
+    x = inputs(torch.float32)[0]
+    before = model(x)
+    lora = model.blocks[disk[0]].fc
+    with pytest.raises(RuntimeError, match="does not write"):
+        lora.merge()
+    assert not lora.merged
+    assert torch.equal(model(x), before)
+    h = torch.randn(4, 256)
+    model.blocks[disk[0]](h)  # the layer is not left "computing"
+    layerwise.remove_layerwise_offload(model)
+
+
+def test_interrupt_while_a_spilled_layer_is_rewritten(disk_dir, monkeypatch):
+    """A real SIGINT during the pwrite of load_state_dict: the layer keeps its old or
+    its new bytes and stays usable; remove works and deletes the file."""
+    import signal
+
+    ref, other = make(), make(seed=4)
+    x = inputs()[0]
+    model = make()
+    (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 1),
+                                                 spill_dir=disk_dir)
+    real = os.pwrite
+    fired = []
+
+    def pwrite(fd, data, off):
+        n = real(fd, data, off)
+        if not fired:
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGINT)  # Python raises it right after the call returns
+        return n
+
+    model.load_state_dict(ref.state_dict())  # a first write of each layer, uninterrupted
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(KeyboardInterrupt):
+        model.load_state_dict(other.state_dict())
+    monkeypatch.setattr(os, "pwrite", real)
+    assert fired
+    model(x)  # usable: no ReadError
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(model(x), other(x))
+    layerwise.remove_layerwise_offload(model)
+    assert torch.equal(model(x), other(x))
+    assert spill_files(disk_dir) == []
+
+
+def test_disk_full_half_way_through_a_spill_gives_every_weight_back(disk_dir, monkeypatch):
+    ref = make()
+    model = make()
+    real = os.pwrite
+    calls = []
+
+    def pwrite(fd, data, off):
+        calls.append(1)
+        if len(calls) == 4:  # the fourth write stops half way, then the disk is full
+            n = real(fd, memoryview(data)[: len(data) // 2], off)
+            assert n
+            raise OSError(28, "No space left on device")
+        return real(fd, data, off)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(OSError, match="No space left"):
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 1),
+                                              spill_dir=disk_dir)
+    monkeypatch.setattr(os, "pwrite", real)
+    assert len(calls) >= 4
+    assert not layerwise.contract.managers_of(model)
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert spill_files(disk_dir) == []
+
+
+def test_rewritten_in_place_with_the_same_size_and_mtime_is_caught(disk_dir):
+    """cp -p / rsync --inplace -t: same size, mtime set back; the ctime moved."""
+    ref = make()
+    ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
+    original = open(ckpt, "rb").read()
+    st = os.stat(ckpt)
+    header_len = int.from_bytes(original[:8], "little")
+    header = json.loads(original[8:8 + header_len])
+    model = meta_model()
+    (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
+    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    x = inputs()[0]
+    assert torch.equal(model(x), ref(x))
+    start, _ = header[f"blocks.{disk[-1]}.fc.weight"]["data_offsets"]
+    _rewrite(ckpt, 8 + header_len + start, bytes(256))
+    os.utime(ckpt, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(ckpt).st_size == st.st_size and os.stat(ckpt).st_mtime_ns == st.st_mtime_ns
+    for _ in range(2):
+        with pytest.raises(ReadError):
+            model(x)
+    _rewrite(ckpt, 0, original)
+    assert torch.equal(model(x), ref(x))
+    layerwise.remove_layerwise_offload(model)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1, True, "lots", [1]])
+def test_bad_host_budgets_are_named(bad):
+    model = make()
+    with pytest.raises(ValueError, match="host_budget"):
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=bad, spill_dir="/tmp")
+    assert not layerwise.contract.managers_of(model)
+
+
+def test_numpy_and_tensor_numbers_are_numbers(disk_dir):
+    np = pytest.importorskip("numpy")
+    ref = make()
+    for value in (np.int64(budget(ref, 2)), torch.tensor(budget(ref, 2)), np.float64(budget(ref, 2))):
+        model = make()
+        (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=value,
+                                                     spill_dir=disk_dir, disk_prefetch_depth=np.int64(2))
+        assert m._disk is not None and len(m._disk.slots) == 2
+        layerwise.remove_layerwise_offload(model)

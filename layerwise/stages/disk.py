@@ -147,9 +147,14 @@ class SpillFile:
 
     def append(self, block: torch.Tensor) -> int:
         """Write a page-aligned host block (its length rounded up to a page; the
-        tensor's storage must extend that far) at the end; returns its offset."""
+        tensor's storage must extend that far) at the end; returns its offset.
+        The file's recorded size and mtime follow whatever was written, even by
+        a write that failed half way (the layers already in it stay readable)."""
         offset = self.size
-        self.write_at(offset, block)
+        try:
+            self.write_at(offset, block)
+        finally:
+            self.refresh()
         self.size = offset + _round_up(block.numel())
         return offset
 
@@ -172,8 +177,10 @@ class SpillFile:
 
     def refresh(self) -> None:
         """After a write of our own: record the file's new size and mtime."""
+        if self.fd < 0 or getattr(self, "file", None) is None:
+            return
         st = os.fstat(self.fd)
-        self.file.of.size, self.file.of.mtime_ns = st.st_size, st.st_mtime_ns
+        self.file.of.size, self.file.of.mtime_ns, self.file.of.ctime_ns = st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def close(self, reader: Reader | None = None) -> None:
         """Close and delete the file."""
@@ -239,16 +246,28 @@ class Deferred:
 
 
 class _Slot:
-    __slots__ = ("buf", "src", "version", "reads", "out", "pending", "used")
+    __slots__ = ("buf", "src", "version", "reads", "last", "pending", "used")
 
     def __init__(self, buf):
         self.buf = buf
         self.src = None  # the DiskSource whose bytes it holds (or is reading)
         self.version = -1
         self.reads = []  # the read events of its current content
-        self.out = None  # the last copy out of it (a read into it waits for that)
+        # The last read into it or copy out of it: every earlier one completed before it
+        # (a read waits for this; a copy is issued once the reads it copies completed).
+        self.last = None
         self.pending = None  # a Deferred copy out of it, not issued yet
         self.used = 0
+
+    def after(self):
+        """What a new read into the slot must wait for (None: nothing in flight)."""
+        ev = self.last
+        if ev is None:
+            return None
+        try:
+            return None if ev.query() else ev
+        except Exception:  # completed with an error (a failed read): nothing in flight
+            return None
 
 
 class DiskTier:
@@ -319,10 +338,10 @@ class DiskTier:
         if s.src is not None and s.src.slot == k:
             s.src.slot = None
         s.src, s.version, s.reads = None, -1, []
-        after = s.out
         reads = []
-        for part in src.parts:
-            reads.append(read_layer(self.reader, part.file.of, part.extents, s.buf, after=after))
+        for part in src.parts:  # one after the other: `last` covers them all
+            reads.append(read_layer(self.reader, part.file.of, part.extents, s.buf, after=s.after()))
+            s.last = reads[-1]
         s.src, s.version, s.reads = src, src.version(), reads
         self._clock += 1
         s.used = self._clock
@@ -386,7 +405,7 @@ class DiskTier:
             ev = self.engine.copy_async(d.dst[poff:poff + length], s.buf[soff:soff + length], after, d.timing)
             d.copies.append(ev)
             after = ev
-        s.out = ev
+        s.last = ev
         if s.pending is d:
             s.pending = None
         if d in self.pending:
@@ -448,7 +467,7 @@ class DiskTier:
         self.reader.synchronize()
         self.pending = []
         for s in self.slots:
-            s.src, s.reads, s.pending, s.out = None, [], None, None
+            s.src, s.reads, s.pending, s.last = None, [], None, None
         self.reader.drop_retired() if hasattr(self.reader, "drop_retired") else None
         self.slots = []
 
@@ -484,6 +503,7 @@ class DiskSource:
         self.crc = crc
         self.spill = spill
         self.spill_offset = spill_offset
+        self.spare = None  # a spill layer's second region: where the next write goes
         self.what = what  # "layer group[i]" for messages
         self.tier: DiskTier | None = None
         self.slot = None
@@ -565,8 +585,17 @@ class DiskSource:
             tier.synchronize()
         staging = aligned_staging(self.nbytes, pinned=False)
         staging[: self.nbytes].copy_(block)
-        self.spill.write_at(self.spill_offset, staging[: self.nbytes])
-        self.spill.refresh()
+        # Written to the layer's other region (appended the first time), then switched
+        # to: a write that fails half way (a full disk) leaves the current bytes whole.
+        if self.spare is None:
+            self.spare = self.spill.append(staging[: self.nbytes])
+        else:
+            try:
+                self.spill.write_at(self.spare, staging[: self.nbytes])
+            finally:
+                self.spill.refresh()
+        self.spare, self.spill_offset = self.spill_offset, self.spare
+        self.parts[0].extents = [(self.spill_offset, self.nbytes, 0)]
         self.crc = crc_of(block)
         self._version += 1
 
@@ -594,7 +623,6 @@ def spill_store(manager, spill_dir):
             spill = SpillFile(spill_dir, manager.layer_name)
             manager._disk_files.append(spill)
         offset = spill.append(block)
-        spill.refresh()
         n = lp.nbytes
         return DiskSource(lp.index, n, [(spill.file, [(offset, n, 0)])], [(0, 0, n)], crc_of(block), spill,
                           offset, what=f"layer {manager.layer_name}[{lp.index}]")

@@ -113,15 +113,16 @@ def staging_layout(file_extents, base: int = 0) -> tuple[list[tuple[int, int, in
 
 @dataclass
 class OpenFile:
-    """A file opened for reading, with the size and mtime it had when opened: a
-    read through it fails (ReadError) if the file has changed since, or was
-    deleted. Close it (or use it as a context manager) when done; ``reader``
+    """A file opened for reading, with the size, mtime and ctime it had when
+    opened: a read through it fails (ReadError) if the file has changed since,
+    or was deleted. Close it (or use it as a context manager) when done; ``reader``
     (if given to ``close``) also drops its cached O_DIRECT descriptor."""
 
     path: str
     fd: int
     size: int
     mtime_ns: int
+    ctime_ns: int = -1  # moves on every write, even one that sets mtime back (cp -p, rsync --inplace -t)
 
     @classmethod
     def open(cls, path) -> OpenFile:
@@ -132,11 +133,11 @@ class OpenFile:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, st.st_size, st.st_mtime_ns)
+        return cls(path, fd, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     @property
-    def expect(self) -> tuple[int, int]:
-        return (self.size, self.mtime_ns)
+    def expect(self) -> tuple[int, int, int]:
+        return (self.size, self.mtime_ns, self.ctime_ns)
 
     def close(self, reader: Reader | None = None) -> None:
         if self.fd >= 0:
