@@ -611,8 +611,9 @@ def test_ctrl_c_never_leaves_a_read_writing_into_freed_memory(disk_dir):
         th = threading.Thread(target=interrupter)
         th.start()
         canaries, interrupts, done = [], 0, 0
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline:
+        start = time.monotonic()
+        # at least 3 s, and until 20 of each (a loaded machine reads slower), within 90 s
+        while time.monotonic() - start < 90 and (time.monotonic() - start < 3 or interrupts < 20 or done < 20):
             try:
                 armed[0] = True
                 dst = torch.empty(N, dtype=torch.uint8)
@@ -640,7 +641,7 @@ def test_ctrl_c_never_leaves_a_read_writing_into_freed_memory(disk_dir):
         assert interrupts >= 20 and done >= 20, (interrupts, done)
         print("OK", interrupts, done, s["reads"])
         """,
-        timeout=120,
+        timeout=150,
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, describe(proc)
 
