@@ -54,6 +54,7 @@ def configure_layerwise_offload(
     budget_margin=None,
     num_copy_streams: int = 1,
     debug_copy_delay_us: int | None = None,
+    split_fetch=None,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -61,6 +62,9 @@ def configure_layerwise_offload(
     (layerwise.detect_layer_groups). `device_budget` (bytes, or "auto": free
     device memory less `budget_margin`) lets layerwise choose the resident
     layers and, if it must, a smaller prefetch depth (layerwise.budget).
+    `split_fetch` (a torch.distributed ProcessGroup): ranks that run this model
+    in lockstep each keep and copy only their share of every streamed layer and
+    all-gather the rest (layerwise/stages/gather.py says which calls are collective).
 
     Returns one LayerwiseOffloadManager per name, in the order given.
     Everything is validated before anything in the model changes; if packing
@@ -74,7 +78,17 @@ def configure_layerwise_offload(
 
         apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
                             resident_layers)
+    attach_split_fetch(managers, split_fetch, dev)
     return _build(model, managers, dev)
+
+
+def attach_split_fetch(managers, split_fetch, dev) -> None:
+    """split_fetch: one collective validates every group of every rank, then each
+    manager keeps only this rank's shares (before packing: nothing changed on error)."""
+    if split_fetch is not None:
+        from .stages import gather
+
+        gather.attach(managers, split_fetch, dev)
 
 
 def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,

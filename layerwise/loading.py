@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import contract
-from .configure import _build, _prepare
+from .configure import _build, _prepare, attach_split_fetch
 
 log = logging.getLogger("layerwise")
 
@@ -593,6 +593,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
     num_copy_streams = kwargs.pop("num_copy_streams", 1)
     debug_copy_delay_us = kwargs.pop("debug_copy_delay_us", None)
+    split_fetch = kwargs.pop("split_fetch", None)  # a ProcessGroup: each rank reads only its shares
     if kwargs:
         raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
 
@@ -611,7 +612,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         if changed:
             managers, dev = prepare()
         return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
-                     residency_policy, resident_layers)
+                     residency_policy, resident_layers, split_fetch)
     except BaseException:
         if not contract.managers_of(model):  # (a Ctrl-C delivered once the model was whole keeps it)
             for mod, attr, p in registered:
@@ -620,7 +621,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
 
 def _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin, residency_policy,
-          resident_layers):
+          resident_layers, split_fetch=None):
     def want(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
@@ -709,6 +710,8 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
 
         apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
                             resident_layers)
+    attach_split_fetch(managers, split_fetch, dev)
+    share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes
 
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
     total = sum(s.nbytes for s in stored.values())
@@ -753,7 +756,9 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
     def fill(e, block):
         s = stored[entry_key[id(e)]]
         dst = e.view_in(block)
-        if dst.is_contiguous() and s.dtype == e.dtype:
+        if id(e) in share_of and dst.is_contiguous():
+            _read_share(s, e, block, *share_of[id(e)])
+        elif dst.is_contiguous() and s.dtype == e.dtype:
             _read_into(s, dst)
         else:  # strided, or cast while reading: copy_ rounds exactly as .to(dtype) does
             dst.copy_(_host_tensor(s).view(e.shape))
@@ -793,6 +798,43 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
             os.close(fd)
         if bar is not None:
             bar.close()
+
+
+def _share_ranges(managers) -> dict:
+    """id(param entry) -> (lo, hi): the bytes of its layer block this rank keeps (split fetch)."""
+    out = {}
+    for m in managers:
+        split = getattr(m, "_split", None)
+        if split is None:
+            continue
+        for i, (_, lo, hi) in split.spans.items():
+            for e in m.plan.layers[i].params:
+                out[id(e)] = (lo, hi)
+    return out
+
+
+def _read_share(stored: _Stored, e, block: torch.Tensor, lo: int, hi: int) -> None:
+    """Write into `block` the bytes of the contiguous parameter `e` that fall in
+    [lo, hi) (this rank's share), reading only the elements that cover them (cast
+    to e.dtype exactly as .to(dtype) does where the dtypes differ). Bytes outside
+    [lo, hi) are left as they are: the share store keeps [lo, hi) only."""
+    a, b = max(lo, e.offset), min(hi, e.offset + e.span_bytes)
+    if a >= b:
+        return
+    isz = e.dtype.itemsize
+    first, last = (a - e.offset) // isz, -(-(b - e.offset) // isz)  # elements covering [a, b)
+    src = torch.empty(last - first, dtype=stored.dtype)
+    view = _bytes_of(src)
+    start = stored.start + first * stored.dtype.itemsize
+    got = 0
+    while got < len(view):
+        n = os.preadv(stored.fd, [view[got:]], start + got)
+        if not n:
+            raise ValueError(f"{stored.path}: file ends inside a tensor")
+        got += n
+    out = src if stored.dtype == e.dtype else src.to(e.dtype)
+    at = e.offset + first * isz
+    block[at : at + out.numel() * isz].copy_(out.view(torch.uint8))
 
 
 def _same_values(stored: dict[str, _Stored], names: list[str]) -> None:

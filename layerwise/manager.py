@@ -77,6 +77,7 @@ class LayerwiseOffloadManager:
         num_copy_streams: int = 1,
         debug_copy_delay_us: int | None = None,
         measure_stalls: bool = True,
+        split_fetch=None,
     ):
         self.prefetch_depth = validate_depth(prefetch_depth)
         self.device = resolve_device(device)
@@ -98,6 +99,7 @@ class LayerwiseOffloadManager:
             raise ValueError(f"num_copy_streams must be >= 1, got {num_copy_streams}")
         self.debug_copy_delay_us = debug_copy_delay_us
         self.measure_stalls = measure_stalls
+        self.split_fetch = split_fetch  # a ProcessGroup: ranks share the fetch (stages/gather.py), or None
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
         self._packed = False
@@ -137,6 +139,7 @@ class LayerwiseOffloadManager:
     # host scratch block, and keeps them its way. None: every layer in the arena.
     _store = None
     _stored_elsewhere: frozenset = frozenset()  # their indices (no arena block of their own)
+    _tiers: tuple = ()  # the tiers' stores (split fetch, ...): each adds its figures to stats()
 
     def _arena_capacity(self) -> int:
         return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp in self.plan.layers
@@ -289,7 +292,9 @@ class LayerwiseOffloadManager:
                 if i not in resident:
                     pos -= 1
                 self._next_pos[i] = pos
-            slot_bytes = max((layers[i].nbytes for i in self._streamed), default=0)
+            # A source may need more than the layer's bytes in its slot (a gather fills whole shares).
+            slot_bytes = max((getattr(self._src[i], "slot_bytes", layers[i].nbytes) for i in self._streamed),
+                             default=0)
             self._ring = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
             self._slot_holder = [-1] * self.num_slots  # the layer whose copy was queued last into each slot
             self._busy = [0] * self.num_slots  # layers between their pre- and post-hook, per slot
@@ -354,6 +359,8 @@ class LayerwiseOffloadManager:
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
         contract.check_configurable(self.model, [self])
+        if self.split_fetch is not None:  # one collective: every rank of the group configures the same
+            stages.gather.attach([self], self.split_fetch, self.device)
         with contract.rollback_on_failure([(self.model, [self])]):
             self._initialize_layer_weights()
             contract.move_non_layer_weights(self.model, self.device)
@@ -652,7 +659,7 @@ class LayerwiseOffloadManager:
             if not any(step == last["step"] for step, _ in self._timed_copies):
                 last["copy_s"] = self._step_copy.get(last["step"], 0.0)
         arena = self._arena
-        return {
+        out = {
             "group": self.layer_name,
             "device": str(self.device),
             "layers": self.num_layers,
@@ -673,6 +680,9 @@ class LayerwiseOffloadManager:
             "copy_s": self._copy_s,
             "last_step": dict(last) if last is not None else None,
         }
+        for tier in self._tiers:
+            out.update(tier.stats())
+        return out
 
     # --------------------------------------------------------------- remove
     def _restore_parameters(self, original_devices: bool = False) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 from . import contract
 from .hostmem import PinBudget, host_limits, pinnable_host_bytes
 from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
-from .configure import _prepare, configure_models, managers_of
+from .configure import _prepare, attach_split_fetch, configure_models, managers_of
 from .options import resolve_device, validate_depth
 from .plan import local_tensor
 from .report import report as model_report
@@ -59,7 +59,7 @@ DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_
 _STATE = "_layerwise_pipeline"
 REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
 _OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
-            "debug_copy_delay_us", "uses")
+            "debug_copy_delay_us", "uses", "split_fetch")
 
 
 # ------------------------------------------------------------ components
@@ -381,6 +381,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
     resident_layers = options.get("resident_layers", 0)
     budget_margin = options.pop("budget_margin", None)
+    split_fetch = options.pop("split_fetch", None)
     if _STATE in getattr(pipe, "__dict__", {}):
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
                            "layerwise.remove_pipeline_offload(pipe) first")
@@ -412,6 +413,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         c.uses, c.uses_source = _uses(pipe, c, uses)
     _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
                         resident_layers)
+    # split_fetch: one collective over every group of every component (configure.attach_split_fetch)
+    attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
     for c in parts:
         for m in c.managers:
             if not m.enabled:

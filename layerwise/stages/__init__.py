@@ -15,9 +15,12 @@ a small module of this package:
                   the interface the manager and the state contract use for them
     read.py       file extents -> pinned host staging (the disk tier's reader threads)
     transfer.py   host arena -> device slot (the copy engine)
+    gather.py     split fetch: this rank's share of a layer -> its part of the
+                  slot, then an all-gather over the ranks completes the slot
 """
+from . import gather
 from .read import Read
 from .source import ArenaSource
 from .transfer import Transfer
 
-__all__ = ["ArenaSource", "Read", "Transfer"]
+__all__ = ["ArenaSource", "Read", "Transfer", "gather"]
