@@ -31,7 +31,7 @@ def test_share_span_covers_the_block_once_aligned():
             assert spans[0][1] == 0 and spans[-1][2] == nbytes
             for (_, lo, hi), (_, lo2, _) in zip(spans, spans[1:]):
                 assert lo <= hi == lo2  # contiguous, no overlap
-            assert all(lo % 512 == 0 for _, lo, _ in spans)
+            assert all(lo % 512 == 0 or lo == hi == nbytes for _, lo, hi in spans)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
@@ -49,6 +49,6 @@ def test_split_fetch_on_gloo_ranks(world, tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{err[-4000:]}"
-        assert f"rank {r} ok" in out
+    failed = [f"rank {r} (exit {p.returncode}):\n{err[-3000:]}" for r, (p, (out, err)) in enumerate(zip(procs, outs))
+              if p.returncode != 0 or f"rank {r} ok" not in out]
+    assert not failed, "\n".join(failed)

@@ -123,7 +123,8 @@ class SplitGroup:
         self.backend = str(dist.get_backend(pg)).lower()
         self.device = device
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
-        self.host_pg = pg if self.backend == "gloo" else None  # CUDA: made by make_host_group
+        self.gather_pg = pg  # the slot gathers (CPU: a private gloo group, made by make_private_groups)
+        self.host_pg = None  # host-side collectives: a private gloo group (make_private_groups)
         self.stream = None  # CUDA: the gather stream
         self._jobs: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -135,16 +136,22 @@ class SplitGroup:
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
 
-    def make_host_group(self) -> None:
-        """CUDA (NCCL): a gloo group over the same ranks for host-side collectives.
-        Collective itself; called by attach() on every rank, right after validation."""
-        if self.host_pg is not None:
-            return
+    def make_private_groups(self) -> None:
+        """A gloo group of our own over the same ranks, so that our collectives never
+        interleave with the user's on their group (a sequence-parallel model's
+        all-to-alls): on CPU our thread issues them while the model computes, in an
+        order the user's code does not see. It carries the CPU slot gathers and the
+        host-side collectives; on CUDA the slot gathers stay on the NCCL group, issued
+        from the hooks in program order. Collective itself: attach() calls it on every
+        rank, right after validation."""
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(self.pg)
         self.host_pg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
-        self.stream = torch.cuda.Stream(self.device)
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+        else:
+            self.gather_pg = self.host_pg
 
     def wait(self, work, what: str) -> None:
         try:
@@ -323,8 +330,7 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None) -
         raise ValueError(f"split_fetch: streaming to {device} needs a {want} process group, got a "
                          f"{group.backend} one (create it with dist.new_group(backend={want!r}))")
     validate(group, managers)
-    if device.type == "cuda":
-        group.make_host_group()
+    group.make_private_groups()
     for m in managers:
         if not m.enabled:
             continue
@@ -468,7 +474,7 @@ class ShareSource:
                 if copied is not None:
                     copied.synchronize()
                 t1 = time.perf_counter()
-                group.wait(_gather(full, part, group.pg, async_op=True), f"the gather of {st.layer_name}[{i}]")
+                group.wait(_gather(full, part, group.gather_pg, async_op=True), f"the gather of {st.layer_name}[{i}]")
                 st.copy_wait_s += t1 - t0
                 st.gather_s += time.perf_counter() - t1
                 done.set()
@@ -487,7 +493,7 @@ class ShareSource:
         if copied is not None:
             engine.wait(copied, g.cuda_stream)
         with torch.cuda.stream(g):
-            _gather(full, part, self.group.pg, async_op=False)
+            _gather(full, part, self.group.gather_pg, async_op=False)
         return engine.record(g.cuda_stream, timing)
 
     # -- the truth on the host (collective)
