@@ -52,3 +52,20 @@ def test_split_fetch_on_gloo_ranks(world, tmp_path):
     failed = [f"rank {r} (exit {p.returncode}):\n{err[-3000:]}" for r, (p, (out, err)) in enumerate(zip(procs, outs))
               if p.returncode != 0 or f"rank {r} ok" not in out]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+def test_split_bench_suite_tiny():
+    import torch
+
+    from layerwise.bench import split
+    from layerwise.bench.common import Context
+
+    res = split.run(Context(torch.device("cpu"), "tiny", show_progress=False))
+    rows = {r.short: r for r in res.rows}
+    host = rows["host MiB per rank, split (2 ranks)"]
+    assert host.ratios["/all"] == pytest.approx(0.5, abs=0.02)  # each of 2 ranks holds half the layers
+    link = rows["host-link MiB/step/rank, split (2 ranks)"]
+    assert link.ratios["/all"] == pytest.approx(0.5, abs=0.02)
+    assert rows["GPU split fetch: not measured"].ours is None
+    assert res.data["runs"]["split"][0]["gathers"] > 0

@@ -19,8 +19,11 @@ gather needs ``world * share`` bytes of slot, a little more than ``nbytes``:
 Ordering. A collective must be issued by every rank of the group in the same
 order. The manager's prefetch order is deterministic and its synchronous loads
 follow the layers called, so lockstep ranks issue the same gathers in the same
-order. On the CPU backend every collective of a group (the slot gathers and the
-host-side ones below) runs on one thread per group, in the order issued: a
+order. Our collectives run on a private gloo group over the same ranks, made at
+configure, so they never interleave with the user's own collectives on their
+group (a sequence-parallel model's all-to-alls). On the CPU backend every
+collective of a group (the slot gathers and the host-side ones below) runs on
+one thread per group, in the order issued: a
 gather waits for its local copy there, then completes a host event
 (``_C.host_event``) that the compute waits on and that the next copy into the
 slot chains after, so no slot is overwritten while a gather into it is in
@@ -28,8 +31,8 @@ flight. On CUDA the gather is issued from the hook on a dedicated stream that
 first waits (on the device) for the local copy's event; NCCL orders itself
 after that stream and the stream after NCCL, and an event recorded there is
 what the compute stream and the slot's next copy wait on: no host sync in the
-hot path. Host-side collectives then go through a gloo group over the same
-ranks (created once, at configure).
+hot path (the CUDA path is written for NCCL and not run in CI: no GPU there).
+Host-side collectives go through the private gloo group.
 
 Which operations are collective (every rank of the group must call them, in the
 same order, or the others wait until ``timeout_s`` and raise):
