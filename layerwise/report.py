@@ -122,6 +122,16 @@ def _summary(r: dict) -> str:
             text += " (on a CPU device this only means its pages may be swapped out)"
         parts.append(text)
     parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
+    sf = r.get("split_fetch")
+    if sf:
+        text = (f"split fetch, rank {sf['rank']} of {sf['world']} ({sf['backend']}): holds "
+                f"{fmt_bytes(sf['share_bytes'])} of its {sf['split_layers']} split layers (host "
+                f"{fmt_bytes(sf['host_bytes'])}), in total copied {fmt_bytes(sf['bytes_local'])} locally and "
+                f"gathered {fmt_bytes(sf['bytes_gathered'])} in {sf['gathers']} all-gathers")
+        if sf["gather_s"] is not None:
+            text += (f"; waited {sf['copy_wait_s'] * 1e3:.1f} ms on local copies and {sf['gather_s'] * 1e3:.1f} ms "
+                     "in all-gathers")
+        parts.append(text)
     if r["sync_loads"]:
         n, last = r["sync_loads"], r["sync_loads_per_step"]
         where = f" ({last} in the last step)" if last is not None else ""
@@ -155,6 +165,7 @@ def _row(m, s: dict) -> dict:
         "pin_memory": getattr(m, "pin_memory", None), "pin_error": _pin_error(m, s),
         "ring_bytes": s["ring_bytes"], "ring_mib": s["ring_bytes"] / 2**20,
         "resident_bytes": s["resident_bytes"], "resident_mib": s["resident_bytes"] / 2**20,
+        "split_fetch": s.get("split_fetch"),  # stages/gather.py: shares, bytes copied locally / gathered, waits
     }
     row["summary"] = _summary(row)
     return row

@@ -94,6 +94,8 @@ def scenario_equal(rank, world, depth, resident):
         assert sf["bytes_gathered"] >= (world - 1) * sf["bytes_local"] * 0.5, sf
         assert s["sync_loads"] == 0 and sf["gathers"] > 0, s
         assert sf["copy_wait_s"] is not None and sf["gather_s"] > 0
+    summary = str(layerwise.report(model))
+    assert f"split fetch, rank {rank} of {world} (gloo)" in summary and "all-gathers" in summary, summary
     # state_dict (collective): the true weights
     sd = model.state_dict()
     ref_sd = reference.state_dict()
