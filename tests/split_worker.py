@@ -68,7 +68,7 @@ def all_sum(v):
     return int(t.item())
 
 
-def scenario_equal(rank, world, depth, resident):
+def scenario_equal(rank, world, depth, resident, contract=True):
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
@@ -94,6 +94,9 @@ def scenario_equal(rank, world, depth, resident):
         assert sf["bytes_gathered"] >= (world - 1) * sf["bytes_local"] * 0.5, sf
         assert s["sync_loads"] == 0 and sf["gathers"] > 0, s
         assert sf["copy_wait_s"] is not None and sf["gather_s"] > 0
+    if not contract:
+        layerwise.remove_layerwise_offload(model)
+        return
     summary = str(layerwise.report(model))
     assert f"split fetch, rank {rank} of {world} (gloo)" in summary and "all-gathers" in summary, summary
     # state_dict (collective): the true weights
@@ -219,7 +222,7 @@ def scenario_mismatch(rank, world):
     # last: a rank that never configures: the others time out with a clear error (no hang)
     dist.barrier()
     if rank == 0:
-        time.sleep(6)
+        time.sleep(4)
         return
     t0 = time.perf_counter()
     expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
@@ -228,11 +231,11 @@ def scenario_mismatch(rank, world):
 
 
 def main(rank, world, port, tmp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LAYERWISE_COLLECTIVE_TIMEOUT_S="3")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LAYERWISE_COLLECTIVE_TIMEOUT_S="2")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     t0 = time.perf_counter()
     scenario_equal(rank, world, depth=1, resident=0)
-    scenario_equal(rank, world, depth=2, resident=2)
+    scenario_equal(rank, world, depth=2, resident=2, contract=False)
     scenario_load(rank, world, tmp)
     scenario_mismatch(rank, world)
     print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)

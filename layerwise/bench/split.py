@@ -50,7 +50,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, layers: int, d: int, steps: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int, steps: int, out: str) -> None:
     """One rank: configure, warm up, time `steps` steps, write its figures to `out`."""
     import datetime
 
@@ -73,50 +73,52 @@ def _rank_main(rank: int, world: int, port: int, mode: str, layers: int, d: int,
         def forward(self, x):
             return x + self.down(torch.relu(self.up(x)))
 
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.blocks = nn.ModuleList([Block() for _ in range(layers)])
-    managers = layerwise.configure_layerwise_offload(
-        model, "blocks", device="cpu", prefetch_depth=1,
-        split_fetch=dist.group.WORLD if mode == "split" else None)
-    m = managers[0]
-    torch.manual_seed(1 + rank)
-    x = torch.randn(4, d)
+    res = {}
+    for mode in modes.split(","):  # one after the other in the same processes (start-up paid once)
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.blocks = nn.ModuleList([Block() for _ in range(layers)])
+        managers = layerwise.configure_layerwise_offload(
+            model, "blocks", device="cpu", prefetch_depth=1,
+            split_fetch=dist.group.WORLD if mode == "split" else None)
+        m = managers[0]
+        torch.manual_seed(1 + rank)
+        x = torch.randn(4, d)
 
-    def step():
-        with torch.inference_mode():
-            y = x
-            for b in model.blocks:
-                y = b(y)
-        return y
+        def step():
+            with torch.inference_mode():
+                y = x
+                for b in model.blocks:
+                    y = b(y)
+            return y
 
-    step()
-    dist.barrier()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
-    s = m.stats()
-    sf = s.get("split_fetch") or {}
-    host = s["arena_bytes"] + sf.get("host_bytes", 0)
-    gathered_s = sf.get("gather_s") or 0.0
-    res = {"times": times, "host_bytes": host, "streamed_bytes": m.plan.managed_bytes,
-           "bytes_per_step": s["last_step"]["bytes_copied"] if s["last_step"] else None,
-           "gathered": sf.get("bytes_gathered", 0), "gather_s": gathered_s, "gathers": sf.get("gathers", 0)}
+        dist.barrier()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        dist.barrier()
+        s = m.stats()
+        sf = s.get("split_fetch") or {}
+        res[mode] = {"times": times, "host_bytes": s["arena_bytes"] + sf.get("host_bytes", 0),
+                     "streamed_bytes": m.plan.managed_bytes,
+                     "bytes_per_step": s["last_step"]["bytes_copied"] if s["last_step"] else None,
+                     "gathered": sf.get("bytes_gathered", 0), "gather_s": sf.get("gather_s") or 0.0,
+                     "gathers": sf.get("gathers", 0)}
+        layerwise.remove_layerwise_offload(model)
     with open(out, "w") as f:
         json.dump(res, f)
-    layerwise.remove_layerwise_offload(model)
     dist.destroy_process_group()
 
 
-def _launch(world: int, mode: str, layers: int, d: int, steps: int, timeout: float, tmp: str) -> list[dict]:
+def _launch(world: int, modes: str, layers: int, d: int, steps: int, timeout: float, tmp: str) -> list[dict]:
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    outs = [os.path.join(tmp, f"{mode}-{r}.json") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-m", "layerwise.bench.split", str(r), str(world), str(port), mode,
+    outs = [os.path.join(tmp, f"rank-{r}.json") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, "-m", "layerwise.bench.split", str(r), str(world), str(port), modes,
                                str(layers), str(d), str(steps), outs[r]],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
@@ -129,7 +131,7 @@ def _launch(world: int, mode: str, layers: int, d: int, steps: int, timeout: flo
     bad = [(r, p.returncode, e) for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode != 0]
     if bad:
         r, rc, err = bad[0]
-        raise RuntimeError(f"split bench: rank {r} ({mode}) exited with {rc}:\n{err[-3000:]}")
+        raise RuntimeError(f"split bench: rank {r} ({modes}) exited with {rc}:\n{err[-3000:]}")
     res = []
     for path in outs:
         with open(path) as f:
@@ -148,7 +150,8 @@ def run(ctx: Context) -> SuiteResult:
     timeout = ctx.pick(TIMEOUT_S)
     result = SuiteResult(NAME)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {mode: _launch(world, mode, layers, d, steps, timeout, tmp) for mode in ("all", "split")}
+        ranks = _launch(world, "all,split", layers, d, steps, timeout, tmp)
+    runs = {mode: [r[mode] for r in ranks] for mode in ("all", "split")}
     step = {mode: Stat.of(r[0]["times"]) for mode, r in runs.items()}
     host = {mode: max(x["host_bytes"] for x in r) for mode, r in runs.items()}
     per_step = {mode: runs[mode][0]["bytes_per_step"] for mode in runs}

@@ -372,6 +372,7 @@ class ShareStore:
         self.gather_s = 0.0  # time in the all-gathers (CPU)
         self._open = 0  # sources kept and not closed yet
         self._views = {}  # (slot address, bytes) -> the gather's view of the slot
+        self.last_gather = {}  # slot address -> the event of the last gather into it
         group.acquire()
         self._released = False
 
@@ -426,6 +427,7 @@ class ShareStore:
     def release(self) -> None:
         """The manager is done with its shares: the group's thread ends with its last user."""
         self._views = {}
+        self.last_gather = {}
         if not self._released:
             self._released = True
             self.group.release()
@@ -461,14 +463,29 @@ class ShareSource:
         full = self.store.slot_view(dst, self.slot_bytes)
         part = full[self.group.rank * self.share : (self.group.rank + 1) * self.share]
         n = self.hi - self.lo
-        copied = engine.copy_async(part[:n], self.block, after, timing) if n else after
         st = self.store
+        key = dst.data_ptr()
+        prev = st.last_gather.get(key)
+        if prev is not None and prev is not after:
+            # The manager forgot the slot's last event (a resync after an interrupt): a gather
+            # into the slot may still be in flight, and the local copy must not overtake it.
+            if engine.is_cuda:
+                stream = _native.current_stream_handle(m.device)
+                engine.wait(prev, stream)
+                after = engine.record(stream, False)
+            else:
+                try:
+                    prev.synchronize()
+                except Exception:  # noqa: BLE001 - a failed gather: the layer that waited on it raised
+                    pass
+        copied = engine.copy_async(part[:n], self.block, after, timing) if n else after
         st.local_bytes += n
         st.gathered_bytes += self.nbytes - n
         st.gathers += 1
         if engine.is_cuda:
-            return self._gather_cuda(engine, full, part, copied, timing)
-        done = _native._C.host_event()
+            done = st.last_gather[key] = self._gather_cuda(engine, full, part, copied, timing)
+            return done
+        done = st.last_gather[key] = _native._C.host_event()
         group = self.group
 
         def job():
