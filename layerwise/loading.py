@@ -579,6 +579,11 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     module that owns them. `dtype` (a floating-point dtype) casts every floating-point
     parameter and buffer to it while reading, as `model.to(dtype)` would; without it
     the checkpoint's dtypes must be the model's.
+
+    `split_fetch=<ProcessGroup>`: every rank of the group loads the same model
+    this way and reads only its share of each streamed layer from the files
+    (contiguous parameters; a strided one is read whole), so the node reads and
+    holds the streamed layers about once (layerwise/stages/gather.py).
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "

@@ -360,7 +360,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         resident layers; the denoiser gets them first).
     options: resident_layers, residency_policy, pin_memory ("auto" default,
         True: every arena pinned or an error, False: none), budget_margin,
-        num_copy_streams, debug_copy_delay_us as in configure_layerwise_offload,
+        num_copy_streams, debug_copy_delay_us, split_fetch as in configure_layerwise_offload,
         and `uses`: {component: runs per request}, or a callable warm-up
         `uses(pipe)` whose runs are counted by the hooks (the pipeline is
         offloaded pageable for it, then offloaded again with the counts).

@@ -210,10 +210,6 @@ class SplitGroup:
             raise box["error"]
         return box["value"]
 
-    def drain(self) -> None:
-        if self._thread is not None:
-            self.call(lambda: None)
-
     def acquire(self) -> None:
         self._users += 1
 
@@ -222,13 +218,14 @@ class SplitGroup:
         if self._users <= 0:
             self.stop()
 
-    def stop(self) -> None:
+    def stop(self, join_s: float | None = None) -> None:
+        """End the thread once the collectives queued so far have run (or failed)."""
         with self._lock:
             thread, jobs, self._thread, self._jobs = self._thread, self._jobs, None, None
         if thread is not None:
             jobs.put(None)
             if thread is not threading.current_thread():
-                thread.join(timeout=self.timeout_s)
+                thread.join(timeout=self.timeout_s if join_s is None else join_s)
         self.last_read = None
 
 
@@ -238,7 +235,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _stop_all() -> None:  # the collective threads end before the interpreter does
     for g in list(_LIVE):
-        g.stop()
+        g.stop(join_s=1.0)  # a daemon thread stuck on a peer that is gone must not hold up the exit
 
 
 # ------------------------------------------------------------ configure time
@@ -276,11 +273,11 @@ def validate(group: SplitGroup, managers) -> None:
     error on every rank (naming the fields that differ) if they disagree, and a
     timeout error if a rank does not take part."""
     desc = describe(managers, group.world, group.device)
-    # Per field: its digest, then readable figures (the first 8 values of a list field, where numeric).
+    # Per field its digest, then two readable figures: layers and managed bytes.
     row = [_digest(v) for v in desc]
     total = [sum(m.num_layers for m in managers), sum(m.plan.managed_bytes for m in managers)]
     mine = torch.tensor(row + total, dtype=torch.int64)
-    dev = group.device if group.backend == "nccl" else torch.device("cpu")
+    dev = group.device if group.device.type == "cuda" else torch.device("cpu")
     mine = mine.to(dev)
     out = torch.empty(group.world * mine.numel(), dtype=torch.int64, device=dev)
     work = _gather(out, mine, group.pg, async_op=True)
@@ -327,9 +324,14 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None) -
                         f"split_fetch: {e.qualname} is a DTensor (tensor-parallel weights): each rank holds its "
                         "own shard already, there is no replicated layer to split. Pass split_fetch=None; split "
                         "fetch is for ranks that hold the same full weights (sequence / context parallel).")
+    for m in managers:
+        if m._store is not None or m._stored_elsewhere:
+            raise ValueError(
+                f"split_fetch: layer group {m.layer_name!r} already keeps some layers in another tier (the disk "
+                "tier: host_budget / spill_dir); the two do not combine yet. Pass one of them.")
     group = SplitGroup(pg, device, timeout_s)
     want = {"cpu": "gloo", "cuda": "nccl"}[device.type]
-    if group.backend != want:
+    if want not in group.backend:  # "gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl"
         raise ValueError(f"split_fetch: streaming to {device} needs a {want} process group, got a "
                          f"{group.backend} one (create it with dist.new_group(backend={want!r}))")
     validate(group, managers)
