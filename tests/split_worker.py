@@ -174,7 +174,7 @@ def scenario_load(rank, world, tmp):
 def expect_refused(rank, fn, words):
     try:
         fn()
-    except (ValueError, RuntimeError, TypeError) as e:
+    except (ValueError, RuntimeError, TypeError, OSError) as e:
         assert all(w in str(e) for w in words), (rank, str(e))
     else:
         raise AssertionError(f"rank {rank}: not refused ({words})")
@@ -219,6 +219,14 @@ def scenario_mismatch(rank, world):
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
     layerwise.remove_layerwise_offload(model)
+    # a rank that skips a forward: the others' next gather fails with a clear error (no hang)
+    model = Net()
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+    if rank == 0:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            expect_refused(rank, lambda: model(x), ["split fetch of layer blocks[", "lockstep"])
+        assert time.perf_counter() - t0 < 30
     # last: a rank that never configures: the others time out with a clear error (no hang)
     dist.barrier()
     if rank == 0:
