@@ -169,6 +169,35 @@ def scenario_load(rank, world, tmp):
     layerwise.remove_layerwise_offload(model)
     for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(p, q), k
+    # cast while reading (the bf16 scales become fp32): each rank casts only its share's elements
+    model = layerwise.empty_model(Net)
+    layerwise.load_offloaded(model, path, ["blocks", "extra"], device="cpu", dtype=torch.float32,
+                             split_fetch=dist.group.WORLD)
+    check_outputs(model, reference, rank, steps=1)  # forward computes scale.float(): the same values
+    layerwise.remove_layerwise_offload(model)
+
+
+def scenario_pipeline(rank, world):
+    class Holder:  # any object holding modules is a pipeline
+        def __init__(self):
+            torch.manual_seed(0)
+            self.net = Net()
+            self.post = nn.Linear(48, 8)
+
+        def __call__(self, x):
+            return self.post(self.net(x))
+
+    holder = Holder()
+    ref = Holder()
+    managers = layerwise.offload_pipeline(holder, device="cpu", split_fetch=dist.group.WORLD)
+    assert list(managers) == ["net"], managers
+    assert all("split_fetch" in m.stats() for m in managers["net"])
+    torch.manual_seed(100 + rank)
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(holder(x), ref(x))
+    layerwise.remove_pipeline_offload(holder)
 
 
 def expect_refused(rank, fn, words):
@@ -245,6 +274,7 @@ def main(rank, world, port, tmp):
     scenario_equal(rank, world, depth=1, resident=0)
     scenario_equal(rank, world, depth=2, resident=2, contract=False)
     scenario_load(rank, world, tmp)
+    scenario_pipeline(rank, world)
     scenario_mismatch(rank, world)
     print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
     os._exit(0)  # the timed-out collective of the last check leaves the group unusable: no teardown
