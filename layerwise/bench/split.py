@@ -1,6 +1,7 @@
 """split: split fetch over torch.distributed (layerwise/stages/gather.py).
 
-N processes on this machine (gloo ranks on the CPU backend) stream the same
+N processes on this machine (gloo ranks on the CPU backend; with --device cuda
+and at least two GPUs, NCCL ranks, one GPU each, up to 8) stream the same
 stack of MLP blocks in lockstep, each with its own inputs, two ways, one after
 the other in the same run:
 
@@ -11,7 +12,7 @@ the other in the same run:
 
 Rows: step time (median over the steps of rank 0, every rank in lockstep) and
 host bytes per rank (arena + shares) for both, the bytes each rank copied per
-step, and the measured gloo all-gather bandwidth. On a CPU the "copy" is a host
+step, and the bandwidth of an all-gather of one layer on its own. On a CPU the "copy" is a host
 memcpy and the all-gather goes through loopback TCP, so the step-time row says
 little about GPUs: the GPU rows are "not measured" here, with the expected
 scaling written down as a model:
@@ -19,8 +20,9 @@ scaling written down as a model:
     t_layer(split) = (B / N) / BW_pcie + B (N - 1) / N / BW_allgather
     t_layer(all)   = B / BW_pcie
 
-(B: bytes per layer; BW_allgather: the NCCL all-gather bus bandwidth over
-NVLink, to be measured with this suite on a machine with at least two GPUs.)
+(B: bytes per layer; BW_allgather: the NCCL all-gather bandwidth over NVLink,
+which this suite measures on a machine with at least two GPUs. The NCCL launch
+is written but has not run yet: no GPU was lent so far.)
 
     python -m layerwise.bench split [--quick]
 """
@@ -50,8 +52,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int, steps: int, out: str) -> None:
-    """One rank: configure, warm up, time `steps` steps, write its figures to `out`."""
+def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int, steps: int, out: str,
+               kind: str = "cpu") -> None:
+    """One rank: configure, warm up, time `steps` steps, write its figures to `out`.
+    kind "cpu": gloo ranks on the CPU backend; "cuda": NCCL ranks, one GPU each."""
     import datetime
 
     import torch
@@ -59,10 +63,20 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
     from torch import nn
 
     import layerwise
+    from layerwise.stages.gather import _gather
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    cuda = kind == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)  # N ranks share this machine's cores
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
 
     class Block(nn.Module):
         def __init__(self):
@@ -79,11 +93,11 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
         model = nn.Module()
         model.blocks = nn.ModuleList([Block() for _ in range(layers)])
         managers = layerwise.configure_layerwise_offload(
-            model, "blocks", device="cpu", prefetch_depth=1,
+            model, "blocks", device=dev, prefetch_depth=1,
             split_fetch=dist.group.WORLD if mode == "split" else None)
         m = managers[0]
         torch.manual_seed(1 + rank)
-        x = torch.randn(4, d)
+        x = torch.randn(4, d, device=dev)
 
         def step():
             with torch.inference_mode():
@@ -93,11 +107,13 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
             return y
 
         step()
+        sync()
         dist.barrier()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
+            sync()
             times.append(time.perf_counter() - t0)
         dist.barrier()
         s = m.stats()
@@ -108,18 +124,31 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
                      "gathered": sf.get("bytes_gathered", 0), "gather_s": sf.get("gather_s") or 0.0,
                      "gathers": sf.get("gathers", 0)}
         layerwise.remove_layerwise_offload(model)
+    # The all-gather on its own, one layer's bytes, timed on the host around a synchronised loop.
+    nbytes = 2 * 4 * d * d * 4
+    share = -(-nbytes // world)
+    buf = torch.empty(share * world, dtype=torch.uint8, device=dev)
+    for k in range(steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        _gather(buf, buf[rank * share:(rank + 1) * share], None, async_op=False)
+        sync()
+        if k:  # the first one warms up
+            res.setdefault("allgather_s", []).append(time.perf_counter() - t0)
+    res["allgather_bytes"] = share * (world - 1)  # received per rank
     with open(out, "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
 
 
-def _launch(world: int, modes: str, layers: int, d: int, steps: int, timeout: float, tmp: str) -> list[dict]:
+def _launch(world: int, modes: str, layers: int, d: int, steps: int, timeout: float, tmp: str,
+            kind: str = "cpu") -> list[dict]:
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     outs = [os.path.join(tmp, f"rank-{r}.json") for r in range(world)]
     procs = [subprocess.Popen([sys.executable, "-m", "layerwise.bench.split", str(r), str(world), str(port), modes,
-                               str(layers), str(d), str(steps), outs[r]],
+                               str(layers), str(d), str(steps), outs[r], kind],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
     try:
@@ -139,55 +168,73 @@ def _launch(world: int, modes: str, layers: int, d: int, steps: int, timeout: fl
     return res
 
 
+def _model_note(world: int, ag_gbs: float | None, measured: bool) -> str:
+    n = 8 if world < 2 else world
+    bw_ag = ag_gbs if measured and ag_gbs else 300.0
+    eff = 1.0 / ((1.0 / n) / 50.0 + ((n - 1) / n) / bw_ag)
+    src = "measured here" if measured and ag_gbs else "assumed (NVLink class), not measured"
+    return (f"model: per layer of B bytes, split fetch takes (B/N)/BW_pcie + B(N-1)/N/BW_allgather against "
+            f"B/BW_pcie; with N={n}, BW_pcie=50 GB/s (assumed) and an all-gather at {bw_ag:.0f} GB/s ({src}): "
+            f"B/{eff:.0f} GB/s, {eff / 50.0:.1f}x the host link of one GPU when the transfer is the bottleneck; "
+            "host memory per node 1x the model instead of Nx")
+
+
 def run(ctx: Context) -> SuiteResult:
+    import torch
     import torch.distributed as dist
+
+    from .. import build_info
 
     if not (dist.is_available() and dist.is_gloo_available()):
         raise Skip("torch was built without torch.distributed / gloo")
-    world = ctx.pick(WORLD)
+    gpus = torch.cuda.device_count() if ctx.is_cuda and build_info()["with_cuda"] else 0
+    kind = "cuda" if gpus >= 2 and dist.is_nccl_available() else "cpu"
+    world = min(gpus, 8) if kind == "cuda" else ctx.pick(WORLD)
     layers, d = ctx.pick(SHAPE)
     steps = ctx.pick(STEPS)
     timeout = ctx.pick(TIMEOUT_S)
     result = SuiteResult(NAME)
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = _launch(world, "all,split", layers, d, steps, timeout, tmp)
+        ranks = _launch(world, "all,split", layers, d, steps, timeout, tmp, kind)
     runs = {mode: [r[mode] for r in ranks] for mode in ("all", "split")}
     step = {mode: Stat.of(r[0]["times"]) for mode, r in runs.items()}
     host = {mode: max(x["host_bytes"] for x in r) for mode, r in runs.items()}
     per_step = {mode: runs[mode][0]["bytes_per_step"] for mode in runs}
     streamed = runs["all"][0]["streamed_bytes"]
-    sp = runs["split"][0]
-    ag_gbs = sp["gathered"] / sp["gather_s"] / 1e9 if sp["gather_s"] else None
+    ag = Stat.of(ranks[0]["allgather_s"])
+    ag_gbs = ranks[0]["allgather_bytes"] / ag.median / 1e9
+    backend = "NCCL, GPU" if kind == "cuda" else "gloo, CPU"
     tag = f"{world} ranks, {layers} layers x {streamed / layers / MB:.1f} MiB"
-    result.data = {"world": world, "layers": layers, "hidden": d, "streamed_bytes": streamed,
-                   "runs": runs, "allgather_gbs_cpu": ag_gbs}
-    result.rows.append(Row(NAME, f"step time, split fetch, {tag} (gloo, CPU)", "s", step["split"],
+    result.data = {"kind": kind, "world": world, "layers": layers, "hidden": d, "streamed_bytes": streamed,
+                   "runs": runs, "allgather_gbs": ag_gbs}
+    note = ("host memcpy + loopback TCP all-gather on a shared CPU: not a GPU figure" if kind == "cpu"
+            else _model_note(world, ag_gbs, measured=True))
+    result.rows.append(Row(NAME, f"step time, split fetch, {tag} ({backend})", "s", step["split"],
                            {"every rank fetches all": step["all"]},
-                           {"/all": step["split"].median / step["all"].median},
-                           note="host memcpy + loopback TCP all-gather on a shared CPU: not a GPU figure",
-                           short=f"step, split fetch ({world} ranks, CPU)"))
+                           {"/all": step["split"].median / step["all"].median}, note=note,
+                           short=f"step, split fetch ({world} ranks, {backend})"))
     result.rows.append(Row(NAME, f"host bytes per rank, split fetch, {tag}", "MiB", host["split"] / MB,
                            {"every rank fetches all": host["all"] / MB},
-                           {"/all": host["split"] / host["all"], f"x{world} ranks /all": host["split"] * world / host["all"]},
+                           {"/all": host["split"] / host["all"],
+                            f"x{world} ranks /all": host["split"] * world / host["all"]},
                            short=f"host MiB per rank, split ({world} ranks)"))
     if per_step["split"] is not None and per_step["all"]:
         result.rows.append(Row(NAME, f"bytes over the host link per rank per step, split fetch, {tag}", "MiB",
                                per_step["split"] / MB, {"every rank fetches all": per_step["all"] / MB},
                                {"/all": per_step["split"] / per_step["all"]},
                                short=f"host-link MiB/step/rank, split ({world} ranks)"))
-    if ag_gbs is not None:
-        result.rows.append(Row(NAME, f"all-gather bandwidth (received bytes / gather time), gloo, {world} ranks",
-                               "GB/s", ag_gbs, note="loopback TCP on this machine; NCCL over NVLink is another "
-                               "world", short=f"gloo all-gather GB/s ({world} ranks)"))
-    why = ("needs at least two GPUs (this run: CPU). Model: per layer of B bytes, split fetch takes "
-           "(B/N)/BW_pcie + B(N-1)/N/BW_allgather against B/BW_pcie; e.g. N=8, BW_pcie=50 GB/s and an NCCL "
-           "all-gather at 300 GB/s bus bandwidth (NVLink, assumed, not measured): B/185 GB/s, 3.7x the host link "
-           "of one GPU; host memory per node 1x the model instead of Nx")
-    result.rows.append(Row(NAME, "GPU step time, split fetch vs every rank fetching all: not measured", "", None,
-                           note=why, short="GPU split fetch: not measured"))
+    result.rows.append(Row(NAME, f"all-gather of one layer ({ranks[0]['allgather_bytes'] / MB:.1f} MiB received per "
+                                 f"rank / time), {backend}, {world} ranks", "GB/s", ag_gbs,
+                           note="loopback TCP on this machine; NCCL over NVLink is another world"
+                           if kind == "cpu" else "", short=f"all-gather GB/s ({world} ranks, {backend})"))
+    if kind == "cpu":
+        why = (f"needs at least two GPUs (this run: {'1 GPU' if gpus == 1 else 'CPU'}). "
+               + _model_note(8, None, measured=False))
+        result.rows.append(Row(NAME, "GPU step time, split fetch vs every rank fetching all: not measured", "",
+                               None, note=why, short="GPU split fetch: not measured"))
     return result
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    _rank_main(int(a[0]), int(a[1]), int(a[2]), a[3], int(a[4]), int(a[5]), int(a[6]), a[7])
+    _rank_main(int(a[0]), int(a[1]), int(a[2]), a[3], int(a[4]), int(a[5]), int(a[6]), a[7], a[8])
