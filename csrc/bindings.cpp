@@ -117,7 +117,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       })
       .def_property_readonly("copy_ms", &Event::copy_ms,
                              "Milliseconds the event's copy took once it has completed (CUDA: only for a copy "
-                             "issued with timing=True), else -1");
+                             "issued with timing=True), else -1")
+      // A host event completed by Python (split fetch: a gather thread completes it once the
+      // ranks' shares are in the slot), so that the CPU engine's waits and copies chain on it.
+      .def("set", [](Event& self) {
+        auto* e = dynamic_cast<CpuEvent*>(&self);
+        TORCH_CHECK_TYPE(e != nullptr, "Event.set: only a host event (layerwise._C.host_event()) can be set");
+        TORCH_CHECK(!e->completed(), "Event.set: the event has completed already");
+        e->set();
+      })
+      .def("fail", [](Event& self, const std::string& what) {
+        auto* e = dynamic_cast<CpuEvent*>(&self);
+        TORCH_CHECK_TYPE(e != nullptr, "Event.fail: only a host event (layerwise._C.host_event()) can fail");
+        TORCH_CHECK(!e->completed(), "Event.fail: the event has completed already");
+        e->fail(what, 0);
+      }, py::arg("what"));
+  m.def("host_event", []() -> EventPtr { return std::make_shared<CpuEvent>(); },
+        "A host event that completes when Python calls its set() (or fail(what): waiting on it then raises "
+        "ReadError with `what`); CPU copy engines wait on it and chain copies after it");
 
   g_read_error = PyErr_NewExceptionWithDoc(
       "layerwise._C.ReadError",

@@ -60,6 +60,7 @@ def configure_layerwise_offload(
     spill_dir=None,
     disk_prefetch_depth: int | None = None,
     debug_read_delay_us: int | None = None,
+    split_fetch=None,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -77,6 +78,10 @@ def configure_layerwise_offload(
     are packed, and stream back disk -> pinned staging -> device
     (layerwise.hostplan, layerwise/stages/disk.py). `disk_prefetch_depth`: disk
     layers read ahead (default: prefetch_depth + 1, at least 2).
+
+    `split_fetch` (a torch.distributed ProcessGroup): ranks that run this model
+    in lockstep each keep and copy only their share of every streamed layer and
+    all-gather the rest (layerwise/stages/gather.py says which calls are collective).
 
     Returns one LayerwiseOffloadManager per name, in the order given.
     Everything is validated before anything in the model changes; if packing
@@ -97,6 +102,7 @@ def configure_layerwise_offload(
                             resident_layers)
     if host_budget is not None:
         _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth)
+    attach_split_fetch(managers, split_fetch, dev)
     return _build(model, managers, dev)
 
 
@@ -116,6 +122,15 @@ def _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_dept
     for m in managers:
         if m._disk_layers:
             m._disk_store = spill_store(m, spill_dir)
+
+
+def attach_split_fetch(managers, split_fetch, dev) -> None:
+    """split_fetch: one collective validates every group of every rank, then each
+    manager keeps only this rank's shares (before packing: nothing changed on error)."""
+    if split_fetch is not None:
+        from .stages import gather
+
+        gather.attach(managers, split_fetch, dev)
 
 
 def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,

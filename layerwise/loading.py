@@ -36,7 +36,7 @@ from torch import nn
 
 from . import contract
 from .hostplan import check_disk_options, plan_host_budget
-from .configure import _build, _prepare
+from .configure import _build, _prepare, attach_split_fetch
 from .options import validate_compress
 
 log = logging.getLogger("layerwise")
@@ -590,6 +590,10 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     which is also how layers stored in another dtype (`dtype=`) or strided
     parameters reach the disk tier.
     `compress`, `num_copy_streams`, `debug_copy_delay_us`: as in configure_layerwise_offload.
+    `split_fetch=<ProcessGroup>`: every rank of the group loads the same model
+    this way and reads only its share of each streamed layer from the files
+    (contiguous parameters; a strided one is read whole), so the node reads and
+    holds the streamed layers about once (layerwise/stages/gather.py).
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
@@ -606,6 +610,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     debug_copy_delay_us = kwargs.pop("debug_copy_delay_us", None)
     debug_read_delay_us = kwargs.pop("debug_read_delay_us", None)
     compress = validate_compress(kwargs.pop("compress", None))
+    split_fetch = kwargs.pop("split_fetch", None)  # a ProcessGroup: each rank reads only its shares
     if kwargs:
         raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
 
@@ -629,7 +634,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         if changed:
             managers, dev = prepare()
         return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
-                     residency_policy, resident_layers, (host_budget, spill_dir, disk_prefetch_depth))
+                     residency_policy, resident_layers, (host_budget, spill_dir, disk_prefetch_depth),
+                     split_fetch)
     except BaseException:
         if not contract.managers_of(model):  # (a Ctrl-C delivered once the model was whole keeps it)
             for mod, attr, p in registered:
@@ -638,7 +644,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
 
 def _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin, residency_policy,
-          resident_layers, disk=(None, None, None)):
+          resident_layers, disk=(None, None, None), split_fetch=None):
     def want(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
@@ -727,12 +733,13 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
 
         apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
                             resident_layers)
-
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
     entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
     host_budget, spill_dir, disk_prefetch_depth = disk
     if host_budget is not None:
         _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth)
+    attach_split_fetch(managers, split_fetch, dev)
+    share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes
     total = sum(s.nbytes for s in stored.values())
     bar = None
     if total >= 1 << 30:
@@ -773,7 +780,9 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
     def fill(e, block):
         s = stored[entry_key[id(e)]]
         dst = e.view_in(block)
-        if dst.is_contiguous() and s.dtype == e.dtype:
+        if id(e) in share_of and dst.is_contiguous():
+            _read_share(s, e, block, *share_of[id(e)])
+        elif dst.is_contiguous() and s.dtype == e.dtype:
             _read_into(s, dst)
         else:  # strided, or cast while reading: copy_ rounds exactly as .to(dtype) does
             dst.copy_(_host_tensor(s).view(e.shape))
@@ -897,6 +906,43 @@ def _checkpoint_store(manager, stored: dict, entry_key: dict):
                           what=f"layer {manager.layer_name}[{lp.index}]")
 
     return store
+
+
+def _share_ranges(managers) -> dict:
+    """id(param entry) -> (lo, hi): the bytes of its layer block this rank keeps (split fetch)."""
+    out = {}
+    for m in managers:
+        split = getattr(m, "_split", None)
+        if split is None:
+            continue
+        for i, (_, lo, hi) in split.spans.items():
+            for e in m.plan.layers[i].params:
+                out[id(e)] = (lo, hi)
+    return out
+
+
+def _read_share(stored: _Stored, e, block: torch.Tensor, lo: int, hi: int) -> None:
+    """Write into `block` the bytes of the contiguous parameter `e` that fall in
+    [lo, hi) (this rank's share), reading only the elements that cover them (cast
+    to e.dtype exactly as .to(dtype) does where the dtypes differ). Bytes outside
+    [lo, hi) are left as they are: the share store keeps [lo, hi) only."""
+    a, b = max(lo, e.offset), min(hi, e.offset + e.span_bytes)
+    if a >= b:
+        return
+    isz = e.dtype.itemsize
+    first, last = (a - e.offset) // isz, -(-(b - e.offset) // isz)  # elements covering [a, b)
+    src = torch.empty(last - first, dtype=stored.dtype)
+    view = _bytes_of(src)
+    start = stored.start + first * stored.dtype.itemsize
+    got = 0
+    while got < len(view):
+        n = os.preadv(stored.fd, [view[got:]], start + got)
+        if not n:
+            raise ValueError(f"{stored.path}: file ends inside a tensor")
+        got += n
+    out = src if stored.dtype == e.dtype else src.to(e.dtype)
+    at = e.offset + first * isz
+    block[at : at + out.numel() * isz].copy_(out.view(torch.uint8))
 
 
 def _same_values(stored: dict[str, _Stored], names: list[str]) -> None:

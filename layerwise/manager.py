@@ -81,6 +81,7 @@ class LayerwiseOffloadManager:
         compress: str | None = None,
         disk_prefetch_depth: int | None = None,
         debug_read_delay_us: int | None = None,
+        split_fetch=None,
     ):
         self.prefetch_depth = validate_depth(prefetch_depth)
         self.compress = validate_compress(compress)
@@ -107,6 +108,7 @@ class LayerwiseOffloadManager:
         self.debug_read_delay_us = debug_read_delay_us
         self._disk = None  # the disk tier (stages/disk.py), when some layers stay in files
         self._disk_files: list = []  # files its layers are read from (closed by remove)
+        self.split_fetch = split_fetch  # a ProcessGroup: ranks share the fetch (stages/gather.py), or None
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
         self._packed = False
@@ -149,26 +151,33 @@ class LayerwiseOffloadManager:
     _stored_elsewhere: frozenset = frozenset()  # their indices (no arena block of their own)
     _disk_layers: frozenset = frozenset()  # those the disk tier keeps (layerwise.hostplan)
     _disk_store = None  # its `_store`
+    _split = None  # split fetch: this rank's ShareStore (stages/gather.py), which keeps its split layers
 
     def _choose_tiers(self) -> None:
         """Which layers a tier keeps instead of the arena, decided per layer from the
         plan and the final residency (right before packing): the disk tier's layers
         (chosen by layerwise.hostplan: `_disk_layers`, kept by `_disk_store`) stay in
-        files as they are; with compress="lossless" the codec keeps the other
-        streamed layers encoded."""
+        files as they are; with split_fetch (`_split`) this rank keeps its share of
+        each split layer; with compress="lossless" the codec keeps the other
+        streamed layers encoded (split and disk layers travel raw)."""
         self._tiers = []
         disk = frozenset(self._disk_layers)
+        split = frozenset(self._split.spans) if self._split is not None else frozenset()
         codec: frozenset = frozenset()
         tier = None
         if self.compress == "lossless":
             tier = stages.CodecTier(self.layer_name, self.device, self.pin_memory)
             self._tiers.append(tier)
-            codec = frozenset(tier.select(self.plan, self.resident)) - disk
-        self._stored_elsewhere = disk | codec
-        disk_store = self._disk_store
+            codec = frozenset(tier.select(self.plan, self.resident)) - disk - split
+        self._stored_elsewhere = disk | split | codec
+        disk_store, split_store = self._disk_store, self._split
 
         def store(lp, scratch):
-            return disk_store(lp, scratch) if lp.index in disk else tier.store(lp, scratch)
+            if lp.index in disk:
+                return disk_store(lp, scratch)
+            if lp.index in split:
+                return split_store.keep(lp, scratch)
+            return tier.store(lp, scratch)
 
         self._store = store
 
@@ -325,7 +334,9 @@ class LayerwiseOffloadManager:
                 if i not in resident:
                     pos -= 1
                 self._next_pos[i] = pos
-            slot_bytes = max((layers[i].nbytes for i in self._streamed), default=0)
+            # A source may need more than the layer's bytes in its slot (a gather fills whole shares).
+            slot_bytes = max((getattr(self._src[i], "slot_bytes", layers[i].nbytes) for i in self._streamed),
+                             default=0)
             self._ring = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
             self._slot_holder = [-1] * self.num_slots  # the layer whose copy was queued last into each slot
             self._busy = [0] * self.num_slots  # layers between their pre- and post-hook, per slot
@@ -414,6 +425,8 @@ class LayerwiseOffloadManager:
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
         contract.check_configurable(self.model, [self])
+        if self.split_fetch is not None:  # one collective: every rank of the group configures the same
+            stages.gather.attach([self], self.split_fetch, self.device)
         with contract.rollback_on_failure([(self.model, [self])]):
             self._initialize_layer_weights()
             contract.move_non_layer_weights(self.model, self.device)
@@ -787,7 +800,7 @@ class LayerwiseOffloadManager:
         pinned = bool(arena.pinned) if arena is not None else False
         if tier_stats and arena is not None:  # an arena left empty by a tier does not count
             pinned = (pinned or not arena.capacity) and all(t["pinned"] for t in tier_stats)
-        return {
+        out = {
             "group": self.layer_name,
             "device": str(self.device),
             "layers": self.num_layers,
@@ -812,6 +825,9 @@ class LayerwiseOffloadManager:
             "last_step": dict(last) if last is not None else None,
             "compress": tier_stats[0] if tier_stats else None,
         }
+        if self._split is not None:  # split fetch: its own figures (stages/gather.py)
+            out.update(self._split.stats())
+        return out
 
     # --------------------------------------------------------------- remove
     def _restore_parameters(self, original_devices: bool = False) -> None:

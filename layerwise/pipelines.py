@@ -46,7 +46,7 @@ from . import contract
 from .hostmem import PinBudget, pinnable_host_bytes
 from .hostplan import check_disk_options, plan_host_budget, resolve_host_budget
 from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
-from .configure import _prepare, configure_models, managers_of
+from .configure import _prepare, attach_split_fetch, configure_models, managers_of
 from .options import resolve_device, validate_compress, validate_depth
 from .plan import local_tensor
 from .report import report as model_report
@@ -60,7 +60,8 @@ DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_
 _STATE = "_layerwise_pipeline"
 REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
 _OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
-            "debug_copy_delay_us", "compress", "uses", "spill_dir", "disk_prefetch_depth", "debug_read_delay_us")
+            "debug_copy_delay_us", "compress", "uses", "spill_dir", "disk_prefetch_depth", "debug_read_delay_us",
+            "split_fetch")
 
 
 # ------------------------------------------------------------ components
@@ -364,7 +365,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     options: resident_layers, residency_policy, pin_memory ("auto" default,
         True: every arena pinned or an error, False: none), budget_margin,
         num_copy_streams, debug_copy_delay_us, compress, spill_dir, disk_prefetch_depth,
-        debug_read_delay_us as in configure_layerwise_offload,
+        debug_read_delay_us, split_fetch as in configure_layerwise_offload,
         and `uses`: {component: runs per request}, or a callable warm-up
         `uses(pipe)` whose runs are counted by the hooks (the pipeline is
         offloaded pageable for it, then offloaded again with the counts).
@@ -392,6 +393,7 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     if spill_dir is not None and host_budget is None:
         raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
                          "(bytes or 'auto'), or leave spill_dir out")
+    split_fetch = options.pop("split_fetch", None)
     if _STATE in getattr(pipe, "__dict__", {}):
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
                            "layerwise.remove_pipeline_offload(pipe) first")
@@ -427,6 +429,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
                         resident_layers)
     if host_budget is not None and spill_dir is not None:
         _plan_disk_tier(parts, dev, host_budget, spill_dir, disk_prefetch_depth)
+    # split_fetch: one collective over every group of every component (configure.attach_split_fetch)
+    attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
     for c in parts:
         for m in c.managers:
             if not m.enabled:

@@ -142,6 +142,16 @@ def _summary(r: dict) -> str:
         parts.append(f"compress='lossless': {c['layers']} layers kept encoded, {fmt_bytes(c['stored_bytes'])} "
                      f"for {fmt_bytes(c['raw_bytes'])} ({c['ratio']:.3f}x){raw}" if c["ratio"] is not None else
                      "compress='lossless': no layer to encode")
+    sf = r.get("split_fetch")
+    if sf:
+        text = (f"split fetch, rank {sf['rank']} of {sf['world']} ({sf['backend']}): holds "
+                f"{fmt_bytes(sf['share_bytes'])} of its {sf['split_layers']} split layers (host "
+                f"{fmt_bytes(sf['host_bytes'])}), in total copied {fmt_bytes(sf['bytes_local'])} locally and "
+                f"gathered {fmt_bytes(sf['bytes_gathered'])} in {sf['gathers']} all-gathers")
+        if sf["gather_s"] is not None:
+            text += (f"; waited {sf['copy_wait_s'] * 1e3:.1f} ms on local copies and {sf['gather_s'] * 1e3:.1f} ms "
+                     "in all-gathers")
+        parts.append(text)
     if r["sync_loads"]:
         n, last = r["sync_loads"], r["sync_loads_per_step"]
         where = f" ({last} in the last step)" if last is not None else ""
@@ -182,6 +192,7 @@ def _row(m, s: dict) -> dict:
         "disk": s.get("disk"),
         "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,
         "disk_wait_ms_per_step": last["read_wait_s"] * 1e3 if has and s.get("disk") else None,
+        "split_fetch": s.get("split_fetch"),  # stages/gather.py: shares, bytes copied locally / gathered, waits
     }
     row["summary"] = _summary(row)
     return row

@@ -13,15 +13,16 @@ import torch
 
 import layerwise
 
-from . import compress, disk, h2d, hooks, pipeline, report, scatter, startup, stream
+from . import compress, disk, h2d, hooks, pipeline, report, scatter, split, startup, stream
 from .common import Context, Skip, SuiteResult
 
-SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks, disk, pipeline, compress)}
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, startup, hooks, disk, pipeline, compress, split)}
 # Run only when named: it needs diffusers and transformers, and starts a fresh
 # interpreter per method (python -m layerwise.bench pipeline).
 # compress (python -m layerwise.bench compress) too, until the manager streams
 # compressed layers and the stream sweep can compare both.
-ON_REQUEST = {pipeline.NAME, compress.NAME}
+# split (python -m layerwise.bench split) starts N processes per method.
+ON_REQUEST = {pipeline.NAME, compress.NAME, split.NAME}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,7 +18,10 @@ a small module of this package:
     transfer.py   host arena -> device slot (the copy engine)
     decode.py     layers kept encoded (compress="lossless"): copy to device staging,
                   then decode into the slot (CodecTier, CodecSource)
+    gather.py     split fetch: this rank's share of a layer -> its part of the
+                  slot, then an all-gather over the ranks completes the slot
 """
+from . import gather
 from .decode import CodecSource, CodecTier
 from .disk import Deferred, DiskSource, DiskTier, SpillFile
 from .read import Read
@@ -26,4 +29,4 @@ from .source import ArenaSource
 from .transfer import Transfer
 
 __all__ = ["ArenaSource", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "Read", "SpillFile",
-           "Transfer"]
+           "Transfer", "gather"]

@@ -8,6 +8,8 @@ branch in the manager:
     nbytes          the layer's bytes in plan layout (what its slot receives)
     stored_bytes    the host memory it holds (its part of the arena)
     transfer_bytes  the bytes one fetch moves over the bus (stats' bytes_copied)
+    slot_bytes      the slot bytes its fetch writes (>= nbytes; a gather fills whole
+                    shares: gather.py); optional, nbytes where absent
     host            the plan-layout bytes as a host uint8 tensor that *is* the
                     truth (a write into it reaches the model), or None where the
                     truth is elsewhere (then read() gives a copy)
@@ -37,6 +39,7 @@ class ArenaSource:
         self.nbytes = block.numel()
         self.stored_bytes = block.numel()
         self.transfer_bytes = block.numel()
+        self.slot_bytes = block.numel()
         self.fetch = fetch
 
     @property

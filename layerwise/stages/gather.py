@@ -1,0 +1,572 @@
+"""gather: split fetch over torch.distributed (issue 16; DESIGN.md, "Tiers and stages").
+
+Ranks that run the same model in lockstep (sequence / context parallel
+inference: every rank holds the full weights and runs every layer) each keep
+only a contiguous share of every streamed layer's block in host memory and copy
+only that share over their own host link; an all-gather over the group then
+completes the layer in every rank's slot:
+
+    share (host, this rank's part of the layer)
+      -> transfer  copy engine: share -> this rank's part of the slot
+      -> gather    all_gather_single(slot, this rank's part)   (NCCL / gloo)
+
+Shares: ``share = round_up(ceil(nbytes / world), SHARE_ALIGN)``; rank r holds
+bytes ``[r * share, min((r + 1) * share, nbytes))`` of the plan-layout block
+(the last rank's may be shorter, a rank's may be empty for a tiny layer). The
+gather needs ``world * share`` bytes of slot, a little more than ``nbytes``:
+``ShareSource.slot_bytes`` tells the manager how large its ring slots must be.
+
+Ordering. A collective must be issued by every rank of the group in the same
+order. The manager's prefetch order is deterministic and its synchronous loads
+follow the layers called, so lockstep ranks issue the same gathers in the same
+order. Our collectives run on a private gloo group over the same ranks, made at
+configure, so they never interleave with the user's own collectives on their
+group (a sequence-parallel model's all-to-alls). On the CPU backend every
+collective of a group (the slot gathers and the host-side ones below) runs on
+one thread per group, in the order issued: a
+gather waits for its local copy there, then completes a host event
+(``_C.host_event``) that the compute waits on and that the next copy into the
+slot chains after, so no slot is overwritten while a gather into it is in
+flight. On CUDA the gather is issued from the hook on a dedicated stream that
+first waits (on the device) for the local copy's event; NCCL orders itself
+after that stream and the stream after NCCL, and an event recorded there is
+what the compute stream and the slot's next copy wait on: no host sync in the
+hot path (the CUDA path is written for NCCL and not run in CI: no GPU there).
+Host-side collectives go through the private gloo group.
+
+Which operations are collective (every rank of the group must call them, in the
+same order, or the others wait until ``timeout_s`` and raise):
+
+    configure_layerwise_offload / load_offloaded / offload_pipeline with
+        split_fetch (one all-gather validates the configuration on every rank)
+    every forward (the slot gathers): ranks run the same layers in the same order
+    state_dict()       a streamed layer's true bytes are gathered on the host
+    load_state_dict()  and peft merge/unmerge: the layer is gathered, edited and
+                       the edited bytes compared across ranks (a digest); ranks
+                       that loaded different values refuse on every rank, the
+                       model unchanged
+    remove_layerwise_offload()  gathers every layer to give back full parameters
+    a backward that needs a layer's weights again (rare: after its slot refilled)
+
+Non-collective (never issue a collective): stats(), report(), `.to(device)`,
+attribute access, hooks of resident layers.
+
+Not supported: DTensor (tensor-parallel) weights - each rank's weights differ
+already, there is nothing to split - refused at configure. An interrupt or an
+error on one rank only breaks lockstep: the other ranks' next collective times
+out (``timeout_s``) and raises; the group should then be torn down.
+
+Compression (issue 15) composes at the ``share`` step: a rank would encode its
+share when storing it and its local stage would become transfer -> decode into
+its part of the slot; the gather is unchanged. Not wired here.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import os
+import queue
+import threading
+import time
+import weakref
+
+import torch
+
+from .. import _native
+from ..plan import BLOCK_ALIGN, round_up
+
+SHARE_ALIGN = 512  # bytes: every rank's part of a slot starts 512-byte aligned (vectorised copies, NCCL)
+
+
+def default_timeout_s() -> float:
+    """Seconds a split-fetch collective may wait for the other ranks before it
+    raises (LAYERWISE_COLLECTIVE_TIMEOUT_S, default 300)."""
+    return float(os.environ.get("LAYERWISE_COLLECTIVE_TIMEOUT_S", "300"))
+
+
+def share_span(nbytes: int, rank: int, world: int) -> tuple[int, int, int]:
+    """(share, lo, hi): every rank's share size and this rank's byte range of a block."""
+    share = round_up(-(-nbytes // world), SHARE_ALIGN) if nbytes else 0
+    lo = min(rank * share, nbytes)
+    return share, lo, min(lo + share, nbytes)
+
+
+def split_layers(manager) -> frozenset:
+    """The layers split across ranks: every streamed (non-resident) layer with bytes.
+    A small function of its own, so that tiers can be combined (disk, compression)."""
+    resident = set(manager.resident)
+    return frozenset(lp.index for lp in manager.plan.layers if lp.index not in resident and lp.nbytes)
+
+
+def _gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+class SplitError(RuntimeError):
+    """A split-fetch collective failed or the ranks disagree."""
+
+
+# ------------------------------------------------------------------ the group
+class SplitGroup:
+    """One process group's split fetch: its rank and size, the timeout, the gloo
+    group for host-side collectives and (CPU) the thread that runs every
+    collective of the group in the order issued. Shared by the managers of one
+    configure call (several layer groups stream through the same ranks)."""
+
+    def __init__(self, pg, device: torch.device, timeout_s: float | None = None):
+        import torch.distributed as dist
+
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.world = dist.get_world_size(pg)
+        self.backend = str(dist.get_backend(pg)).lower()
+        self.device = device
+        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
+        self.gather_pg = pg  # the slot gathers (CPU: a private gloo group, made by make_private_groups)
+        self.host_pg = None  # host-side collectives: a private gloo group (make_private_groups)
+        self.stream = None  # CUDA: the gather stream
+        self._jobs: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._users = 0
+        self._lock = threading.Lock()
+        self.last_read = None  # (source id, version, full block): consecutive reads of one layer gather once
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    def make_private_groups(self) -> None:
+        """A gloo group of our own over the same ranks, so that our collectives never
+        interleave with the user's on their group (a sequence-parallel model's
+        all-to-alls): on CPU our thread issues them while the model computes, in an
+        order the user's code does not see. It carries the CPU slot gathers and the
+        host-side collectives; on CUDA the slot gathers stay on the NCCL group, issued
+        from the hooks in program order. Collective itself: attach() calls it on every
+        rank, right after validation."""
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.pg)
+        self.host_pg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+        else:
+            self.gather_pg = self.host_pg
+
+    def wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except RuntimeError as e:
+            raise SplitError(self._failed(what, e)) from None
+        if ok is False:
+            raise SplitError(self._failed(what, "timed out"))
+
+    def _failed(self, what: str, why) -> str:
+        return (f"layerwise split fetch: {what} failed on rank {self.rank} of {self.world}: {why}. Every rank of "
+                f"the split_fetch group must make the same calls in the same order (forward passes, state_dict, "
+                f"load_state_dict, remove_layerwise_offload); a rank that stopped, raised or fell out of lockstep "
+                f"leaves the others waiting until the timeout ({self.timeout_s:g} s, "
+                "LAYERWISE_COLLECTIVE_TIMEOUT_S). Tear the process group down and start again.")
+
+    # -- the CPU collective thread
+    def _run(self, jobs: queue.Queue) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            job()
+
+    def submit(self, job) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._jobs = queue.Queue()
+                self._thread = threading.Thread(target=self._run, args=(self._jobs,), daemon=True,
+                                                 name=f"layerwise-gather-r{self.rank}")
+                self._thread.start()
+                _LIVE.add(self)
+        self._jobs.put(job)
+
+    def call(self, fn):
+        """Run fn() after every collective issued so far (host-side collectives:
+        the same order as the slot gathers on every rank); its result or error."""
+        if self.device.type == "cuda":
+            return fn()  # host collectives have a gloo group of their own
+        done = threading.Event()
+        box = {}
+
+        def job():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            done.set()
+
+        self.submit(job)
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def acquire(self) -> None:
+        self._users += 1
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users <= 0:
+            self.stop()
+
+    def stop(self, join_s: float | None = None) -> None:
+        """End the thread once the collectives queued so far have run (or failed)."""
+        with self._lock:
+            thread, jobs, self._thread, self._jobs = self._thread, self._jobs, None, None
+        if thread is not None:
+            jobs.put(None)
+            if thread is not threading.current_thread():
+                thread.join(timeout=self.timeout_s if join_s is None else join_s)
+        self.last_read = None
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:  # the collective threads end before the interpreter does
+    for g in list(_LIVE):
+        g.stop(join_s=1.0)  # a daemon thread stuck on a peer that is gone must not hold up the exit
+
+
+# ------------------------------------------------------------ configure time
+def _digest(value) -> int:
+    h = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little", signed=True)
+
+
+_FIELDS = ("layer groups", "layers per group", "bytes per layer", "dtypes per layer", "resident layers",
+           "prefetch_depth", "split layers", "device type", "world size")
+
+
+def describe(managers, world: int, device: torch.device) -> list:
+    """What must match on every rank, field by field (see _FIELDS)."""
+    return [
+        [m.layer_name for m in managers],
+        [m.num_layers for m in managers],
+        [[lp.nbytes for lp in m.plan.layers] for m in managers],
+        [[(str(e.dtype), e.shape, e.stride, e.offset) for e in lp.params] for m in managers for lp in m.plan.layers],
+        [list(m.resident) for m in managers],
+        [m.prefetch_depth for m in managers],
+        [sorted(split_layers(m)) for m in managers],
+        device.type,
+        world,
+    ]
+
+
+def _summary(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def validate(group: SplitGroup, managers) -> None:
+    """ONE all-gather of every rank's configuration digests; raises the same
+    error on every rank (naming the fields that differ) if they disagree, and a
+    timeout error if a rank does not take part."""
+    desc = describe(managers, group.world, group.device)
+    # Per field its digest, then two readable figures: layers and managed bytes.
+    row = [_digest(v) for v in desc]
+    total = [sum(m.num_layers for m in managers), sum(m.plan.managed_bytes for m in managers)]
+    mine = torch.tensor(row + total, dtype=torch.int64)
+    dev = group.device if group.device.type == "cuda" else torch.device("cpu")
+    mine = mine.to(dev)
+    out = torch.empty(group.world * mine.numel(), dtype=torch.int64, device=dev)
+    work = _gather(out, mine, group.pg, async_op=True)
+    group.wait(work, "the configuration check at configure time (one all-gather)")
+    rows = out.view(group.world, -1).cpu().tolist()
+    bad = [k for k in range(len(_FIELDS)) if len({r[k] for r in rows}) > 1]
+    if not bad:
+        return
+    ranks_like_me = [r for r, row_r in enumerate(rows) if row_r == rows[group.rank]]
+    parts = []
+    for k in bad:
+        groups = {}
+        for r, row_r in enumerate(rows):
+            groups.setdefault(row_r[k], []).append(r)
+        parts.append(f"{_FIELDS[k]} (ranks grouped by value: {sorted(groups.values())}; here on rank "
+                     f"{group.rank}: {_summary(desc[k])})")
+    raise SplitError(
+        "layerwise split fetch: the ranks of the split_fetch group configure different models or settings, "
+        f"so they cannot share the layers' bytes: {'; '.join(parts)}. Per rank (layers, managed bytes): "
+        f"{[(r[-2], r[-1]) for r in rows]}. Every rank must configure the same model the same way (same "
+        "layer_names, prefetch_depth, resident_layers, dtypes). Rank(s) with this rank's configuration: "
+        f"{ranks_like_me}. Nothing was changed."
+    )
+
+
+def attach(managers, pg, device: torch.device, timeout_s: float | None = None) -> SplitGroup:
+    """Validate (one collective) and make every manager keep only this rank's
+    share of its split layers (set before packing). Raises, with nothing changed,
+    for DTensor weights, a backend that does not fit the device, or ranks that
+    disagree."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("split_fetch: torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group first (or pass split_fetch=None)")
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(f"split_fetch must be a torch.distributed ProcessGroup (dist.group.WORLD, or one from "
+                        f"dist.new_group) or None, got {type(pg).__name__}")
+    for m in managers:
+        for lp in m.plan.layers:
+            for e in lp.params:
+                if e.dspec is not None:
+                    raise ValueError(
+                        f"split_fetch: {e.qualname} is a DTensor (tensor-parallel weights): each rank holds its "
+                        "own shard already, there is no replicated layer to split. Pass split_fetch=None; split "
+                        "fetch is for ranks that hold the same full weights (sequence / context parallel).")
+    for m in managers:
+        if m._disk_layers:
+            raise ValueError(
+                f"split_fetch: layer group {m.layer_name!r} already keeps some layers in another tier (the disk "
+                "tier: host_budget / spill_dir); the two do not combine yet. Pass one of them.")
+    group = SplitGroup(pg, device, timeout_s)
+    want = {"cpu": "gloo", "cuda": "nccl"}[device.type]
+    if want not in group.backend:  # "gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl"
+        raise ValueError(f"split_fetch: streaming to {device} needs a {want} process group, got a "
+                         f"{group.backend} one (create it with dist.new_group(backend={want!r}))")
+    validate(group, managers)
+    group.make_private_groups()
+    for m in managers:
+        if not m.enabled:
+            continue
+        m._split = ShareStore(m, group)  # the manager's _choose_tiers hands it the split layers to keep
+    return group
+
+
+# -------------------------------------------------------------- the sources
+class ShareStore:
+    """A manager's shares: one host arena of this rank's parts of its split layers,
+    its ShareSources, and the split-fetch figures for stats()."""
+
+    name = "split_fetch"
+
+    def __init__(self, manager, group: SplitGroup):
+        self.group = group
+        self.layer_name = manager.layer_name
+        self.spans = {}
+        capacity = 0
+        for i in split_layers(manager):
+            nbytes = manager.plan.layers[i].nbytes
+            span = share_span(nbytes, group.rank, group.world)
+            self.spans[i] = span
+            capacity += round_up(span[2] - span[1], BLOCK_ALIGN)
+        self.capacity = capacity
+        self._arena = None
+        self._manager = weakref.ref(manager)
+        self.local_bytes = 0  # copied host -> this rank's part of a slot
+        self.gathered_bytes = 0  # received from the other ranks by the gathers
+        self.gathers = 0
+        self.copy_wait_s = 0.0  # the gather thread waiting for the local copies (CPU)
+        self.gather_s = 0.0  # time in the all-gathers (CPU)
+        self._open = 0  # sources kept and not closed yet
+        self._views = {}  # (slot address, bytes) -> the gather's view of the slot
+        self.last_gather = {}  # slot address -> the event of the last gather into it
+        group.acquire()
+        self._released = False
+
+    def keep(self, lp, scratch: torch.Tensor):
+        """The manager's `_store` hook: keep this rank's share of the packed layer."""
+        if self._arena is None:
+            m = self._manager()
+            cuda = m.device.type == "cuda"
+            self._arena = _native.HostArena(max(self.capacity, 1), pinned=m.pin_memory is not False, cuda=cuda,
+                                            device=m.device.index if cuda else -1)
+        share, lo, hi = self.spans[lp.index]
+        block = self._arena.allocate(max(hi - lo, 1), alignment=BLOCK_ALIGN)[: hi - lo]
+        block.copy_(scratch[lo:hi])
+        self._open += 1
+        return ShareSource(self, lp.index, lp.nbytes, block)
+
+    def slot_view(self, dst: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of dst's slot as a tensor with a version counter of its own:
+        a collective bumps its output's counter, which on the slot's own would read
+        as a user's in-place write (manager._check_slot_writes). One per slot and size."""
+        key = (dst.data_ptr(), nbytes)
+        view = self._views.get(key)
+        if view is None:
+            with torch.inference_mode(False):
+                view = torch.empty(0, dtype=torch.uint8, device=dst.device)
+                view.set_(dst.untyped_storage(), dst.storage_offset(), (nbytes,))
+            self._views[key] = view
+        return view
+
+    @property
+    def share_bytes(self) -> int:
+        return sum(hi - lo for _, lo, hi in self.spans.values())
+
+    def stats(self) -> dict:
+        cuda = self.group.device.type == "cuda"
+        return {self.name: {
+            "rank": self.group.rank, "world": self.group.world, "backend": self.group.backend,
+            "split_layers": len(self.spans),
+            "share_bytes": self.share_bytes,  # host bytes this rank holds for its split layers
+            "host_bytes": self._arena.capacity if self._arena is not None else 0,
+            "bytes_local": self.local_bytes, "bytes_gathered": self.gathered_bytes, "gathers": self.gathers,
+            # CUDA: waits happen on the device (events), not timed here
+            "copy_wait_s": None if cuda else self.copy_wait_s,
+            "gather_s": None if cuda else self.gather_s,
+        }}
+
+    def source_closed(self) -> None:
+        self._open -= 1
+        if self._open <= 0:
+            self.release()
+
+    def release(self) -> None:
+        """The manager is done with its shares: the group's thread ends with its last user."""
+        self._views = {}
+        self.last_gather = {}
+        if not self._released:
+            self._released = True
+            self.group.release()
+
+
+class ShareSource:
+    """A split layer's source (stages/source.py): this rank's share in host memory;
+    the full layer exists only in a slot after a gather, or on the host after a
+    collective read()."""
+
+    kind = "share"
+    host = None  # the truth is spread over the ranks
+    writable = True  # write() is collective: every rank writes its share of the same bytes
+
+    def __init__(self, store: ShareStore, index: int, nbytes: int, share_block: torch.Tensor):
+        self.store = store
+        self.group = store.group
+        self.index = index
+        self.nbytes = nbytes
+        self.share, self.lo, self.hi = share_span(nbytes, self.group.rank, self.group.world)
+        self.block = share_block  # host, bytes [lo, hi) of the layer
+        self.stored_bytes = self.hi - self.lo
+        self.transfer_bytes = self.hi - self.lo
+        self.slot_bytes = self.share * self.group.world  # >= nbytes: the gather fills whole shares
+        self._gen = 0  # bumped by write(); the same on every rank (writes are collective)
+
+    def version(self) -> int:
+        return self._gen
+
+    # -- the fetch: share -> this rank's part of the slot -> all-gather
+    def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
+        m = self.store._manager()
+        engine = m._engine
+        full = self.store.slot_view(dst, self.slot_bytes)
+        part = full[self.group.rank * self.share : (self.group.rank + 1) * self.share]
+        n = self.hi - self.lo
+        st = self.store
+        key = dst.data_ptr()
+        prev = st.last_gather.get(key)
+        if prev is not None and prev is not after:
+            # The manager forgot the slot's last event (a resync after an interrupt): a gather
+            # into the slot may still be in flight, and the local copy must not overtake it.
+            if engine.is_cuda:
+                stream = _native.current_stream_handle(m.device)
+                engine.wait(prev, stream)
+                after = engine.record(stream, False)
+            else:
+                try:
+                    prev.synchronize()
+                except Exception:  # noqa: BLE001 - a failed gather: the layer that waited on it raised
+                    pass
+        copied = engine.copy_async(part[:n], self.block, after, timing) if n else after
+        st.local_bytes += n
+        st.gathered_bytes += self.nbytes - n
+        st.gathers += 1
+        if engine.is_cuda:
+            done = st.last_gather[key] = self._gather_cuda(engine, full, part, copied, timing)
+            return done
+        done = st.last_gather[key] = _native._C.host_event()
+        group = self.group
+
+        def job():
+            try:
+                t0 = time.perf_counter()
+                if copied is not None:
+                    copied.synchronize()
+                t1 = time.perf_counter()
+                group.wait(_gather(full, part, group.gather_pg, async_op=True), f"the gather of {st.layer_name}[{i}]")
+                st.copy_wait_s += t1 - t0
+                st.gather_s += time.perf_counter() - t1
+                done.set()
+            except BaseException as e:  # noqa: BLE001 - the compute learns it from the event
+                done.fail(f"layerwise split fetch of layer {st.layer_name}[{i}] failed: {e}")
+
+        group.submit(job)
+        return done
+
+    def _gather_cuda(self, engine, full, part, copied, timing):
+        # Written for NCCL, not run in CI (no GPU): the gather stream waits on the
+        # local copy's event on the device; a blocking NCCL collective enqueues on its
+        # own stream after the current one (the gather stream) and makes the current
+        # stream wait for it, so the event recorded after it completes with the layer.
+        g = self.group.stream
+        if copied is not None:
+            engine.wait(copied, g.cuda_stream)
+        with torch.cuda.stream(g):
+            _gather(full, part, self.group.gather_pg, async_op=False)
+        return engine.record(g.cuda_stream, timing)
+
+    # -- the truth on the host (collective)
+    def _gather_host(self) -> torch.Tensor:
+        g = self.group
+        full = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        part = full[g.rank * self.share : (g.rank + 1) * self.share]
+        part[: self.hi - self.lo].copy_(self.block)
+        g.wait(_gather(full, part, g.host_pg, async_op=True),
+               f"reading layer {self.store.layer_name}[{self.index}] (state_dict, load_state_dict or remove)")
+        return full[: self.nbytes]
+
+    def read(self) -> torch.Tensor:
+        """The full layer on the host: COLLECTIVE (every rank must read it too)."""
+        g = self.group
+        last = g.last_read
+        if last is not None and last[0] is self and last[1] == self._gen:
+            return last[2]
+        block = g.call(self._gather_host)
+        g.last_read = (self, self._gen, block)
+        return block
+
+    def write(self, block: torch.Tensor) -> None:
+        """Keep this rank's share of `block`: COLLECTIVE. The ranks compare a digest
+        of `block` first; if they differ (different values loaded on different
+        ranks), every rank refuses and nothing changes."""
+        g = self.group
+        digest = hashlib.blake2b(block.numpy(), digest_size=16).digest()
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+
+        def compare():
+            out = torch.empty(16 * g.world, dtype=torch.uint8)
+            g.wait(_gather(out, mine, g.host_pg, async_op=True),
+                   f"comparing the new bytes of layer {self.store.layer_name}[{self.index}] across ranks")
+            return out.view(g.world, 16)
+
+        rows = g.call(compare)
+        if not all(torch.equal(rows[r], rows[0]) for r in range(g.world)):
+            same = [r for r in range(g.world) if torch.equal(rows[r], mine)]
+            raise SplitError(
+                f"layerwise split fetch: the ranks wrote different values into layer {self.store.layer_name}"
+                f"[{self.index}] (load_state_dict or an edit); ranks with this rank's values: {same}. With "
+                "split_fetch every rank holds the same weights: load the same state dict on every rank. "
+                "Nothing was changed.")
+        self.block.copy_(block[self.lo : self.hi])
+        self._gen += 1
+        g.last_read = (self, self._gen, block)  # the caller's fresh block: what every rank now holds
+
+    def close(self) -> None:
+        if self.block is None:
+            return
+        g = self.group
+        if g.last_read is not None and g.last_read[0] is self:
+            g.last_read = None
+        self.block = None
+        self.store.source_closed()
+

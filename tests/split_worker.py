@@ -1,0 +1,285 @@
+"""One rank of the split-fetch tests (tests/test_split_fetch.py): gloo ranks on
+CPU that stream the same model with split_fetch and check, on every rank, that
+outputs are bitwise equal to the resident model's (different inputs per rank),
+that each rank holds and reads about 1/N of the streamed bytes, and that
+mismatched configurations are refused on every rank without hanging.
+
+    python tests/split_worker.py RANK WORLD PORT TMPDIR
+"""
+import copy
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import layerwise
+from layerwise.stages import gather
+
+
+class Block(nn.Module):
+    def __init__(self, d, i):
+        super().__init__()
+        self.a = nn.Linear(d, 2 * d + 8 * i)  # layers of different sizes
+        self.b = nn.Linear(2 * d + 8 * i, d)
+        self.scale = nn.Parameter(torch.randn(d).to(torch.bfloat16))  # a second dtype per layer
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x))) * self.scale.float()
+
+
+class Net(nn.Module):
+    def __init__(self, d=48, n=6, m=3):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([Block(d, i) for i in range(n)])
+        self.extra = nn.ModuleList([Block(d, i) for i in range(m)])
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        for b in self.extra:
+            x = b(x)
+        return self.head(x)
+
+
+def check_outputs(model, reference, rank, steps=3):
+    torch.manual_seed(100 + rank)  # different inputs on every rank
+    xs = [torch.randn(3, 48) for _ in range(2)]
+    with torch.no_grad():
+        for _ in range(steps):
+            for x in xs:
+                out, ref = model(x), reference(x)
+                assert torch.equal(out, ref), (rank, (out - ref).abs().max().item())
+
+
+def streamed_bytes(m):
+    return sum(lp.nbytes for lp in m.plan.layers if lp.index not in set(m.resident))
+
+
+def all_sum(v):
+    t = torch.tensor([v], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def scenario_equal(rank, world, depth, resident, contract=True):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    managers = layerwise.configure_layerwise_offload(
+        model, ["blocks", "extra"], device="cpu", prefetch_depth=depth, resident_layers=resident,
+        debug_copy_delay_us=300, split_fetch=dist.group.WORLD)
+    check_outputs(model, reference, rank)
+    for m in managers:
+        s = m.stats()
+        sf = s["split_fetch"]
+        streamed = streamed_bytes(m)
+        n_split = sf["split_layers"]
+        assert n_split == m.num_layers - len(m.resident), (n_split, m.resident)
+        # ~1/N of the streamed bytes on this rank, and the ranks' shares add up to the layers exactly
+        assert abs(sf["share_bytes"] - streamed / world) <= n_split * gather.SHARE_ALIGN, (sf, streamed)
+        assert all_sum(sf["share_bytes"]) == streamed
+        assert sf["host_bytes"] <= sf["share_bytes"] + n_split * 4096
+        # the group's host memory: the resident layers' arena and this rank's shares, nothing more
+        resident_bytes = sum(m.plan.layers[i].nbytes for i in m.resident)
+        assert m._arena.capacity <= resident_bytes + len(m.resident) * 4096 + (0 if m.resident else 4096), s
+        assert s["arena_bytes"] == m._arena.capacity + sf["share_bytes"], s
+        # over the host link: this rank's shares only; the rest comes from the other ranks
+        assert sf["bytes_local"] >= s["bytes_copied"] and sf["bytes_local"] > 0, (s, sf)
+        assert sf["bytes_gathered"] >= (world - 1) * sf["bytes_local"] * 0.5, sf
+        assert s["sync_loads"] == 0 and sf["gathers"] > 0, s
+        assert sf["copy_wait_s"] is not None and sf["gather_s"] > 0
+    if not contract:
+        layerwise.remove_layerwise_offload(model)
+        return
+    summary = str(layerwise.report(model))
+    assert f"split fetch, rank {rank} of {world} (gloo)" in summary and "all-gathers" in summary, summary
+    # state_dict (collective): the true weights
+    sd = model.state_dict()
+    ref_sd = reference.state_dict()
+    assert sd.keys() == ref_sd.keys()
+    for k in sd:
+        assert torch.equal(sd[k].cpu(), ref_sd[k]), k
+    # load_state_dict with the same values on every rank: takes effect
+    new = {k: v.clone() for k, v in ref_sd.items()}
+    new["blocks.2.a.weight"] += 0.25
+    new["extra.1.scale"] += 1
+    model.load_state_dict(new)
+    reference.load_state_dict(new)
+    check_outputs(model, reference, rank, steps=1)
+    # different values on different ranks: refused on every rank, the true bytes unchanged
+    bad = {k: v.clone() for k, v in new.items()}
+    bad["blocks.3.b.weight"] += rank
+    try:
+        model.load_state_dict(bad)
+    except RuntimeError as e:
+        assert "ranks wrote different values" in str(e), e
+    else:
+        raise AssertionError("load_state_dict with different values per rank was not refused")
+    sd = model.state_dict()
+    for k in sd:
+        assert torch.equal(sd[k].cpu(), new[k]), k
+    try:
+        check_outputs(model, reference, rank, steps=1)
+    except RuntimeError as e:  # torch's own copy into the slot view is caught and discarded once
+        assert "in-place write" in str(e), e
+    check_outputs(model, reference, rank, steps=1)
+    layerwise.remove_layerwise_offload(model)
+    for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), k
+    assert not gather._LIVE or all(g._thread is None for g in gather._LIVE)
+
+
+def scenario_load(rank, world, tmp):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = Net()
+    path = os.path.join(tmp, f"ckpt-{world}.safetensors")
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    dist.barrier()
+    model = layerwise.empty_model(Net)
+    read = [0]
+    real = os.preadv
+
+    def counting(fd, buffers, offset, *a):
+        n = real(fd, buffers, offset, *a)
+        read[0] += n
+        return n
+
+    os.preadv = counting
+    try:
+        managers = layerwise.load_offloaded(model, path, ["blocks", "extra"], device="cpu", prefetch_depth=1,
+                                            resident_layers=1, split_fetch=dist.group.WORLD)
+    finally:
+        os.preadv = real
+    streamed = sum(streamed_bytes(m) for m in managers)
+    total = sum(v.numel() * v.element_size() for v in reference.state_dict().values())
+    rest = total - streamed  # non-layer and resident weights: every rank reads them
+    assert read[0] - rest <= streamed / world + 64 * 4 * 16, (read[0], rest, streamed)
+    assert read[0] - rest >= streamed / world - 64 * 4 * 16, (read[0], rest, streamed)
+    assert all_sum(read[0] - rest) <= streamed + 64 * world * 16 * 4
+    check_outputs(model, reference, rank)
+    layerwise.remove_layerwise_offload(model)
+    for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), k
+    # cast while reading (the bf16 scales become fp32): each rank casts only its share's elements
+    model = layerwise.empty_model(Net)
+    layerwise.load_offloaded(model, path, ["blocks", "extra"], device="cpu", dtype=torch.float32,
+                             split_fetch=dist.group.WORLD)
+    check_outputs(model, reference, rank, steps=1)  # forward computes scale.float(): the same values
+    layerwise.remove_layerwise_offload(model)
+
+
+def scenario_pipeline(rank, world):
+    class Holder:  # any object holding modules is a pipeline
+        def __init__(self):
+            torch.manual_seed(0)
+            self.net = Net()
+            self.post = nn.Linear(48, 8)
+
+        def __call__(self, x):
+            return self.post(self.net(x))
+
+    holder = Holder()
+    ref = Holder()
+    managers = layerwise.offload_pipeline(holder, device="cpu", split_fetch=dist.group.WORLD)
+    assert list(managers) == ["net"], managers
+    assert all("split_fetch" in m.stats() for m in managers["net"])
+    torch.manual_seed(100 + rank)
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(holder(x), ref(x))
+    layerwise.remove_pipeline_offload(holder)
+
+
+def expect_refused(rank, fn, words):
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError, OSError) as e:
+        assert all(w in str(e) for w in words), (rank, str(e))
+    else:
+        raise AssertionError(f"rank {rank}: not refused ({words})")
+
+
+def scenario_mismatch(rank, world):
+    torch.manual_seed(0)
+    model = Net(n=6 if rank == 0 else 5)  # rank 0 has one layer more
+    before = {k: (p, p.data.clone()) for k, p in model.named_parameters()}
+    expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
+        model, ["blocks", "extra"], device="cpu", split_fetch=dist.group.WORLD), ["layers per group", "Nothing"])
+    for k, p in model.named_parameters():
+        assert p is before[k][0] and torch.equal(p.data, before[k][1]), k
+    assert not layerwise.managers_of(model) if hasattr(layerwise, "managers_of") else True
+    # same model, a different prefetch depth on one rank
+    model = Net()
+    expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
+        model, "blocks", device="cpu", prefetch_depth=1 + (rank == world - 1), split_fetch=dist.group.WORLD),
+        ["prefetch_depth"])
+    # a different dtype on one rank
+    model = Net()
+    if rank == 1:
+        model.blocks[0].half()
+    expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
+        model, "blocks", device="cpu", split_fetch=dist.group.WORLD), ["dtypes per layer"])
+    # tensor-parallel (DTensor) weights: refused before any collective
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = Net()
+    model.blocks[0].a.weight = nn.Parameter(distribute_tensor(model.blocks[0].a.weight.data, mesh, [Replicate()]))
+    expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
+        model, "blocks", device="cpu", split_fetch=dist.group.WORLD), ["DTensor"])
+    # the manager on its own, matching: works
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    layerwise.LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_depth=2,
+                                      split_fetch=dist.group.WORLD)
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    layerwise.remove_layerwise_offload(model)
+    # a rank that skips a forward: the others' next gather fails with a clear error (no hang)
+    model = Net()
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+    if rank == 0:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            expect_refused(rank, lambda: model(x), ["split fetch of layer blocks[", "lockstep"])
+        assert time.perf_counter() - t0 < 30
+    # last: a rank that never configures: the others time out with a clear error (no hang)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(4)
+        return
+    t0 = time.perf_counter()
+    expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
+        Net(), "blocks", device="cpu", split_fetch=dist.group.WORLD), ["configuration check", "timeout"])
+    assert time.perf_counter() - t0 < 30
+
+
+def main(rank, world, port, tmp):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LAYERWISE_COLLECTIVE_TIMEOUT_S="2")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    t0 = time.perf_counter()
+    scenario_equal(rank, world, depth=1, resident=0)
+    scenario_equal(rank, world, depth=2, resident=2, contract=False)
+    scenario_load(rank, world, tmp)
+    scenario_pipeline(rank, world)
+    scenario_mismatch(rank, world)
+    print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
+    os._exit(0)  # the timed-out collective of the last check leaves the group unusable: no teardown
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,72 @@
+"""Split fetch over torch.distributed (layerwise/stages/gather.py): 2 and 3 gloo
+ranks on CPU, each holding and copying ~1/N of every streamed layer. The checks
+run inside the ranks (tests/split_worker.py); a rank that hangs fails the test
+at the timeout instead of blocking CI."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from layerwise.stages.gather import share_span
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_share_span_covers_the_block_once_aligned():
+    for nbytes in (1, 511, 512, 4096 + 3, 10_000, 1 << 20):
+        for world in (1, 2, 3, 4, 8):
+            spans = [share_span(nbytes, r, world) for r in range(world)]
+            share = spans[0][0]
+            assert share % 512 == 0 and share * world >= nbytes
+            assert spans[0][1] == 0 and spans[-1][2] == nbytes
+            for (_, lo, hi), (_, lo2, _) in zip(spans, spans[1:]):
+                assert lo <= hi == lo2  # contiguous, no overlap
+            assert all(lo % 512 == 0 or lo == hi == nbytes for _, lo, hi in spans)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_fetch_on_gloo_ranks(world, tmp_path):
+    worker = ROOT / "tests" / "split_worker.py"
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world), str(port), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [f"rank {r} (exit {p.returncode}):\n{err[-3000:]}" for r, (p, (out, err)) in enumerate(zip(procs, outs))
+              if p.returncode != 0 or f"rank {r} ok" not in out]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+def test_split_bench_suite_tiny():
+    import torch
+
+    from layerwise.bench import split
+    from layerwise.bench.common import Context
+
+    res = split.run(Context(torch.device("cpu"), "tiny", show_progress=False))
+    rows = {r.short: r for r in res.rows}
+    host = rows["host MiB per rank, split (2 ranks)"]
+    assert host.ratios["/all"] == pytest.approx(0.5, abs=0.02)  # each of 2 ranks holds half the layers
+    link = rows["host-link MiB/step/rank, split (2 ranks)"]
+    assert link.ratios["/all"] == pytest.approx(0.5, abs=0.02)
+    assert rows["GPU split fetch: not measured"].ours is None
+    assert rows["all-gather GB/s (2 ranks, gloo, CPU)"].ours > 0
+    assert res.data["runs"]["split"][0]["gathers"] > 0
