@@ -67,7 +67,8 @@ def budget(model, keep, depth=1, disk_depth=None, device="cpu", groups=("blocks"
     device the non-layer weights and the rings."""
     lb = layer_bytes(model) + 4096
     n = len(groups)
-    total = (max(disk_depth or 2, depth + 1) * (lb + 12 * 4096)) * n + lb + keep * lb
+    slots = disk_depth if disk_depth else max(2, depth + 1)  # staging slots (layerwise.hostplan.staging_slots)
+    total = (slots * (lb + 12 * 4096)) * n + lb + keep * lb
     if device == "cpu":
         managed = {id(p) for g in groups for p in getattr(model, g).parameters()}
         total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in managed)
