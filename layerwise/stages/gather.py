@@ -132,6 +132,7 @@ class SplitGroup:
         self._jobs: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._users = 0
+        self._closed = False  # close(): the private group is gone, no collective may be issued
         self._lock = threading.Lock()
         self.last_read = None  # (source id, version, full block): consecutive reads of one layer gather once
 
@@ -151,6 +152,7 @@ class SplitGroup:
 
         ranks = dist.get_process_group_ranks(self.pg)
         self.host_pg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+        _LIVE.add(self)  # close() destroys it at exit (_stop_all)
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
         else:
@@ -179,20 +181,26 @@ class SplitGroup:
                 return
             job()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SplitError(f"layerwise split fetch: rank {self.rank}'s split-fetch group was closed (its last "
+                             "layer group was removed, or the interpreter exits): no collective can run on it")
+
     def submit(self, job) -> None:
         with self._lock:
+            self._check_open()
             if self._thread is None:
                 self._jobs = queue.Queue()
                 self._thread = threading.Thread(target=self._run, args=(self._jobs,), daemon=True,
                                                  name=f"layerwise-gather-r{self.rank}")
                 self._thread.start()
-                _LIVE.add(self)
         self._jobs.put(job)
 
     def call(self, fn):
         """Run fn() after every collective issued so far (host-side collectives:
         the same order as the slot gathers on every rank); its result or error."""
         if self.device.type == "cuda":
+            self._check_open()
             return fn()  # host collectives have a gloo group of their own
         done = threading.Event()
         box = {}
@@ -216,26 +224,56 @@ class SplitGroup:
     def release(self) -> None:
         self._users -= 1
         if self._users <= 0:
-            self.stop()
+            self.stop()  # the private group stays until exit (_stop_all): destroyed, a new group over the
+            self.pg = None  # same ranks would take its hashed name and find its stale rendezvous keys
 
-    def stop(self, join_s: float | None = None) -> None:
-        """End the thread once the collectives queued so far have run (or failed)."""
+    def stop(self, join_s: float | None = None) -> bool:
+        """End the thread once the collectives queued so far have run (or failed);
+        False if it is still running after join_s (stuck in a collective)."""
         with self._lock:
             thread, jobs, self._thread, self._jobs = self._thread, self._jobs, None, None
+        ended = True
         if thread is not None:
             jobs.put(None)
             if thread is not threading.current_thread():
                 thread.join(timeout=self.timeout_s if join_s is None else join_s)
+                ended = not thread.is_alive()
         self.last_read = None
+        return ended
+
+    def close(self, join_s: float | None = None) -> None:
+        """At exit (_stop_all), before the interpreter finalises: end the thread, then destroy
+        the private gloo group and drop every reference to a process group, while the
+        interpreter is whole. A gloo group that outlives it (never destroyed, or kept
+        alive by a reference of ours after the user's destroy_process_group) keeps its
+        worker threads; one that drops its last work (which holds Python tensors)
+        during finalisation needs the GIL, is ended by the interpreter and aborts the
+        process (SIGABRT, "terminate called without an active exception").
+        Destroying the group joins its threads; gloo's teardown is local, not
+        collective. Not collective; nothing can be issued on the group afterwards."""
+        import torch.distributed as dist
+
+        if not self.stop(join_s):
+            return  # our thread is stuck in a collective on the group: leave the group be
+        with self._lock:
+            self._closed = True
+            host_pg, self.host_pg, self.gather_pg, self.pg = self.host_pg, None, None, None
+        _LIVE.discard(self)
+        if host_pg is not None:
+            try:
+                dist.destroy_process_group(host_pg)
+            except (ValueError, RuntimeError, AssertionError):
+                pass  # already gone: the user's destroy_process_group() destroyed every group
+        del host_pg  # the last reference: ~ProcessGroupGloo joins its threads (it releases the GIL)
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _stop_all() -> None:  # the collective threads end before the interpreter does
+def _stop_all() -> None:  # the collective threads and our private groups end before the interpreter does
     for g in list(_LIVE):
-        g.stop(join_s=1.0)  # a daemon thread stuck on a peer that is gone must not hold up the exit
+        g.close(join_s=1.0)  # a daemon thread stuck on a peer that is gone must not hold up the exit
 
 
 # ------------------------------------------------------------ configure time
