@@ -14,8 +14,9 @@ interleaved, medians of the step time:
   disk tier    load_offloaded(..., host_budget=B): most layers read from the
                checkpoint (O_DIRECT into pinned staging) at every step
 
-The read floor of a step is its disk bytes / the plain O_DIRECT sequential
-bandwidth measured by the disk suite in the same run.
+The read floor of a step is its disk bytes / the plain one-thread O_DIRECT
+sequential bandwidth measured by the disk suite in the same run (the reader
+keeps several reads in flight, which a disk may serve faster).
 """
 from __future__ import annotations
 
@@ -152,8 +153,8 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
         {"/in memory": ratio(times["disk tier"], times["in memory"]),
          **({"/read floor": ratio(times["disk tier"], floor)} if floor else {})},
         [], short=f"step, host_budget {pct:.0f}%",
-        note="read floor: the step's disk bytes at the plain O_DIRECT bandwidth of this run; no target (a disk-bound "
-             "step cannot beat the drive)",
+        note="read floor: the step's disk bytes at the plain one-thread O_DIRECT bandwidth of this run (the reader's "
+             "threads keep several reads in flight and can beat it); no target",
     )]
     if rss["disk tier"] is not None:
         r = rss["disk tier"]
