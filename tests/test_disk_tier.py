@@ -703,3 +703,38 @@ def test_numpy_and_tensor_numbers_are_numbers(disk_dir):
                                                      spill_dir=disk_dir, disk_prefetch_depth=np.int64(2))
         assert m._disk is not None and len(m._disk.slots) == 2
         layerwise.remove_layerwise_offload(model)
+
+
+def test_a_forked_child_neither_streams_nor_deletes_the_parents_spill_files(disk_dir):
+    """The child's forward raises (its copy threads are the parent's); its normal
+    exit (atexit hooks run) does not delete the spill files the parent streams from."""
+    script = textwrap.dedent(f"""
+        import glob, os, sys, torch
+        sys.path.insert(0, {HERE!r})
+        torch.set_num_threads(1)  # (OpenMP's pool does not survive fork: torch itself would hang in the child)
+        from test_disk_tier import make, budget, inputs
+        import layerwise
+        ref, model, x = make(), make(), inputs()[0]
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 1),
+                                              spill_dir={str(disk_dir)!r})
+        assert torch.equal(model(x), ref(x))
+        files = sorted(glob.glob({str(disk_dir)!r} + "/layerwise-*.spill"))
+        pid = os.fork()
+        if pid == 0:
+            try:
+                model(x)
+                print("child streamed", flush=True)
+            except RuntimeError as err:
+                print("child refused", "before fork()" in str(err), flush=True)
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+        assert sorted(glob.glob({str(disk_dir)!r} + "/layerwise-*.spill")) == files and files
+        for _ in range(2):
+            assert torch.equal(model(x), ref(x))
+        layerwise.remove_layerwise_offload(model)
+        print("parent ok", glob.glob({str(disk_dir)!r} + "/layerwise-*.spill"), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "child refused True" in out.stdout and "parent ok []" in out.stdout, out.stdout

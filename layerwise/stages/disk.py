@@ -98,19 +98,21 @@ class DiskFile:
 
 
 # ------------------------------------------------------------------ spill files
-_SPILLED: set[str] = set()
+_SPILLED: dict[str, int] = {}  # path -> the pid of the process that made it
 _SPILL_LOCK = threading.Lock()
 
 
 def _forget_spill(path: str) -> None:
     with _SPILL_LOCK:
-        _SPILLED.discard(path)
+        _SPILLED.pop(path, None)
 
 
 @atexit.register
 def _delete_spill_files() -> None:
+    """At exit: the spill files this process made (a forked child that exits must not
+    delete the files its parent still streams from)."""
     with _SPILL_LOCK:
-        paths = list(_SPILLED)
+        paths = [p for p, pid in _SPILLED.items() if pid == os.getpid()]
         _SPILLED.clear()
     for p in paths:
         try:
@@ -131,7 +133,7 @@ class SpillFile:
         self.path = os.path.join(spill_dir, f"layerwise-{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}.spill")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with _SPILL_LOCK:
-            _SPILLED.add(self.path)
+            _SPILLED[self.path] = os.getpid()
         self.fd = fd
         self.direct_fd = -1
         try:
