@@ -130,7 +130,6 @@ def test_random_copy_and_read_delays_change_nothing(disk_dir):
     xs = inputs(torch.float32, n=4)
     want = [ref(x) for x in xs]
     model = make(torch.float32, groups=2)
-    lb = layer_bytes(model)
     layerwise.configure_layerwise_offload(
         model, ["blocks", "more"], device="cpu", prefetch_depth=2, host_budget=budget(model, 3, 2, 3, groups=("blocks", "more")),
         spill_dir=disk_dir, debug_copy_delay_us=400, debug_read_delay_us=600, disk_prefetch_depth=3)
@@ -189,7 +188,6 @@ def test_failure_while_spilling_gives_everything_back(disk_dir, monkeypatch, fai
         return real(self, block)
 
     monkeypatch.setattr(disk_mod.SpillFile, "append", flaky)
-    lb = layer_bytes(model)
     try:
         layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 2),
                                               spill_dir=disk_dir)
@@ -227,7 +225,6 @@ def test_load_state_dict_into_spilled_layers(disk_dir):
     other = make(seed=7)
     xs = inputs()
     model = make()
-    lb = layer_bytes(model)
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 2),
                                                  spill_dir=disk_dir, debug_read_delay_us=300)
     assert sum(s.kind == "disk" for s in m._src) >= 4
@@ -246,7 +243,6 @@ def test_load_state_dict_into_spilled_layers(disk_dir):
 def test_backward_through_disk_layers(disk_dir):
     ref = make(torch.float32)
     model = make(torch.float32)
-    lb = layer_bytes(model)
     layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 1),
                                           spill_dir=disk_dir)
     x = torch.randn(4, 256, requires_grad=True)
@@ -261,7 +257,6 @@ def test_an_exception_inside_a_forward_leaves_the_next_one_exact(disk_dir):
     ref = make()
     xs = inputs()
     model = make()
-    lb = layer_bytes(model)
     layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=2,
                                           host_budget=budget(model, 2, 2), spill_dir=disk_dir,
                                           debug_read_delay_us=500)
@@ -291,7 +286,6 @@ def test_checkpoint_layers_stream_from_the_file(disk_dir, device, depth):
     ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
     xs = inputs()
     model = meta_model()
-    lb = layer_bytes(ref)
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device=device, prefetch_depth=depth,
                                     host_budget=budget(ref, 2, depth, device=device), debug_read_delay_us=200)
     disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
@@ -323,7 +317,6 @@ def test_checkpoint_with_spill_dir_is_writable_and_casts(disk_dir):
     ckpt = save_checkpoint(ref32, os.path.join(disk_dir, "model.safetensors"))
     ref = copy.deepcopy(ref32).to(torch.bfloat16)
     model = meta_model(torch.float32)
-    lb = layer_bytes(ref)
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", dtype=torch.bfloat16,
                                     host_budget=budget(ref, 2), spill_dir=disk_dir)
     assert sum(s.kind == "disk" for s in m._src) >= 4
@@ -360,7 +353,6 @@ def test_truncated_then_restored_checkpoint(disk_dir):
     original = open(ckpt, "rb").read()
     xs = inputs()
     model = meta_model()
-    lb = layer_bytes(ref)
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
     assert torch.equal(model(xs[0]), ref(xs[0]))
     with open(ckpt, "r+b") as f:
@@ -385,7 +377,6 @@ def test_modified_checkpoint_raises_until_restored(disk_dir):
     header = json.loads(original[8:8 + int.from_bytes(original[:8], "little")])
     base = 8 + int.from_bytes(original[:8], "little")
     model = meta_model()
-    lb = layer_bytes(ref)
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
     disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
     x = inputs()[0]
@@ -405,7 +396,6 @@ def test_modified_checkpoint_raises_until_restored(disk_dir):
 
 def test_deleted_spill_file_is_a_clear_error(disk_dir):
     model = make()
-    lb = layer_bytes(model)
     layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 1),
                                           spill_dir=disk_dir)
     x = inputs()[0]
@@ -426,7 +416,6 @@ def test_buffered_fallback_on_a_memory_file_system(device):
         ref = make()
         ckpt = save_checkpoint(ref, os.path.join(d, "model.safetensors"))
         model = meta_model()
-        lb = layer_bytes(ref)
         (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device=device,
                                         host_budget=budget(ref, 1, device=device))
         for x in inputs():
@@ -444,7 +433,6 @@ def test_refused_o_direct_falls_back(disk_dir, monkeypatch):
     ref = make()
     ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
     model = meta_model()
-    lb = layer_bytes(ref)
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
     for x in inputs():
         assert torch.equal(model(x), ref(x))
