@@ -12,7 +12,7 @@ from torch import nn
 from . import contract
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
-from .hostplan import check_disk_options, plan_host_budget
+from .hostplan import check_disk_options, plan_spill
 from .options import resolve_device, resolve_resident, validate_compress, validate_depth
 from .plan import resolve_group
 
@@ -91,9 +91,6 @@ def configure_layerwise_offload(
                              pin_memory, num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth,
                              debug_read_delay_us)
     check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
-    if spill_dir is not None and host_budget is None:
-        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
-                         "(bytes or 'auto'), or leave spill_dir out")
     contract.check_configurable(model, managers)
     if device_budget is not None:
         from .budget import apply_device_budget
@@ -101,27 +98,10 @@ def configure_layerwise_offload(
         apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
                             resident_layers)
     if host_budget is not None:
-        _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth)
+        held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+        plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth, held)
     attach_split_fetch(managers, split_fetch, dev)
     return _build(model, managers, dev)
-
-
-def _plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth) -> None:
-    """Choose the layers that go to spill files (an in-memory model's disk tier)."""
-    from .stages.disk import spill_store
-
-    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-    plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, held_bytes=held)
-    on_disk = sum(len(m._disk_layers) for m in managers)
-    if on_disk and spill_dir is None:
-        raise ValueError(
-            f"host_budget={host_budget!r} leaves {on_disk} layer(s) out of host memory, and an in-memory model "
-            "has no file to stream them from: pass spill_dir=<a directory on a local disk> (they are written "
-            "there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
-        )
-    for m in managers:
-        if m._disk_layers:
-            m._disk_store = spill_store(m, spill_dir)
 
 
 def attach_split_fetch(managers, split_fetch, dev) -> None:

@@ -64,6 +64,10 @@ def _number(x):
 
 
 def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> None:
+    """The disk tier's arguments, checked before anything changes."""
+    if spill_dir is not None and host_budget is None:
+        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
+                         "(bytes or 'auto'), or leave spill_dir out")
     if host_budget is not None and host_budget != "auto":
         resolve_host_budget(host_budget)
     if disk_prefetch_depth is not None:
@@ -93,6 +97,24 @@ def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
     runs start anywhere in a page)."""
     pad = (lambda i: 0) if spill else (lambda i: 2 * PAGE * (len(manager.plan.layers[i].params) + 1))
     return max((round_up(manager.plan.layers[i].nbytes, PAGE) + pad(i) for i in layers), default=0)
+
+
+def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_depth, held_bytes: int) -> None:
+    """An in-memory model's (or pipeline's) disk tier: plan against the budget, then
+    the layers that do not fit go to spill files in `spill_dir` as they are packed."""
+    from .stages.disk import spill_store
+
+    plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes)
+    on_disk = sum(len(m._disk_layers) for m in managers)
+    if on_disk and spill_dir is None:
+        raise ValueError(
+            f"host_budget={host_budget!r} leaves {on_disk} layer(s) out of host memory, and an in-memory model "
+            "has no file to stream them from: pass spill_dir=<a directory on a local disk> (they are written "
+            "there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
+        )
+    for m in managers:
+        if m._disk_layers:
+            m._disk_store = spill_store(m, spill_dir)
 
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,

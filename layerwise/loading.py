@@ -615,10 +615,6 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
 
     check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
-    if spill_dir is not None and host_budget is None:
-        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
-                         "(bytes or 'auto'), or leave spill_dir out")
-
     def prepare():
         return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
                         num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth, debug_read_delay_us)

@@ -161,7 +161,7 @@ class LayerwiseOffloadManager:
         each split layer; with compress="lossless" the codec keeps the other
         streamed layers encoded (split and disk layers travel raw)."""
         self._tiers = []
-        disk = frozenset(self._disk_layers)
+        disk = self._disk_layers
         split = frozenset(self._split.spans) if self._split is not None else frozenset()
         codec: frozenset = frozenset()
         tier = None
@@ -407,20 +407,18 @@ class LayerwiseOffloadManager:
         from .hostplan import staging_slots
 
         srcs = [self._src[i] for i in self._disk_order]
-        slot_bytes = max(max((off + n for p in src.parts for _, n, off in p.extents), default=0) for src in srcs)
         self._disk = stages.DiskTier(
-            self._engine, staging_slots(self, self.disk_prefetch_depth), slot_bytes, self.device,
-            pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
+            self._engine, staging_slots(self, self.disk_prefetch_depth), max(src.staging_size for src in srcs),
+            self.device, pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
         for src in srcs:
             src.tier = self._disk
-        self._disk_pos = {i: k for k, i in enumerate(self._disk_order)}
-
-    def _upcoming_disk(self, i: int):
-        """The disk layers streamed after layer i, in order (wrapping around)."""
-        order = self._disk_order
-        k = bisect.bisect_right(order, i)
-        n = len(self._disk.slots)
-        return [self._src[order[(k + j) % len(order)]] for j in range(min(n, len(order)))]
+        # The disk layers streamed after layer i, in order (wrapping around), as many as
+        # there are staging slots: what the hooks read ahead, fixed once here.
+        n = min(len(self._disk.slots), len(srcs))
+        self._upcoming_disk = []
+        for i in range(self.num_layers):
+            k = bisect.bisect_right(self._disk_order, i)
+            self._upcoming_disk.append([srcs[(k + j) % len(srcs)] for j in range(n)])
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
@@ -561,7 +559,7 @@ class LayerwiseOffloadManager:
             mgr, pos = mgr.next_manager, 0
         if self._disk is not None:
             self._dirty = True  # reads queued and not recorded yet: an interrupt makes the next hook resync
-            self._disk.read_ahead(self._upcoming_disk(i))
+            self._disk.read_ahead(self._upcoming_disk[i])
             self._dirty = False
 
     def _check_slot_writes(self, s: int) -> None:

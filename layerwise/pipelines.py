@@ -44,7 +44,7 @@ from torch import nn
 
 from . import contract
 from .hostmem import PinBudget, pinnable_host_bytes
-from .hostplan import check_disk_options, plan_host_budget, resolve_host_budget
+from .hostplan import check_disk_options, plan_spill, resolve_host_budget
 from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
 from .configure import _prepare, attach_split_fetch, configure_models, managers_of
 from .options import resolve_device, validate_compress, validate_depth
@@ -390,9 +390,6 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     disk_prefetch_depth = options.pop("disk_prefetch_depth", None)
     debug_read_delay_us = options.pop("debug_read_delay_us", None)
     check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
-    if spill_dir is not None and host_budget is None:
-        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
-                         "(bytes or 'auto'), or leave spill_dir out")
     split_fetch = options.pop("split_fetch", None)
     if _STATE in getattr(pipe, "__dict__", {}):
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
@@ -428,7 +425,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
                         resident_layers)
     if host_budget is not None and spill_dir is not None:
-        _plan_disk_tier(parts, dev, host_budget, spill_dir, disk_prefetch_depth)
+        plan_spill([c.module for c in parts], [m for c in parts for m in c.managers], dev, host_budget, spill_dir,
+                   disk_prefetch_depth, _held_bytes(parts))
     # split_fetch: one collective over every group of every component (configure.attach_split_fetch)
     attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
     for c in parts:
@@ -472,19 +470,6 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
              "none" if budget is None else fmt_bytes(budget.bytes), "no limit" if budget is None else budget.source,
              pinned or "nothing")
     return {c.name: list(c.managers) for c in parts if c.managers}
-
-
-def _plan_disk_tier(parts, dev, host_budget, spill_dir, disk_prefetch_depth) -> None:
-    """host_budget with spill_dir: the layers that do not fit (over every
-    component, spread evenly) go to spill files (layerwise.hostplan)."""
-    from .stages.disk import spill_store
-
-    managers = [m for c in parts for m in c.managers]
-    plan_host_budget([c.module for c in parts], managers, dev, host_budget, disk_prefetch_depth,
-                     held_bytes=_held_bytes(parts))
-    for m in managers:
-        if m._disk_layers:
-            m._disk_store = spill_store(m, spill_dir)
 
 
 def _held_bytes(parts: list[Component]) -> int:

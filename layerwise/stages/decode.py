@@ -82,7 +82,7 @@ class _State:
     block: torch.Tensor  # host uint8: the encoded pieces, or the raw layer (pieces None)
     pieces: tuple | None
     version: int
-    arena: object = None  # the HostArena the block lives in (pin_error)
+    spans: tuple = ()  # (enc_off, enc_n, dst_off, dst_n) per piece, as the CPU decode job takes them
 
 
 def _round16(n: int) -> int:
@@ -203,7 +203,7 @@ class CodecTier:
                     _native.warn_unpinned(arena, f"layer group {self.group!r} (encoded layers)")
         block = arena.allocate(max(src.numel(), 1), alignment=BLOCK_ALIGN)[: src.numel()]
         block.copy_(src)
-        return block, arena
+        return block  # (it keeps its arena's mapping alive)
 
     def keep(self, lp, block: torch.Tensor, version: int) -> _State:
         """Encode the layer's plan-layout bytes `block` and keep the result (or the
@@ -219,8 +219,10 @@ class CodecTier:
 
             pieces = [Piece(p.enc_off, p.enc_n, p.dst_off, p.dst_n, p.dtype,
                             parse_header(enc[p.enc_off : p.enc_off + p.enc_n], p.enc_n)) for p in pieces]
-        host, arena = self._host_block(enc)
-        return _State(host, None if pieces is None else tuple(pieces), version, arena)
+        host = self._host_block(enc)
+        if pieces is None:
+            return _State(host, None, version)
+        return _State(host, tuple(pieces), version, tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces))
 
     def store(self, lp, scratch: torch.Tensor) -> CodecSource:
         """The manager's `_store` hook: layer `lp`, packed into `scratch`, kept encoded."""
@@ -261,8 +263,7 @@ class CodecTier:
         if engine.is_cuda:
             ev, start = self._decode_cuda(staging, dst, state.pieces, copy_ev, after, timing)
         else:
-            pieces = [(p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in state.pieces]
-            ev = engine.decode_async(dst, staging, pieces, copy_ev, after, timing)
+            ev = engine.decode_async(dst, staging, state.spans, copy_ev, after, timing)
             start = None
         # The copy's event is held until staging k is reused: it keeps the host block
         # it reads alive (a write() may replace the block while the copy is in flight).

@@ -68,6 +68,13 @@ class DiskFile:
         self.gen = 0
         self.failed = False
 
+    @classmethod
+    def unopened(cls, path: str) -> DiskFile:
+        """An owned file that was never opened for reading: close() only deletes it."""
+        f = cls.__new__(cls)
+        f.path, f.check_layout, f.owned, f.of, f.gen, f.failed = path, None, True, None, 0, False
+        return f
+
     def revalidate(self, reader: Reader) -> None:
         """Reopen after a failed read: the file must be back (same layout)."""
         try:
@@ -88,7 +95,8 @@ class DiskFile:
         self.failed = False
 
     def close(self, reader: Reader | None = None) -> None:
-        self.of.close(reader)
+        if self.of is not None:
+            self.of.close(reader)
         if self.owned:
             _forget_spill(self.path)
             try:
@@ -136,6 +144,7 @@ class SpillFile:
             _SPILLED[self.path] = os.getpid()
         self.fd = fd
         self.direct_fd = -1
+        self.file: DiskFile | None = None
         try:
             self.direct_fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError:  # tmpfs and others: buffered writes
@@ -179,7 +188,7 @@ class SpillFile:
 
     def refresh(self) -> None:
         """After a write of our own: record the file's new size and mtime."""
-        if self.fd < 0 or getattr(self, "file", None) is None:
+        if self.fd < 0 or self.file is None:
             return
         st = os.fstat(self.fd)
         self.file.of.size, self.file.of.mtime_ns, self.file.of.ctime_ns = st.st_size, st.st_mtime_ns, st.st_ctime_ns
@@ -190,14 +199,7 @@ class SpillFile:
             if fd >= 0:
                 os.close(fd)
         self.direct_fd = self.fd = -1
-        if getattr(self, "file", None) is not None:
-            self.file.close(reader)
-        else:
-            _forget_spill(self.path)
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        (self.file or DiskFile.unopened(self.path)).close(reader)
 
 
 # --------------------------------------------------------------------- the tier
@@ -283,9 +285,7 @@ class DiskTier:
                              debug_delay_us=-1 if debug_read_delay_us is None else debug_read_delay_us)
         self.slots = [_Slot(aligned_staging(slot_bytes, pinned=pinned, device=device.index if cuda else -1))
                       for _ in range(max(1, num_slots))]
-        self.slot_bytes = slot_bytes
         self.pending: list[Deferred] = []
-        self.order: list = []  # disk sources in the order the manager streams them (read-ahead)
         self._clock = 0
         # figures
         self.bytes_read = 0
@@ -299,9 +299,20 @@ class DiskTier:
         return sum(s.buf.numel() for s in self.slots)
 
     # ------------------------------------------------------------ staging
-    def _free_slot(self, protect=()):
+    @staticmethod
+    def _settle(d: Deferred | None) -> None:
+        """Issue a pending copy (blocking on its read) so that its slot may be reused;
+        a failed read stays with the Deferred, raised where its layer is needed."""
+        if d is not None:
+            try:
+                d.resolve()
+            except Exception:
+                pass
+
+    def _free_slot(self, protect=()) -> int:
         """A slot to read into: one holding nothing, else the least recently used
-        one whose bytes are not wanted (a pending copy is issued first)."""
+        one whose bytes are not wanted (`protect`), else the least recently used
+        of all; a copy still pending out of it is issued first."""
         best = None
         for k, s in enumerate(self.slots):
             if s.src is None and s.pending is None:
@@ -310,32 +321,24 @@ class DiskTier:
                 continue
             if best is None or (s.pending is None, -s.used) > (self.slots[best].pending is None, -self.slots[best].used):
                 best = k
-        if best is None:
-            return None
-        s = self.slots[best]
-        if s.pending is not None:
-            try:
-                s.pending.resolve()
-            except Exception:
-                pass  # its layer raises when it is needed
+        if best is None:  # every slot's bytes are wanted: take the least recently used anyway
+            best = min(range(len(self.slots)), key=lambda j: self.slots[j].used)
+        self._settle(self.slots[best].pending)
         return best
+
+    def _staged(self, src) -> bool:
+        """A slot holds (or is reading) src's current bytes."""
+        k = src.slot
+        return k is not None and self.slots[k].src is src and self.slots[k].version == src.version()
 
     def stage(self, src, protect=()) -> int:
         """The staging slot that holds (or is reading) `src`'s current bytes;
         queues the read if none does."""
-        k = src.slot
-        if k is not None and self.slots[k].src is src and self.slots[k].version == src.version():
-            return k
+        if self._staged(src):
+            return src.slot
         if src.file_failed():
             src.recover(self)
         k = self._free_slot(protect)
-        if k is None:  # every slot's bytes are wanted: take the least recently used anyway
-            k = min(range(len(self.slots)), key=lambda j: self.slots[j].used)
-            if self.slots[k].pending is not None:
-                try:
-                    self.slots[k].pending.resolve()
-                except Exception:
-                    pass
         s = self.slots[k]
         if s.src is not None and s.src.slot == k:
             s.src.slot = None
@@ -356,10 +359,7 @@ class DiskTier:
         k = self.stage(src)
         s = self.slots[k]
         if s.pending is not None:  # an earlier copy out of this slot, not issued yet: issue it first
-            try:
-                s.pending.resolve()
-            except Exception:
-                pass  # its layer raises where it is needed
+            self._settle(s.pending)
             k = self.stage(src)  # (a failed read freed the slot)
             s = self.slots[k]
         d = Deferred(self, src, k, dst, after, timing)
@@ -400,10 +400,9 @@ class DiskTier:
             if ms >= 0:
                 self.read_s += ms / 1e3
                 self.timed_bytes += d.src.read_bytes / len(s.reads)
-        d.src.read_ok()
         after = d.after
         ev = None
-        for n, (soff, poff, length) in enumerate(d.src.copies):
+        for soff, poff, length in d.src.copies:
             ev = self.engine.copy_async(d.dst[poff:poff + length], s.buf[soff:soff + length], after, d.timing)
             d.copies.append(ev)
             after = ev
@@ -418,38 +417,26 @@ class DiskTier:
         """Issue the copies of reads that have finished, without blocking."""
         for d in list(self.pending):
             if d.ev is None and d.error is None and d.ready():
-                try:
-                    d.resolve()
-                except Exception:
-                    pass  # kept in d.error: raised where the layer is needed
+                self._settle(d)
 
     def read_ahead(self, upcoming) -> None:
         """Queue reads of the next disk layers (`upcoming`, in order) while slots
         hold nothing that is wanted sooner."""
-        upcoming = list(upcoming)[: len(self.slots)]
+        upcoming = upcoming[: len(self.slots)]
         want = set(upcoming)
         for src in upcoming:
-            k = src.slot
-            if k is not None and self.slots[k].src is src and self.slots[k].version == src.version():
+            if self._staged(src):
                 continue
             if src.file_failed():
                 return  # its recovery happens where it is needed
-            free = None
-            for j, s in enumerate(self.slots):
-                if s.pending is None and (s.src is None or s.src not in want):
-                    if free is None or s.used < self.slots[free].used:
-                        free = j
-            if free is None:
-                return
+            if not any(s.pending is None and (s.src is None or s.src not in want) for s in self.slots):
+                return  # every slot holds bytes wanted sooner
             self.stage(src, protect=want)
 
     def flush(self) -> None:
         """Issue every pending copy (blocking on its read); errors stay with their Deferred."""
         for d in list(self.pending):
-            try:
-                d.resolve()
-            except Exception:
-                pass
+            self._settle(d)
 
     def forget(self) -> None:
         """Wait for every read and drop what the slots hold (after an interrupt)."""
@@ -531,9 +518,6 @@ class DiskSource:
         for p in self.parts:
             p.file.failed = True
 
-    def read_ok(self) -> None:
-        pass
-
     def recover(self, tier: DiskTier) -> None:
         """After a failed read: reopen the files, then check this layer's bytes
         against the CRC taken at load, once per reopening."""
@@ -553,9 +537,13 @@ class DiskSource:
             self.verified[id(p.file)] = p.file.gen
 
     # --------------------------------------------------------- the contract
+    @property
+    def staging_size(self) -> int:
+        """The staging bytes its extents need (their staging layout's end)."""
+        return max((off + length for p in self.parts for _, length, off in p.extents), default=0)
+
     def _read_sync(self, reader: Reader) -> torch.Tensor:
-        size = max((off + length for p in self.parts for _, length, off in p.extents), default=0)
-        staging = aligned_staging(size, pinned=False)
+        staging = aligned_staging(self.staging_size, pinned=False)
         evs = [read_layer(reader, p.file.of, p.extents, staging) for p in self.parts]
         for ev in evs:
             ev.synchronize()

@@ -99,11 +99,15 @@ def split_layers(manager) -> frozenset:
     return frozenset(lp.index for lp in manager.plan.layers if lp.index not in resident and lp.nbytes)
 
 
-def _gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
-    import torch.distributed as dist
+_ALL_GATHER = []  # the all-gather into one tensor this torch has, looked up once
 
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+
+def _gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    if not _ALL_GATHER:
+        import torch.distributed as dist
+
+        _ALL_GATHER.append(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+    return _ALL_GATHER[0](out, inp, group=group, async_op=async_op)
 
 
 class SplitError(RuntimeError):
