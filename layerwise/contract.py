@@ -398,7 +398,7 @@ def _refuse_read_only(manager, inner):
             return
         for rel, i in inner:
             if prefix + rel in state_dict:
-                manager._src[i].write(None)  # raises, naming the file and the way out
+                manager._src[i].refuse_write()  # names the file and the way out
 
     return hook
 
@@ -513,7 +513,7 @@ def editing(manager, i: int):
     s = manager._slot_of[i]
     with manager._lock, torch.no_grad():
         if s >= 0 and not manager._src[i].writable:
-            manager._src[i].write(None)  # refused before the body runs: names the file and the way out
+            manager._src[i].refuse_write()  # refused before the body runs: names the file and the way out
         if s >= 0:
             if manager._dirty:
                 manager._resync()

@@ -560,13 +560,17 @@ class DiskSource:
         block = self._read_sync(reader)
         return block
 
-    def write(self, block: torch.Tensor) -> None:
+    def refuse_write(self) -> None:
+        """Raise the error that says why this layer cannot be written (a checkpoint file)."""
         if self.spill is None:
             raise RuntimeError(
                 f"layerwise: {self.what} streams from the checkpoint file {self.parts[0].file.path}, which "
                 "layerwise does not write. Give load_offloaded a spill_dir= (layers kept on disk then live in spill "
                 "files of their own, which can be changed), or a host_budget that holds the layer."
             )
+
+    def write(self, block: torch.Tensor) -> None:
+        self.refuse_write()
         if block.numel() != self.nbytes:
             raise ValueError(f"layerwise: {self.what}: {block.numel()} bytes given for a {self.nbytes}-byte layer")
         tier = self.tier

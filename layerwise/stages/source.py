@@ -19,7 +19,8 @@ branch in the manager:
                     nbytes); raises, naming why and what to do, where the source
                     cannot be written (a checkpoint file that is not ours)
     writable        False where write() always refuses (checked before a
-                    load_state_dict changes anything)
+                    load_state_dict changes anything); such a source has
+                    refuse_write(), which raises the error write() would
     fetch           the stage that brings the bytes to a slot (stages/__init__.py)
     close()         drop what it holds (files, staging); called by remove()
 """
