@@ -227,12 +227,13 @@ def _log_summary(model, managers, dev) -> None:
 
 def remove_layerwise_offload(model: nn.Module) -> nn.Module:
     """Undo configure_layerwise_offload: ordinary parameters on the device, no hooks,
-    ring and arena freed. Returns the model."""
+    ring and arena freed. Returns the model.
+
+    Transactional: every weight is read back first, and only then is anything
+    changed. If that fails (a checkpoint or spill file gone: the error names it) or
+    is interrupted, the model still streams exactly; call it again to finish."""
     managers = managers_of(model)
     if not managers:
         raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
-    with contract.removing(model):
-        for m in managers:
-            m.remove()
-        contract.detach(model)
+    contract.remove_models([(model, managers)])
     return model

@@ -78,7 +78,7 @@ def detach(model: nn.Module) -> None:
     for h in model.__dict__.pop(_HANDLES, []):
         h.remove()
     for mod in model.modules():
-        for attr in ("_apply", "__deepcopy__", "__reduce_ex__"):
+        for attr in ("_apply", "__deepcopy__", "__reduce_ex__", "_save_to_state_dict"):
             if getattr(mod.__dict__.get(attr), "_layerwise", False):
                 del mod.__dict__[attr]
     model.__dict__.pop(_MANAGERS, None)
@@ -244,20 +244,41 @@ def removing(model: nn.Module):
     lock = model_lock(model)
     forwards = model.__dict__.get(_FORWARDS)
     with lock:
-        if forwards is not None:
-            forwards["removing"] = True
-            me = threading.get_ident()
-            while any(t != me for t in forwards["threads"]):
-                forwards["cond"].wait(timeout=60)  # (a thread that died mid-forward cannot end it)
-                if any(t != me for t in forwards["threads"]) and not _threads_alive(forwards["threads"], me):
-                    break
         try:
+            if forwards is not None:
+                forwards["removing"] = True
+                me = threading.get_ident()
+                while any(t != me for t in forwards["threads"]):
+                    forwards["cond"].wait(timeout=60)  # (a thread that died mid-forward cannot end it)
+                    if any(t != me for t in forwards["threads"]) and not _threads_alive(forwards["threads"], me):
+                        break
             yield
         finally:
             if forwards is not None:
                 forwards["removing"] = False
-                forwards["threads"].clear()
                 forwards["cond"].notify_all()
+
+
+def remove_models(parts, original_devices: bool = False, finish=None) -> None:
+    """Remove the offload of several models as one transaction ([(model, managers)]).
+
+    Phase one builds every parameter's ordinary tensor and changes nothing: if it
+    fails (a layer that cannot be read, no memory) or is interrupted, every model
+    still streams exactly and the removal can be called again. Phase two rebinds
+    and releases, with Ctrl-C held back, and `finish()` runs inside it. Forwards
+    and state_dict() calls on other threads end first; ones that start meanwhile
+    wait and then run on the plain model."""
+    with contextlib.ExitStack() as held:
+        for model, _ in parts:
+            held.enter_context(removing(model))
+        prepared = [[(m, m._prepare_removal(original_devices)) for m in managers] for _, managers in parts]
+        with defer_interrupts():
+            for (model, _), group in zip(parts, prepared):
+                for m, p in group:
+                    m._commit_removal(p)
+                detach(model)
+            if finish is not None:
+                finish()
 
 
 def _threads_alive(threads, me) -> bool:
@@ -363,7 +384,7 @@ def install_layer_hooks(manager) -> list:
     parameters, and peft merge guards in every streamed layer."""
     handles = []
     for mod, owned in _owned(manager).items():
-        handles.append(mod.register_state_dict_post_hook(_state_dict_hook(manager, owned)))
+        handles.append(_guard_save(mod, manager, owned))
         handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
         handles.append(mod.register_load_state_dict_post_hook(_load_post_hook(manager)))
     for i in manager._streamed:
@@ -410,6 +431,24 @@ def _host_alias(e, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     share one storage under several dtypes as shared or refuse it."""
     raw = torch.from_numpy(block.numpy()[e.offset : e.offset + e.span_bytes])
     return torch.as_strided(raw.view(e.dtype), e.shape, e.stride), raw
+
+
+def _guard_save(mod, manager, owned):
+    """state_dict() of a module that holds streamed parameters: what torch (or the
+    module's library) saves and the true bytes that replace its slot views, both under
+    the model's lock, so that a removal on another thread happens wholly before or
+    wholly after a module's entries are taken, never in between."""
+    original = mod._save_to_state_dict  # bound: the class's, or a library's override
+    fix = _state_dict_hook(manager, owned)
+
+    def _save_to_state_dict(destination, prefix, keep_vars):
+        with manager._lock:
+            original(destination, prefix, keep_vars)
+            fix(mod, destination, prefix, None)
+
+    _save_to_state_dict._layerwise = True
+    mod.__dict__["_save_to_state_dict"] = _save_to_state_dict
+    return _Unwrap(mod, ("_save_to_state_dict",))
 
 
 def _state_dict_hook(manager, owned):
@@ -463,10 +502,10 @@ def arena_written(manager, i: int) -> None:
 
 def _load_pre_hook(manager, owned):
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        if not manager._finalized:
-            return
         assign = local_metadata.get("assign_to_params_buffers", False)
         with manager._lock, torch.no_grad(), torch.inference_mode(False):
+            if not manager._finalized:  # (checked under the lock: removed meanwhile, torch copies as usual)
+                return
             for attr, e, i in owned:
                 key = prefix + attr
                 value = state_dict.get(key)

@@ -828,66 +828,82 @@ class LayerwiseOffloadManager:
         return out
 
     # --------------------------------------------------------------- remove
-    def _restore_parameters(self, original_devices: bool = False) -> None:
-        """Give every packed parameter an ordinary tensor again with its true
-        bytes: the data it had before a load (if kept), its resident copy on the
-        device, or its bytes in the arena. Parameters never packed are not touched."""
-        resident = set(self.resident) if self._finalized and not original_devices else set()
-        for lp, src in zip(self.plan.layers, self._src):
-            block = None
-            for e in lp.params:
-                if not e.packed:
-                    continue
-                if original_devices and e.saved is not None:
-                    e.param.data = e.saved
-                elif lp.index not in resident:  # a resident layer's parameters are its truth already
+    # Removal is a transaction in two phases. `_prepare_removal` builds every packed
+    # parameter's ordinary tensor with its true bytes and changes nothing: a failure
+    # (a file gone, no memory) or a Ctrl-C there leaves the group streaming exactly,
+    # and a retry starts over. `_commit_removal` only rebinds and releases, nothing
+    # that can fail; callers hold Ctrl-C back around it (contract.defer_interrupts).
+    def _drain(self) -> None:
+        """Wait for every read and copy in flight (they write into staging and the ring)."""
+        if not self._finalized:
+            return
+        if self._disk is not None:
+            self._dirty = True  # an interrupt in here: the next hook resynchronises
+            self._disk.flush()
+            self._disk.synchronize()
+            self._dirty = False
+        self._engine.synchronize()
+        self._resolve_stalls()
+
+    @staticmethod
+    def _span_copy(e, data: torch.Tensor, device) -> torch.Tensor:
+        """A tensor of its own on `device` with `data`'s storage span, shape and strides."""
+        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
+        out = torch.empty(e.span, dtype=e.dtype, device=device)
+        out.copy_(flat)
+        return torch.as_strided(out, e.shape, e.stride)
+
+    def _prepare_removal(self, original_devices: bool = False) -> list:
+        """[(entry, new data or None: keep what it has)] for every packed parameter:
+        the data it had before a load (if kept), its resident copy (moved back with
+        original_devices), or its bytes read from the layer's source. Parameters
+        never packed are not touched; a meta parameter had no data to give back."""
+        self._drain()
+        resident = set(self.resident) if self._finalized else set()
+        out = []
+        with torch.no_grad(), torch.inference_mode(False):
+            for lp, src in zip(self.plan.layers, self._src):
+                block = None
+                for e in lp.params:
+                    if not e.packed:
+                        continue
                     dev = e.orig_device if original_devices else self.device
-                    if dev.type != "meta":  # a meta parameter had no data to give back
+                    new = None
+                    if original_devices and e.saved is not None:
+                        new = e.saved
+                    elif lp.index in resident:  # an ordinary device tensor: the truth already
+                        if original_devices and dev.type != "meta" and dev != self.device:
+                            new = e.wrap(self._span_copy(e, local_tensor(e.param.data), dev))
+                    elif dev.type != "meta":
                         if block is None:
                             block = src.read()
-                        e.param.data = e.wrap(self._materialize(e, block, dev))
-                e.saved = None
-                e.packed = False
-        for src in self._src:
-            src.close()
-        for tier in self._tiers:
-            tier.close()
-        self._tiers = []
-        self._host_blocks = []
-        self._src = []
-        self._arena = None
-        self._packed = False
-        reader = self._disk.reader if self._disk is not None else None
-        for f in self._disk_files:
-            f.close(reader)
-        self._disk_files = []
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
+                        new = e.wrap(self._materialize(e, block, dev))
+                    out.append((e, new))
+        return out
 
-    def remove(self, original_devices: bool = False) -> None:
-        """Undo the offload of this group: hooks removed, ordinary parameters on the
-        device (or, with original_devices, where each one was before packing)."""
+    def _commit_removal(self, prepared: list) -> None:
+        """Rebind every parameter to what `_prepare_removal` built, then release the
+        hooks, ring, engine, arena, tiers and files. Nothing here raises."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._finalized:
-            if self._disk is not None:
-                self._disk.flush()
-                self._disk.synchronize()
-            self._engine.synchronize()
-            self._resolve_stalls()
-            for _, ctx in self._grad_hooks:
+        for _, ctx in self._grad_hooks:
+            try:
                 ctx.__exit__(None, None, None)
+            except Exception:  # (a saved-tensor hook stack another thread popped)
+                pass
+        for e, new in prepared:
+            if new is not None:
+                e.param.data = new
+            e.saved = None
+            e.packed = False
         # Events hold the tensors their copies read and wrote (ring slices, arena
         # blocks): drop them, or the ring and the pinned arena outlive the removal.
         self._slot_event, self._copy_event, self._slot_holder, self._stall_pairs = [], [], [], []
         self._timed_copies = []
         self._grad_hooks = []
         self._placeholders = {}
-        if self._packed:
-            # Parameters not yet restored are still bound to slot views or placeholders.
-            self._restore_parameters(original_devices)
+        self._release_storage()
         self._ring = []
         self._dst = []
         self._resident_bytes = 0
@@ -895,6 +911,45 @@ class LayerwiseOffloadManager:
         self._finalized = False
         if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
             del self.plan.module_list._layerwise_manager
+
+    def _release_storage(self) -> None:
+        """Close sources, tiers and files (spill files are deleted): best effort, logged."""
+        def attempt(what, fn, *args):
+            try:
+                fn(*args)
+            except Exception as err:  # a leak at worst; the parameters are whole already
+                log.warning("layerwise: %s of group %r failed while removing: %s", what, self.layer_name, err)
+
+        for src in self._src:
+            attempt("closing a layer source", src.close)
+        for tier in self._tiers:
+            attempt("closing a tier", tier.close)
+        self._tiers = []
+        self._host_blocks = []
+        self._src = []
+        self._arena = None
+        self._packed = False
+        reader = self._disk.reader if self._disk is not None else None
+        for f in self._disk_files:
+            attempt(f"closing {getattr(f, 'path', 'a file')}", f.close, reader)
+        self._disk_files = []
+        if self._disk is not None:
+            attempt("closing the disk tier", self._disk.close)
+            self._disk = None
+
+    def _restore_parameters(self, original_devices: bool = False) -> None:
+        """Give every packed parameter an ordinary tensor again with its true bytes
+        (a configure's rollback: Ctrl-C is held back by the caller)."""
+        self._commit_removal(self._prepare_removal(original_devices))
+
+    def remove(self, original_devices: bool = False) -> None:
+        """Undo the offload of this group: hooks removed, ordinary parameters on the
+        device (or, with original_devices, where each one was before packing).
+        Transactional: if it raises (or is interrupted), the group still streams
+        exactly and remove() can be called again."""
+        prepared = self._prepare_removal(original_devices)
+        with contract.defer_interrupts():
+            self._commit_removal(prepared)
 
     def __reduce_ex__(self, protocol):
         raise TypeError(contract.COPY_REFUSED)

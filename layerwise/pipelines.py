@@ -599,32 +599,59 @@ def _unpatch(pipe, state: PipelineState) -> None:
 def remove_pipeline_offload(pipe):
     """Undo offload_pipeline: every weight back where it was before (ordinary
     tensors, usually on the host), no hooks, arenas and rings freed, the
-    pipeline's own methods back. Returns the pipeline."""
+    pipeline's own methods back. Returns the pipeline.
+
+    One transaction over every component: if reading a weight back fails (the
+    error names it) or the call is interrupted, every component still streams
+    exactly; call it again to finish."""
     state: PipelineState | None = getattr(pipe, "__dict__", {}).get(_STATE)
     if state is None:
         raise RuntimeError(f"{type(pipe).__name__} is not offloaded by layerwise.offload_pipeline")
-    for c in state.components:  # a failure half way leaves the rest offloaded: call it again
-        _restore_component(c)
-    _unpatch(pipe, state)
+    _remove_components(state.components, finish=lambda: _unpatch(pipe, state))
     return pipe
 
 
-def _restore_component(c: Component) -> None:
-    managers = managers_of(c.module)
-    if managers:
-        with contract.removing(c.module), torch.no_grad():
-            for m in managers:
-                if m._finalized:
-                    # Resident layers are ordinary device tensors (load_state_dict writes
-                    # there): their arena copy may be stale, so bring it up to date first.
-                    for i in m.resident:
-                        m._write_layer(i, lambda block, lp=m.plan.layers[i]: [
-                            e.view_in(block).copy_(local_tensor(e.param.data)) for e in lp.params])
-                m.remove(original_devices=True)
-            contract.detach(c.module)
+def _remove_components(components, finish=None) -> None:
+    """Every component back where its weights were (contract.remove_models), with
+    the moves of the non-layer weights built before anything changes and made in
+    the commit."""
+    parts = [(c.module, managers_of(c.module)) for c in components]
+    managed = {id(e.param) for _, ms in parts for m in ms for lp in m.plan.layers for e in lp.params}
     with torch.no_grad():
-        contract._restore_devices(c.devices)
-    c.managers, c.devices = [], []
+        moves = [_device_moves(c.devices, managed) for c in components]
+
+    def commit():
+        for c, todo in zip(components, moves):
+            for item, t in todo:
+                if len(item) == 2:
+                    item[0].data = t
+                else:
+                    item[0]._buffers[item[1]] = t
+            c.managers, c.devices = [], []
+        if finish is not None:
+            finish()
+
+    contract.remove_models(parts, original_devices=True, finish=commit)
+
+
+def _device_moves(snap, managed) -> list:
+    """[(snapshot item, the tensor on its old device)] for the weights not where they were."""
+    out = []
+    for item in snap:
+        if len(item) == 2:
+            p, dev = item
+            if id(p) not in managed and p.device != dev:
+                out.append((item, p.data.to(dev)))
+        else:
+            m, name, dev = item
+            b = m._buffers.get(name)
+            if b is not None and b.device != dev:
+                out.append((item, b.to(dev)))
+    return out
+
+
+def _restore_component(c: Component) -> None:
+    _remove_components([c])
 
 
 def is_offloaded_pipeline(obj) -> bool:
