@@ -256,8 +256,11 @@ def test_a_truncated_file_is_a_read_error_every_time(disk_dir, kind, cut):
 
 
 # ------------------------------------------- item 10: a model collected without remove
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_collected_model_closes_its_files_and_deletes_its_spill_files(disk_dir, kind):
+@pytest.mark.parametrize("kind,broken", [("ckpt", False), ("spill", False), ("spill", True)])
+def test_a_collected_model_closes_its_files_and_deletes_its_spill_files(disk_dir, kind, broken):
+    """del model + gc.collect(), no remove: every descriptor closed, every spill file
+    deleted; `broken`: the spill file was deleted under the model first (its
+    forward raised), so only our descriptors held the disk space."""
     ref = make()
     x = inputs()[0]
     proc = psutil.Process()
@@ -266,6 +269,11 @@ def test_a_collected_model_closes_its_files_and_deletes_its_spill_files(disk_dir
         model, m = offload(kind, ref, disk_dir)
         assert torch.equal(model(x), ref(x))
         assert spill_files(disk_dir) if kind == "spill" else not spill_files(disk_dir)
+        if broken:
+            for p in spill_files(disk_dir):
+                os.unlink(p)
+            with pytest.raises(ReadError, match="spill"):
+                model(x)
         return weakref.ref(model), weakref.ref(m)
 
     one()  # whatever a first model opens once per process
@@ -276,4 +284,4 @@ def test_a_collected_model_closes_its_files_and_deletes_its_spill_files(disk_dir
         gc.collect()
         assert [r() for r in refs] == [None, None]  # nothing keeps the model or its manager alive
         assert spill_files(disk_dir) == []
-    assert proc.num_fds() == fds
+        assert proc.num_fds() == fds

@@ -37,6 +37,7 @@ collected without a remove, and at exit (by the process that made them).
 """
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import os
@@ -248,7 +249,7 @@ class Deferred:
         if self.ev is not None:
             return self.ev
         if self.error is not None:
-            raise self.error
+            raise _detached(self.error)
         self.ev = self.tier._issue(self)
         return self.ev
 
@@ -266,6 +267,20 @@ class Deferred:
             return -1.0
         ms = [c.copy_ms for c in self.copies]
         return -1.0 if any(m < 0 for m in ms) else sum(ms)
+
+
+def _detached(err: Exception) -> Exception:
+    """A copy of `err` with no traceback, cause or context: what a Deferred keeps
+    and raises again. A kept traceback holds the failed forward's frames, and
+    through their tensors the autograd graph and its saved-tensor hooks, which
+    hold the manager: a cycle through C++ that gc cannot see, so a model whose
+    forward raised was never collected (nor its files closed)."""
+    try:
+        new = copy.copy(err)
+    except Exception:  # noqa: BLE001  (an exception type that cannot be rebuilt from its args)
+        new = RuntimeError(str(err))
+    new.__traceback__ = new.__cause__ = new.__context__ = None
+    return new
 
 
 class _Slot:
@@ -459,7 +474,7 @@ class DiskTier:
             d.src.slot = None
 
     def _give_up(self, d: Deferred, err: Exception) -> None:
-        d.error = err
+        d.error = _detached(err)
         if d in self.pending:
             self.pending.remove(d)
 
