@@ -17,28 +17,34 @@ largest disk layer's staging layout. A slot is read into only after the copy
 out of it was issued (the read waits on that copy's event), and the next disk
 layers are read ahead (`read_ahead`) while slots are free.
 
-Files and errors: every file is opened once and recorded (size, mtime); a read
-of a file that changed since, a short read (truncated) or an I/O error fails
-its event, and the error (ReadError, naming the file) is raised by the
-forward that needed the layer. The file is then reopened at the layer's next
-fetch: its layout must be the one recorded, and every layer read from it
-again is checked once against the CRC-32 taken when the model was loaded, so
-a restored file streams exactly again while a modified one keeps raising.
+Files and errors: every file is opened once and recorded (size, mtime,
+ctime); a read of a file that changed since (or was replaced, or deleted), a
+short read (truncated) or an I/O error fails its event. The file's identity
+is its content, not its metadata: where the read's layer is needed, the file
+is reopened (`DiskFile.revalidate`: its layout must be the one recorded) and
+the layer read again and checked against the CRC-32 taken when the model was
+loaded; every other layer read from the file is checked once, at its next
+read. A change of metadata only (chmod, a hard link, atime, an xattr, an
+atomic replace by an identical copy, a touch) therefore streams on exactly; a
+file whose bytes differ raises ReadError (an OSError, naming the file) at
+every forward that needs them, and streams exactly again once restored.
 
 Spill files (`SpillFile`): one per group in `spill_dir`, each layer at a page
 boundary in plan layout (one O_DIRECT read per layer, one copy to the slot);
 written as the layers are packed, rewritten by load_state_dict, deleted by
-remove_layerwise_offload, by a failed configure and at exit.
+remove_layerwise_offload, by a failed configure, when the model is garbage
+collected without a remove, and at exit (by the process that made them).
 """
 from __future__ import annotations
 
-import atexit
+import copy
 import errno
 import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 import zlib
 
 import torch
@@ -56,27 +62,21 @@ def crc_of(block: torch.Tensor) -> int:
 
 
 class DiskFile:
-    """A file the tier reads: opened once, with the size and mtime it had; after a
-    failed read it is reopened (`revalidate`) and its generation bumped, so that
-    every layer read from it is verified once more."""
+    """A file the tier reads: opened once, with the size, mtime and ctime it had;
+    after a failed read it is reopened (`revalidate`) and its generation bumped,
+    so that every layer read from it is verified once more (CRC-32)."""
 
-    def __init__(self, path: str, check_layout=None, owned: bool = False):
+    def __init__(self, path: str, check_layout=None):
         self.path = os.fsdecode(path)
-        self.check_layout = check_layout  # callable(path) -> None, raises if the layout changed
-        self.owned = owned  # a spill file: deleted on close
+        self.check_layout = check_layout  # callable(OpenFile) -> None, raises if the layout changed
+        self.on_reopen = None  # callable(OpenFile): a spill file's write descriptors follow a replaced file
         self.of = OpenFile.open(self.path)
         self.gen = 0
         self.failed = False
 
-    @classmethod
-    def unopened(cls, path: str) -> DiskFile:
-        """An owned file that was never opened for reading: close() only deletes it."""
-        f = cls.__new__(cls)
-        f.path, f.check_layout, f.owned, f.of, f.gen, f.failed = path, None, True, None, 0, False
-        return f
-
     def revalidate(self, reader: Reader) -> None:
-        """Reopen after a failed read: the file must be back (same layout)."""
+        """Reopen after a failed read: the file must be back (same layout); raises
+        ReadError naming the file where it is not."""
         try:
             new = OpenFile.open(self.path)
         except OSError as err:
@@ -86,45 +86,43 @@ class DiskFile:
         try:
             if self.check_layout is not None:
                 self.check_layout(new)
-        except BaseException:
+            if self.on_reopen is not None:
+                self.on_reopen(new)
+        except BaseException as err:
             new.close()
-            raise
-        self.of.close(reader)
-        self.of = new
+            if isinstance(err, ReadError) or not isinstance(err, Exception):
+                raise
+            raise ReadError(getattr(err, "errno", None) or errno.EIO,
+                            f"layerwise: {self.path} cannot be streamed from any more ({err}). Restore the file "
+                            "the model was loaded from, or load the model again.") from None
+        old, self.of = self.of, new
         self.gen += 1
         self.failed = False
+        old.close(reader)
 
     def close(self, reader: Reader | None = None) -> None:
-        if self.of is not None:
-            self.of.close(reader)
-        if self.owned:
-            _forget_spill(self.path)
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if _READER and self.of.fd >= 0:  # reads outside a tier used the shared reader: its cached fd too
+            _READER[0].forget(self.of.fd)
+        self.of.close(reader)
 
 
 # ------------------------------------------------------------------ spill files
-_SPILLED: dict[str, int] = {}  # path -> the pid of the process that made it
-_SPILL_LOCK = threading.Lock()
-
-
-def _forget_spill(path: str) -> None:
-    with _SPILL_LOCK:
-        _SPILLED.pop(path, None)
-
-
-@atexit.register
-def _delete_spill_files() -> None:
-    """At exit: the spill files this process made (a forked child that exits must not
-    delete the files its parent still streams from)."""
-    with _SPILL_LOCK:
-        paths = [p for p, pid in _SPILLED.items() if pid == os.getpid()]
-        _SPILLED.clear()
-    for p in paths:
+def _drop_spill(path: str, pid: int, fds: list) -> None:
+    """Close a spill file's write descriptors and delete it: SpillFile.close, or its
+    finalizer when it is garbage collected unclosed, or at exit (weakref.finalize
+    runs those left then). Only the process that made the file deletes it (a forked
+    child's exit must not delete the files its parent streams from). Takes no lock:
+    a finalizer may run inside any allocation."""
+    for k, fd in enumerate(fds):
+        if fd >= 0:
+            fds[k] = -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    if os.getpid() == pid:
         try:
-            os.unlink(p)
+            os.unlink(path)
         except OSError:
             pass
 
@@ -140,21 +138,45 @@ class SpillFile:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in group)
         self.path = os.path.join(spill_dir, f"layerwise-{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}.spill")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with _SPILL_LOCK:
-            _SPILLED[self.path] = os.getpid()
-        self.fd = fd
-        self.direct_fd = -1
+        self._fds = [fd, -1]  # [fd, direct_fd]: shared with the finalizer, which closes what is there
+        self._finalizer = weakref.finalize(self, _drop_spill, self.path, os.getpid(), self._fds)
         self.file: DiskFile | None = None
-        try:
-            self.direct_fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError:  # tmpfs and others: buffered writes
-            pass
+        self._open_direct()
         self.size = 0
         try:
-            self.file = DiskFile(self.path, owned=True)
+            self.file = DiskFile(self.path)
+            self.file.on_reopen = self._follow
         except BaseException:
             self.close()
             raise
+
+    @property
+    def fd(self) -> int:
+        return self._fds[0]
+
+    @property
+    def direct_fd(self) -> int:
+        return self._fds[1]
+
+    def _open_direct(self) -> None:
+        try:
+            self._fds[1] = os.open(self.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError:  # tmpfs and others: buffered writes
+            self._fds[1] = -1
+
+    def _follow(self, of: OpenFile) -> None:
+        """The file was reopened for reading: if another file now has the name (an
+        atomic replace by a copy), writes go to that one too."""
+        st = os.fstat(self.fd)
+        if (st.st_dev, st.st_ino) == (of.dev, of.ino):
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        old = self._fds[:]
+        self._fds[0] = fd
+        self._open_direct()
+        for f in old:
+            if f >= 0:
+                os.close(f)
 
     def append(self, block: torch.Tensor) -> int:
         """Write a page-aligned host block (its length rounded up to a page; the
@@ -195,11 +217,9 @@ class SpillFile:
 
     def close(self, reader: Reader | None = None) -> None:
         """Close and delete the file."""
-        for fd in (self.direct_fd, self.fd):
-            if fd >= 0:
-                os.close(fd)
-        self.direct_fd = self.fd = -1
-        (self.file or DiskFile.unopened(self.path)).close(reader)
+        if self.file is not None:
+            self.file.close(reader)
+        self._finalizer()
 
 
 # --------------------------------------------------------------------- the tier
@@ -229,7 +249,7 @@ class Deferred:
         if self.ev is not None:
             return self.ev
         if self.error is not None:
-            raise self.error
+            raise _detached(self.error)
         self.ev = self.tier._issue(self)
         return self.ev
 
@@ -249,14 +269,29 @@ class Deferred:
         return -1.0 if any(m < 0 for m in ms) else sum(ms)
 
 
+def _detached(err: Exception) -> Exception:
+    """A copy of `err` with no traceback, cause or context: what a Deferred keeps
+    and raises again. A kept traceback holds the failed forward's frames, and
+    through their tensors the autograd graph and its saved-tensor hooks, which
+    hold the manager: a cycle through C++ that gc cannot see, so a model whose
+    forward raised was never collected (nor its files closed)."""
+    try:
+        new = copy.copy(err)
+    except Exception:  # noqa: BLE001  (an exception type that cannot be rebuilt from its args)
+        new = RuntimeError(str(err))
+    new.__traceback__ = new.__cause__ = new.__context__ = None
+    return new
+
+
 class _Slot:
-    __slots__ = ("buf", "src", "version", "reads", "last", "pending", "used")
+    __slots__ = ("buf", "src", "version", "reads", "opened", "last", "pending", "used")
 
     def __init__(self, buf):
         self.buf = buf
         self.src = None  # the DiskSource whose bytes it holds (or is reading)
         self.version = -1
         self.reads = []  # the read events of its current content
+        self.opened = ()  # the OpenFile each of them read through
         # The last read into it or copy out of it: every earlier one completed before it
         # (a read waits for this; a copy is issued once the reads it copies completed).
         self.last = None
@@ -337,7 +372,7 @@ class DiskTier:
         if self._staged(src):
             return src.slot
         if src.file_failed():
-            src.recover(self)
+            src.recover(self.reader)
         k = self._free_slot(protect)
         s = self.slots[k]
         if s.src is not None and s.src.slot == k:
@@ -347,7 +382,7 @@ class DiskTier:
         for part in src.parts:  # one after the other: `last` covers them all
             reads.append(read_layer(self.reader, part.file.of, part.extents, s.buf, after=s.after()))
             s.last = reads[-1]
-        s.src, s.version, s.reads = src, src.version(), reads
+        s.src, s.version, s.reads, s.opened = src, src.version(), reads, tuple(p.file.of for p in src.parts)
         self._clock += 1
         s.used = self._clock
         src.slot = k
@@ -367,34 +402,39 @@ class DiskTier:
         self.pending.append(d)
         return d
 
+    # A failed read is retried after the file's recovery (reopened, the layer's CRC
+    # checked): a change of metadata only, or a file restored byte-exact, streams on.
+    # Bounded: a file that keeps changing under the reads is an error.
+    read_retries = 2
+
     def _issue(self, d: Deferred):
-        """Wait for d's read (host), then queue its copies staging -> slot."""
-        s = self.slots[d.slot]
-        t0 = None
-        try:
-            for ev in s.reads:
-                if not ev.query():
-                    if t0 is None:
-                        t0 = time.perf_counter()
-                    ev.synchronize()
-        except BaseException as err:
-            if t0 is not None:
-                self.read_wait_s += time.perf_counter() - t0
-            if isinstance(err, Exception):
-                d.error = err
-                d.src.read_failed(err)
-            else:  # interrupted while waiting: the read may still be in flight (the manager resyncs)
-                d.error = RuntimeError("layerwise: a disk read was interrupted; the layer is read again")
-            if s.pending is d:
-                s.pending = None
-            s.src, s.version, s.reads = None, -1, []
-            if d.src.slot == d.slot:
-                d.src.slot = None
-            if d in self.pending:
-                self.pending.remove(d)
-            raise
-        if t0 is not None:
-            self.read_wait_s += time.perf_counter() - t0
+        """Wait for d's read (host), then queue its copies staging -> slot. A read
+        that failed is read again once the file is back (`DiskSource.recover`)."""
+        attempt = 0
+        while True:
+            s = self.slots[d.slot]
+            try:
+                self._wait_reads(s)
+                break
+            except BaseException as err:
+                opened = s.opened or None
+                self._drop_read(d, s)
+                if not isinstance(err, Exception):  # interrupted: the read may still be in flight (the manager resyncs)
+                    self._give_up(d, RuntimeError("layerwise: a disk read was interrupted; the layer is read again"))
+                    raise
+                d.src.read_failed(err, opened)
+                if attempt == self.read_retries:
+                    self._give_up(d, err)
+                    raise
+            attempt += 1
+            try:
+                d.src.recover(self.reader)  # ReadError while the file differs from what was loaded
+                d.slot = self.stage(d.src)
+                self.slots[d.slot].pending = d
+            except BaseException as err:
+                self._give_up(d, err if isinstance(err, Exception) else
+                              RuntimeError("layerwise: a disk read was interrupted; the layer is read again"))
+                raise
         for ev in s.reads:
             ms = ev.copy_ms
             if ms >= 0:
@@ -412,6 +452,31 @@ class DiskTier:
         if d in self.pending:
             self.pending.remove(d)
         return ev
+
+    def _wait_reads(self, s: _Slot) -> None:
+        t0 = None
+        try:
+            for ev in s.reads:
+                if not ev.query():
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                    ev.synchronize()
+        finally:
+            if t0 is not None:
+                self.read_wait_s += time.perf_counter() - t0
+
+    def _drop_read(self, d: Deferred, s: _Slot) -> None:
+        """The slot's read failed: it holds nothing."""
+        if s.pending is d:
+            s.pending = None
+        s.src, s.version, s.reads, s.opened = None, -1, [], ()
+        if d.src.slot == d.slot:
+            d.src.slot = None
+
+    def _give_up(self, d: Deferred, err: Exception) -> None:
+        d.error = _detached(err)
+        if d in self.pending:
+            self.pending.remove(d)
 
     def pump(self) -> None:
         """Issue the copies of reads that have finished, without blocking."""
@@ -447,7 +512,7 @@ class DiskTier:
         for s in self.slots:
             if s.src is not None and s.src.slot is not None:
                 s.src.slot = None
-            s.src, s.version, s.reads, s.pending = None, -1, [], None
+            s.src, s.version, s.reads, s.opened, s.pending = None, -1, [], (), None
 
     def synchronize(self) -> None:
         self.reader.synchronize()
@@ -456,7 +521,7 @@ class DiskTier:
         self.reader.synchronize()
         self.pending = []
         for s in self.slots:
-            s.src, s.reads, s.pending, s.last = None, [], None, None
+            s.src, s.reads, s.opened, s.pending, s.last = None, [], (), None, None
         self.reader.drop_retired() if hasattr(self.reader, "drop_retired") else None
         self.slots = []
 
@@ -514,27 +579,36 @@ class DiskSource:
     def file_failed(self) -> bool:
         return any(p.file.failed or self.verified[id(p.file)] != p.file.gen for p in self.parts)
 
-    def read_failed(self, err) -> None:
-        for p in self.parts:
-            p.file.failed = True
-
-    def recover(self, tier: DiskTier) -> None:
-        """After a failed read: reopen the files, then check this layer's bytes
-        against the CRC taken at load, once per reopening."""
-        for p in self.parts:
-            if p.file.failed:
-                tier.reader.synchronize()
-                p.file.revalidate(tier.reader)
-        block = self._read_sync(tier.reader)
-        got = crc_of(block)
-        if got != self.crc:
-            for p in self.parts:
+    def read_failed(self, err=None, opened=None) -> None:
+        """Mark the files failed (reopened at the next try). `opened`: the OpenFile
+        each part was read through; a file reopened since (by another layer's
+        recovery) is not reopened again: this layer is verified once anyway."""
+        for k, p in enumerate(self.parts):
+            if opened is None or opened[k] is p.file.of:
                 p.file.failed = True
+
+    def recover(self, reader: Reader) -> torch.Tensor:
+        """After a failed read: reopen the files, then check this layer's bytes
+        against the CRC taken at load, once per reopening; returns them. Anything
+        that fails on the way leaves the files marked failed (reopened again at
+        the next try: a file restored byte-exact then streams on)."""
+        try:
+            for p in self.parts:
+                if p.file.failed:
+                    reader.synchronize()
+                    p.file.revalidate(reader)
+            block = self._read_sync(reader)
+        except BaseException:
+            self.read_failed()
+            raise
+        if crc_of(block) != self.crc:
+            self.read_failed()
             raise ReadError(errno.EIO, f"layerwise: {self.what}: its bytes in {self.parts[0].file.path} are not "
                                        "the ones loaded (CRC-32 differs): the file was modified while the model "
                                        "streams from it. Restore the file, or load the model again.")
         for p in self.parts:
             self.verified[id(p.file)] = p.file.gen
+        return block
 
     # --------------------------------------------------------- the contract
     @property
@@ -554,11 +628,13 @@ class DiskSource:
 
     def read(self) -> torch.Tensor:
         tier = self.tier
-        if self.file_failed() and tier is not None:
-            self.recover(tier)
         reader = tier.reader if tier is not None else _shared_reader()
-        block = self._read_sync(reader)
-        return block
+        if not self.file_failed():
+            try:
+                return self._read_sync(reader)
+            except ReadError as err:
+                self.read_failed(err)
+        return self.recover(reader)
 
     def refuse_write(self) -> None:
         """Raise the error that says why this layer cannot be written (a checkpoint file)."""

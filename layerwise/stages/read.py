@@ -49,7 +49,8 @@ completed - see the integration notes in ``Read``'s docstring.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -111,18 +112,33 @@ def staging_layout(file_extents, base: int = 0) -> tuple[list[tuple[int, int, in
     return out, cursor - base
 
 
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 @dataclass
 class OpenFile:
     """A file opened for reading, with the size, mtime and ctime it had when
     opened: a read through it fails (ReadError) if the file has changed since,
     or was deleted. Close it (or use it as a context manager) when done; ``reader``
-    (if given to ``close``) also drops its cached O_DIRECT descriptor."""
+    (if given to ``close``) also drops its cached O_DIRECT descriptor. One that
+    is garbage collected unclosed closes its descriptor then."""
 
     path: str
     fd: int
     size: int
     mtime_ns: int
     ctime_ns: int = -1  # moves on every write, even one that sets mtime back (cp -p, rsync --inplace -t)
+    ino: int = -1
+    dev: int = -1
+    _closer: weakref.finalize | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.fd >= 0:
+            self._closer = weakref.finalize(self, _close_fd, self.fd)
 
     @classmethod
     def open(cls, path) -> OpenFile:
@@ -133,7 +149,7 @@ class OpenFile:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return cls(path, fd, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
     @property
     def expect(self) -> tuple[int, int, int]:
@@ -143,7 +159,10 @@ class OpenFile:
         if self.fd >= 0:
             if reader is not None:
                 reader.forget(self.fd)
-            os.close(self.fd)
+            if self._closer is not None:
+                self._closer()  # closes the descriptor, once
+            else:
+                os.close(self.fd)
             self.fd = -1
 
     def __enter__(self) -> OpenFile:
