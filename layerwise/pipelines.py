@@ -49,6 +49,7 @@ from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, no
 from .configure import _prepare, attach_split_fetch, configure_models, managers_of
 from .options import resolve_device, validate_compress, validate_depth
 from .plan import local_tensor
+from .tierplan import planned_host_bytes
 from .report import report as model_report
 
 log = logging.getLogger("layerwise")
@@ -437,7 +438,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
             n, source = (counted, "counted in a warm-up call") if counted is not None else (c.uses, c.uses_source)
             resident = set(m.resident)
             streamed = sum(lp.nbytes for lp in m.plan.layers if lp.index not in resident)
-            c.groups.append(GroupPin(m.layer_name, m, m._arena_capacity(), streamed, n, source))
+            # At the size its tiers keep each layer (encoded, this rank's share, on disk: tierplan)
+            c.groups.append(GroupPin(m.layer_name, m, planned_host_bytes(m), streamed, n, source))
         if c.groups and any(g.uses_source == "counted in a warm-up call" for g in c.groups):
             c.uses, c.uses_source = max(g.uses for g in c.groups), "counted in a warm-up call"
     arena = sum(g.arena_bytes for c in parts for g in c.groups)
@@ -491,7 +493,8 @@ def _check_host_budget(host_budget, arena_bytes: int, held: int) -> None:
     if arena_bytes > budget:
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: the streamed components' host arenas need "
-            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes). Pass spill_dir=<a directory on a local disk> to keep "
+            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes; layers kept encoded by compress='lossless' counted at "
+            "their encoded size, split layers at this rank's share). Pass spill_dir=<a directory on a local disk> to keep "
             "the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
             "(components=...)"
         )
