@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from .options import resolve_resident
+from .options import resolve_resident, validate_budget_margin, validate_bytes
 
 log = logging.getLogger("layerwise")
 
@@ -64,15 +64,21 @@ def fmt_bytes(n: int | float) -> str:
 
 
 def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
+    validate_device_budget(device_budget, budget_margin)
     if isinstance(device_budget, str):
-        if device_budget != "auto":
-            raise ValueError(f"device_budget must be a number of bytes or 'auto', got {device_budget!r}")
         free, total = free_device_bytes(device)
         margin = int(DEFAULT_MARGIN_FRACTION * total) if budget_margin is None else int(budget_margin)
         return max(0, free - margin)
-    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, float)) or device_budget < 0:
-        raise ValueError(f"device_budget must be a number of bytes >= 0 or 'auto', got {device_budget!r}")
     return int(device_budget)
+
+
+def validate_device_budget(device_budget, budget_margin) -> None:
+    """device_budget: None, "auto" or a finite number of bytes >= 0; budget_margin:
+    None or a finite number of bytes >= 0 (checked whether or not a budget is given)."""
+    validate_budget_margin(budget_margin)
+    if device_budget is None or (isinstance(device_budget, str) and device_budget == "auto"):
+        return
+    validate_bytes("device_budget", device_budget, "'auto' (free device memory less budget_margin) or None")
 
 
 def check_explicit_residency(device_budget, resident_layers) -> None:

@@ -598,6 +598,9 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
                         f"torch.float32, ...), got {dtype!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True (a checkpoint tensor the model does not have is an error) or False "
+                        f"(such tensors are ignored), got {strict!r}")
     files = _checkpoint_files(checkpoint)
     stored: dict[str, _Stored] = {}
     for path in files:
@@ -617,7 +620,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
     def prepare():
         return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-                        num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth, debug_read_delay_us)
+                        num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth, debug_read_delay_us,
+                        device_budget=device_budget, budget_margin=budget_margin)
 
     managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
     # Ties and dtype change which parameter objects the model holds (and so the

@@ -3,7 +3,8 @@ planner. Each one fails with an error that names the bad value, before
 anything in the model changes."""
 from __future__ import annotations
 
-from numbers import Real
+import math
+from numbers import Integral, Real
 
 import torch
 
@@ -39,25 +40,83 @@ def resolve_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def resolve_resident(resident_layers, num_layers: int, policy: str) -> list[int]:
-    """Indices of the layers that stay on the device."""
+def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None) -> list[int]:
+    """Indices of the layers that stay on the device.
+
+    An int counts layers, at most the group's size; a float is a fraction of the
+    group in [0, 1]. Both ends mean the same in either form: 0 / 0.0 nothing
+    resident, `num_layers` / 1.0 every layer resident (then nothing streams,
+    which configure logs as a WARNING). More than the group holds is refused."""
     if policy not in ("leading", "strided"):
         raise ValueError(f"residency_policy must be 'leading' or 'strided', got {policy!r}")
     if isinstance(resident_layers, bool) or not isinstance(resident_layers, Real):
-        raise TypeError(f"resident_layers must be an int or a fraction in [0, 1), got {resident_layers!r}")
-    if isinstance(resident_layers, int):
-        if resident_layers < 0:
-            raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
-        r = min(resident_layers, num_layers)
+        raise TypeError(f"resident_layers must be an int (layers) or a fraction in [0, 1], got {resident_layers!r}")
+    where = f"layer group {group!r}" if group else "the layer group"
+    if isinstance(resident_layers, Integral):
+        if not 0 <= resident_layers <= num_layers:
+            raise ValueError(
+                f"resident_layers={resident_layers} but {where} has {num_layers} layers: pass an int in "
+                f"[0, {num_layers}] ({num_layers}: every layer resident) or a fraction in [0, 1]")
+        r = int(resident_layers)
     else:
-        if not 0.0 <= resident_layers < 1.0:
-            raise ValueError(f"a fractional resident_layers must lie in [0, 1), got {resident_layers}")
+        if not 0.0 <= resident_layers <= 1.0:  # (NaN and inf fail this too)
+            raise ValueError(f"a fractional resident_layers must lie in [0, 1] (1.0: every layer of {where} "
+                             f"resident), got {resident_layers}")
         r = int(resident_layers * num_layers)
     if r == 0:
         return []
     if policy == "leading":
         return list(range(r))
     return sorted({int(k * num_layers / r) for k in range(r)})
+
+
+def as_number(x):
+    """x as a Python int or float: ints, floats, numpy scalars and one-element
+    tensors are numbers; bools, strings and sequences are not (None)."""
+    if isinstance(x, (bool, str, bytes)):
+        return None
+    if isinstance(x, Integral):
+        return int(x)
+    if isinstance(x, Real):
+        return float(x)
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.dtype.is_complex and x.dtype != torch.bool:
+        return x.item()
+    return None
+
+
+def validate_bytes(name: str, value, accepted: str = "") -> int:
+    """A finite number of bytes >= 0, as an int; else a ValueError naming `name`
+    and what it accepts (`accepted`: the other forms, e.g. "'auto' or None")."""
+    n = as_number(value)
+    if n is None or not math.isfinite(n) or n < 0:
+        other = f", {accepted}" if accepted else ""
+        raise ValueError(f"{name} must be a finite number of bytes >= 0{other}, got {value!r}")
+    return int(n)
+
+
+def validate_count(name: str, value, minimum: int = 0, allow_none: bool = True, unit: str = ""):
+    """An int >= minimum (or None where allowed); else a TypeError / ValueError naming `name`."""
+    if value is None and allow_none:
+        return None
+    none = " or None" if allow_none else ""
+    n = as_number(value)
+    if not isinstance(n, int):
+        raise TypeError(f"{name} must be an int >= {minimum}{unit}{none}, got {value!r}")
+    if n < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{unit}{none}, got {value!r}")
+    return n
+
+
+def validate_engine_options(num_copy_streams, debug_copy_delay_us, debug_read_delay_us) -> None:
+    """The copy engine's and the reader's arguments (every front door)."""
+    validate_count("num_copy_streams", num_copy_streams, 1, allow_none=False)
+    validate_count("debug_copy_delay_us", debug_copy_delay_us, 0, unit=" (microseconds)")
+    validate_count("debug_read_delay_us", debug_read_delay_us, 0, unit=" (microseconds)")
+
+
+def validate_budget_margin(budget_margin) -> None:
+    if budget_margin is not None:
+        validate_bytes("budget_margin", budget_margin, "or None (10% of the device's memory)")
 
 
 def validate_depth(prefetch_depth) -> int:

@@ -45,9 +45,10 @@ from torch import nn
 from . import contract
 from .hostmem import PinBudget, pinnable_host_bytes
 from .hostplan import check_disk_options, plan_spill, resolve_host_budget
-from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
+from .budget import (apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget,
+                     validate_device_budget)
 from .configure import _prepare, attach_split_fetch, configure_models, managers_of
-from .options import resolve_device, validate_compress, validate_depth
+from .options import resolve_device, validate_bytes, validate_compress, validate_depth
 from .plan import local_tensor
 from .tierplan import planned_host_bytes
 from .report import report as model_report
@@ -180,6 +181,9 @@ def _select(comps: dict[str, nn.Module], components) -> list[Component]:
             out.append(Component(name, module, names, "block lists found by detect_layer_groups"))
         else:
             names = [layers] if isinstance(layers, str) else layers
+            if not (isinstance(names, Sequence) and names and all(isinstance(n, str) for n in names)):
+                raise TypeError(f"components[{name!r}] must be 'auto', a layer list's name, a list of them or None "
+                                f"(whole on the device), got {layers!r}")
             out.append(Component(name, module, list(names), "layer names given in components"))
     return out
 
@@ -265,13 +269,10 @@ def choose_pins(groups: list[GroupPin], budget: int | None) -> set[int]:
 def _resolve_pin_budget(pin_budget, held: int) -> PinBudget | None:
     if pin_budget is None:
         return None
-    if isinstance(pin_budget, str):
-        if pin_budget != "auto":
-            raise ValueError(f"pin_budget must be a number of bytes, 'auto' or None, got {pin_budget!r}")
+    if isinstance(pin_budget, str) and pin_budget == "auto":
         return pinnable_host_bytes(held)
-    if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) or pin_budget < 0:
-        raise ValueError(f"pin_budget must be a number of bytes >= 0, 'auto' or None, got {pin_budget!r}")
-    return PinBudget(int(pin_budget), [], auto=False)
+    n = validate_bytes("pin_budget", pin_budget, "'auto' (what this process may lock) or None (no limit)")
+    return PinBudget(n, [], auto=False)
 
 
 def _plan_pins(parts: list[Component], budget: PinBudget | None, pin_memory) -> None:
@@ -378,6 +379,9 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     bad = [k for k in options if k not in _OPTIONS]
     if bad:
         raise TypeError(f"offload_pipeline got unexpected option(s) {bad}; it takes {list(_OPTIONS)}")
+    if not (pin_budget is None or isinstance(pin_budget, str) and pin_budget == "auto"):
+        _resolve_pin_budget(pin_budget, 0)  # checked before a warm-up call offloads anything
+    validate_device_budget(device_budget, options.get("budget_margin"))
     uses = options.pop("uses", None)
     if callable(uses) and not isinstance(uses, Mapping):
         return _offload_with_warmup(pipe, uses, device, components, prefetch_depth, pin_budget, host_budget,
@@ -419,7 +423,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         c.managers, _ = _prepare(c.module, c.layer_names, dev, prefetch_depth, resident_layers,
                                  options.get("residency_policy", "leading"), "auto",
                                  options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"),
-                                 options.get("compress"), disk_prefetch_depth, debug_read_delay_us)
+                                 options.get("compress"), disk_prefetch_depth, debug_read_delay_us,
+                                 device_budget=device_budget, budget_margin=budget_margin)
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)
