@@ -561,6 +561,48 @@ def _retype(model: nn.Module, dtype: torch.dtype) -> bool:
     return bool(new)
 
 
+def _unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """What `dtype=` casts that `from_pretrained(dtype=...)` keeps in fp32: the
+    modules named by a `_keep_in_fp32_modules` (transformers, diffusers) and the
+    non-persistent floating buffers the model computed (RoPE `inv_freq`)."""
+    if dtype == torch.float32:
+        return [], []
+    keep = []
+    for prefix, owner in model.named_modules():
+        names = set(getattr(owner, "_keep_in_fp32_modules", None) or ())
+        names |= set(getattr(owner, "_keep_in_fp32_modules_strict", None) or ())
+        if not names:
+            continue
+        for name, sub in owner.named_modules(prefix=prefix):
+            if sub is not owner and names & set(name.split(".")) and any(
+                    p.is_floating_point() and p.dtype != dtype for p in sub.parameters(recurse=False)):
+                keep.append(name)
+    buffers = [f"{n}.{attr}" if n else attr for n, mod in model.named_modules()
+               for attr, b in mod._buffers.items()
+               if b is not None and attr in mod._non_persistent_buffers_set and b.is_floating_point()
+               and b.dtype == torch.float32]
+    return keep, buffers
+
+
+def _warn_unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
+    keep, buffers = _unlike_from_pretrained(model, dtype)
+    if not keep and not buffers:
+        return
+    def listed(items):
+        return ", ".join(items[:8]) + (f" (and {len(items) - 8} more)" if len(items) > 8 else "")
+
+    what = []
+    if keep:
+        what.append(f"the {len(keep)} module(s) of _keep_in_fp32_modules ({listed(keep)})")
+    if buffers:
+        what.append(f"the fp32 buffers the model computes ({listed(buffers)})")
+    log.warning(
+        "layerwise: load_offloaded(dtype=%s) casts like model.to(%s), so the model differs from "
+        "from_pretrained(dtype=%s), which keeps %s in fp32; outputs will differ. To match from_pretrained, build "
+        "the model in that dtype (transformers: from_config(config, dtype=%s)) from a checkpoint stored in it, and "
+        "leave dtype= out (README, 'Loading a checkpoint')", dtype, dtype, dtype, " and ".join(what), dtype)
+
+
 def _parameter_entries(model: nn.Module):
     """[(module, attr, parameter)] for every registration of a parameter."""
     return [(mod, attr, p) for mod in model.modules(remove_duplicate=False)
@@ -624,6 +666,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
                         device_budget=device_budget, budget_margin=budget_margin)
 
     managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
+    if dtype is not None:
+        _warn_unlike_from_pretrained(model, dtype)
     # Ties and dtype change which parameter objects the model holds (and so the
     # plan): done now, put back if anything later fails.
     registered = _parameter_entries(model)
