@@ -13,7 +13,7 @@ from . import contract
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
 from .hostplan import check_disk_options, plan_spill
-from .budget import validate_device_budget
+from .budget import record_host_budget, validate_device_budget, warn_if_streaming_saves_nothing
 from .options import (resolve_device, resolve_resident, validate_compress, validate_depth,
                       validate_engine_options)
 from .plan import resolve_group
@@ -101,7 +101,8 @@ def configure_layerwise_offload(
                             resident_layers)
     if host_budget is not None:
         held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-        plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth, held)
+        plan = plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth, held)
+        record_host_budget(managers, host_budget, plan["budget"])
     attach_split_fetch(managers, split_fetch, dev)
     return _build(model, managers, dev)
 
@@ -210,6 +211,7 @@ def configure_models(parts, dev, finish=None) -> None:
 
 
 def _log_summary(model, managers, dev) -> None:
+    warn_if_streaming_saves_nothing(managers)
     per_dtype: dict = {}
     for m in managers:
         for dt, n in m.plan.bytes_per_dtype().items():

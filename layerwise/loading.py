@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import contract
+from .budget import record_host_budget
 from .hostplan import check_disk_options, plan_host_budget
 from .configure import _build, _prepare, attach_split_fetch
 from .options import validate_compress
@@ -892,8 +893,9 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
                 return why
         return None
 
-    plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
-                     spill=spill_dir is not None)
+    plan = plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
+                            spill=spill_dir is not None)
+    record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:
         if m._disk_layers:
             m._disk_store = (spill_store(m, spill_dir) if spill_dir is not None

@@ -31,6 +31,7 @@ layer; an in-place write into a slot view is discarded and reported.
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import logging
 import sys
@@ -47,6 +48,7 @@ from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_
 log = logging.getLogger("layerwise")
 
 _PROGRESS_MIN_BYTES = 1 << 30
+RECENT_STEPS = 16  # complete steps kept for stats()["recent_steps"] (report's averages)
 
 
 def _stream_capturing(device: torch.device) -> bool:
@@ -687,6 +689,7 @@ class LayerwiseOffloadManager:
         self._root_driven = False  # steps follow the model's forward (contract._root_*_hook)
         self._timing = self.measure_stalls
         self._last_step = None
+        self._recent = collections.deque(maxlen=RECENT_STEPS)  # the last complete steps, oldest first
 
     def _resolve_stalls(self) -> None:
         pending = []
@@ -739,6 +742,7 @@ class LayerwiseOffloadManager:
         self._step_stall = {k: v for k, v in self._step_stall.items() if k >= self._steps}
         self._step_copy = {k: v for k, v in self._step_copy.items() if k >= self._steps}
         self._last_step = last
+        self._recent.append(last)
 
     def _disk_counts(self) -> tuple:
         d = getattr(self, "_disk", None)
@@ -821,6 +825,7 @@ class LayerwiseOffloadManager:
             "copy_s": self._copy_s,
             "disk": self._disk_stats() if self._finalized else None,
             "last_step": dict(last) if last is not None else None,
+            "recent_steps": [dict(r) for r in self._recent],  # up to RECENT_STEPS, oldest first
             "compress": tier_stats[0] if tier_stats else None,
         }
         if self._split is not None:  # split fetch: its own figures (stages/gather.py)

@@ -45,8 +45,8 @@ from torch import nn
 from . import contract
 from .hostmem import PinBudget, pinnable_host_bytes
 from .hostplan import check_disk_options, plan_spill, resolve_host_budget
-from .budget import (apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget,
-                     validate_device_budget)
+from .budget import (apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes,
+                     record_host_budget, resolve_budget, validate_device_budget)
 from .configure import _prepare, attach_split_fetch, configure_models, managers_of
 from .options import resolve_device, validate_bytes, validate_compress, validate_depth
 from .plan import local_tensor
@@ -430,9 +430,11 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         c.uses, c.uses_source = _uses(pipe, c, uses)
     _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
                         resident_layers)
+    streamed_managers = [m for c in parts for m in c.managers]
     if host_budget is not None and spill_dir is not None:
-        plan_spill([c.module for c in parts], [m for c in parts for m in c.managers], dev, host_budget, spill_dir,
-                   disk_prefetch_depth, _held_bytes(parts))
+        plan = plan_spill([c.module for c in parts], streamed_managers, dev, host_budget, spill_dir,
+                          disk_prefetch_depth, _held_bytes(parts))
+        record_host_budget(streamed_managers, host_budget, plan["budget"])
     # split_fetch: one collective over every group of every component (configure.attach_split_fetch)
     attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
     for c in parts:
@@ -448,8 +450,8 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         if c.groups and any(g.uses_source == "counted in a warm-up call" for g in c.groups):
             c.uses, c.uses_source = max(g.uses for g in c.groups), "counted in a warm-up call"
     arena = sum(g.arena_bytes for c in parts for g in c.groups)
-    if spill_dir is None:
-        _check_host_budget(host_budget, arena, _held_bytes(parts))
+    if spill_dir is None and host_budget is not None:
+        record_host_budget(streamed_managers, host_budget, _check_host_budget(host_budget, arena, _held_bytes(parts)))
     budget = _resolve_pin_budget(pin_budget, _held_bytes(parts))
     _plan_pins(parts, budget, pin_memory)
     for c in parts:
@@ -491,9 +493,8 @@ def _held_bytes(parts: list[Component]) -> int:
     return total
 
 
-def _check_host_budget(host_budget, arena_bytes: int, held: int) -> None:
-    if host_budget is None:
-        return
+def _check_host_budget(host_budget, arena_bytes: int, held: int) -> int:
+    """The budget in bytes, or a ValueError if the arenas do not fit it."""
     budget, how = resolve_host_budget(host_budget, held)
     if arena_bytes > budget:
         raise ValueError(
@@ -503,6 +504,7 @@ def _check_host_budget(host_budget, arena_bytes: int, held: int) -> None:
             "the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
             "(components=...)"
         )
+    return budget
 
 
 def _offload_with_warmup(pipe, warmup: Callable, device, components, prefetch_depth, pin_budget, host_budget,

@@ -197,3 +197,114 @@ def test_table_fits_120_columns_with_long_group_names():
     assert a.endswith("transformer_blocks") and b.endswith("single_transformer_blocks")
     assert b.startswith("...") and len(b) < len(prefix + GROUPS[1])  # it had to elide the start
     assert any(ln.startswith(prefix + GROUPS[1] + ":") for ln in r.lines())  # plain lines keep full names
+
+
+# ------------------------------------------------- issue 21: friction in report()
+def test_step_time_and_averages_over_the_last_steps():
+    from layerwise.manager import RECENT_STEPS
+
+    model, managers = streamed_model(steps=5)
+    r = layerwise.report(model)
+    for m, g in zip(managers, r["groups"]):
+        s = m.stats()
+        recent = s["recent_steps"]
+        assert len(recent) == 5 and recent[-1]["step"] == s["last_step"]["step"]
+        assert g["step_ms"] == pytest.approx(s["last_step"]["wall_s"] * 1e3)
+        walls = [st["wall_s"] * 1e3 for st in recent]
+        rec = g["recent"]
+        assert rec["steps"] == 5 and rec["step_ms_mean"] == pytest.approx(sum(walls) / 5)
+        assert rec["step_ms_min"] == pytest.approx(min(walls)) and rec["step_ms_max"] == pytest.approx(max(walls))
+        stalls = [st["stall_s"] * 1e3 for st in recent if st["stall_s"] is not None]
+        assert rec["stall_steps"] == len(stalls) > 0 and rec["stall_ms_max"] == pytest.approx(max(stalls))
+        assert "over the last 5 steps: step mean" in line_of(r, g["group"])
+    assert r["total"]["step_ms"] == max(g["step_ms"] for g in r["groups"])
+    assert "step" in r.table().split("\n")[0].split()
+    check_widths(r)
+    with torch.no_grad():
+        for _ in range(RECENT_STEPS + 3):
+            model(X)
+    assert len(managers[0].stats()["recent_steps"]) == RECENT_STEPS
+    assert layerwise.report(model)["groups"][0]["recent"]["steps"] == RECENT_STEPS
+
+
+def _smallest_working_budget(tmp_path, start):
+    budget = start
+    while True:
+        torch.manual_seed(0)
+        model = TwoGroupModel(n_a=8, n_b=4)
+        try:
+            managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", host_budget=budget,
+                                                             spill_dir=tmp_path)
+            return model, managers, budget
+        except ValueError as e:
+            assert "too small" in str(e)
+            budget += budget // 16
+
+
+def test_host_budget_in_force_and_its_use(tmp_path):
+    model, managers = streamed_model()
+    assert layerwise.report(model)["host_budget"] is None  # no budget given: none reported
+    layerwise.remove_layerwise_offload(model)
+    torch.manual_seed(0)
+    model = TwoGroupModel(n_a=8, n_b=4)
+    ref = model(X).detach()
+    everything = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", host_budget=everything,
+                                                     spill_dir=tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(X), ref)
+    r = layerwise.report(model)
+    hb = r["host_budget"]
+    stats = [m.stats() for m in managers]
+    from layerwise.budget import non_layer_bytes
+
+    want = (sum(s["arena_bytes"] + (s["disk"]["staging_bytes"] if s["disk"] else 0) for s in stats)
+            + non_layer_bytes(model, managers) + sum(s["ring_bytes"] + s["resident_bytes"] for s in stats))
+    assert hb["bytes"] == everything and hb["source"] == "given" and hb["used_bytes"] == want <= everything
+    assert r.lines()[0].startswith(f"host budget {fmt_bytes(everything)} (given): {fmt_bytes(want)} used")
+    check_widths(r)
+
+
+def test_a_group_held_entirely_on_disk_is_said_plainly(tmp_path):
+    model, managers, budget = _smallest_working_budget(tmp_path, 1 << 12)
+    with torch.no_grad():
+        model(X)
+        model(X)
+    r = layerwise.report(model)
+    on_disk = [g for g in r["groups"] if g["disk"] and g["disk"]["layers"] == g["layers"]]
+    assert on_disk, [(g["group"], g["arena_bytes"], g["disk"]) for g in r["groups"]]
+    for g in on_disk:
+        line = line_of(r, g["group"])
+        assert g["arena_bytes"] == 0 and "no host arena: all" in line and "stay on disk" in line
+        assert "arena 0 B" not in line
+    assert r["host_budget"]["used_bytes"] <= budget
+    check_widths(r)
+
+
+def test_streaming_that_saves_nothing_warns_and_the_report_says_so(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        model, managers = streamed_model(prefetch_depth=3)  # single_transformer_blocks: 4 layers, 4 slots
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(GROUPS[1] in w and "saves no device memory" in w for w in warned), warned
+    assert not any(f"'{GROUPS[0]}'" in w for w in warned), warned  # 8 layers at depth 3: 4 slots, it saves
+    r = layerwise.report(model)
+    assert "WARNING: streaming saves no device memory" in line_of(r, GROUPS[1])
+    assert "WARNING" not in line_of(r, GROUPS[0])
+    check_widths(r)
+
+
+def test_resident_layers_count_and_fraction_are_treated_alike():
+    for every in (4, 1.0):  # the group size and the fraction 1.0 both mean every layer
+        torch.manual_seed(0)
+        model = TwoGroupModel(n_a=8, n_b=4)
+        managers = layerwise.configure_layerwise_offload(model, GROUPS[1], device="cpu", resident_layers=every)
+        assert managers[0].resident == [0, 1, 2, 3]
+        layerwise.remove_layerwise_offload(model)
+    for over in (5, 1.5):  # more than the group holds: refused alike, naming the group's size
+        model = TwoGroupModel(n_a=8, n_b=4)
+        with pytest.raises(ValueError, match=r"single_transformer_blocks|has 4 layers|\[0, 1\]"):
+            layerwise.configure_layerwise_offload(model, GROUPS[1], device="cpu", resident_layers=over)
+    with pytest.raises(ValueError, match=r"resident_layers=5 but layer group 'single_transformer_blocks' has 4"):
+        layerwise.configure_layerwise_offload(TwoGroupModel(n_a=8, n_b=4), GROUPS, device="cpu", resident_layers=5)
