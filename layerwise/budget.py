@@ -68,8 +68,7 @@ def streaming_saves_nothing(manager) -> str | None:
         fix = (f"lower prefetch_depth to {deepest} or less, or make the layers resident" if deepest >= 0 else
                "make it resident (resident_layers) or leave the group out of layer_names")
         return (f"each of its {streamed} streamed layer(s) has a ring slot of its own (prefetch_depth="
-                f"{manager.prefetch_depth} needs {slots} slot(s)): the device holds the whole group anyway, so "
-                f"streaming saves no device memory; {fix}")
+                f"{manager.prefetch_depth} needs {slots} slot(s)), so the device holds the whole group anyway; {fix}")
     return None
 
 
@@ -77,7 +76,7 @@ def warn_if_streaming_saves_nothing(managers) -> None:
     for m in managers:
         why = streaming_saves_nothing(m)
         if why:
-            log.warning("layerwise: layer group %r: %s", m.layer_name, why)
+            log.warning("layerwise: layer group %r: streaming saves no device memory: %s", m.layer_name, why)
 
 
 def free_device_bytes(device: torch.device) -> tuple[int, int]:

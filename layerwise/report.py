@@ -144,7 +144,7 @@ def _summary(r: dict) -> str:
         parts.append(text)
     parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
     if r["saves_nothing"]:
-        parts.append(f"WARNING: streaming saves no device memory here: {r['saves_nothing']}")
+        parts.append(f"WARNING: streaming saves no device memory: {r['saves_nothing']}")
     if d:
         text = (f"disk tier: {d['layers']} layers ({fmt_bytes(d['layer_bytes'])}) stay in "
                 f"{'spill files' if d['spill'] else 'the checkpoint'}, staging {fmt_bytes(d['staging_bytes'])} "
