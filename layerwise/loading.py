@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import inspect
 import json
 import logging
@@ -114,13 +115,18 @@ def _file_kind(mode: int) -> str:
     return "not a regular file"
 
 
+class CheckpointFileNotFound(FileNotFoundError, ValueError):
+    """A checkpoint file that does not exist: a FileNotFoundError (errno ENOENT, the
+    path in .filename), and a ValueError as every other refused checkpoint is."""
+
+
 def _check_regular(path: str, what: str) -> None:
     """`path` must be an existing regular file. Checked with stat, never by opening it
     (opening a FIFO blocks until someone writes to it)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise ValueError(f"{what}: no such file") from None
+        raise CheckpointFileNotFound(errno.ENOENT, f"{what}: no such file", path) from None
     except (OSError, ValueError) as e:  # ValueError: a NUL in the name
         raise ValueError(f"{what}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
     if not stat.S_ISREG(st.st_mode):

@@ -308,3 +308,52 @@ def test_resident_layers_count_and_fraction_are_treated_alike():
             layerwise.configure_layerwise_offload(model, GROUPS[1], device="cpu", resident_layers=over)
     with pytest.raises(ValueError, match=r"resident_layers=5 but layer group 'single_transformer_blocks' has 4"):
         layerwise.configure_layerwise_offload(TwoGroupModel(n_a=8, n_b=4), GROUPS, device="cpu", resident_layers=5)
+
+
+# ------------------------------------------------ errors that name what is wrong
+def test_in_place_write_error_names_the_parameter():
+    model, managers = streamed_model(prefetch_depth=1)  # 8 layers, 2 slots: layer 0 waits in slot 0
+    managers[0].stats(sync=True)  # every queued copy done
+    with torch.no_grad():
+        model.transformer_blocks[0].up.weight.mul_(2.0)  # bound to its slot view: the write lands in the slot
+    with pytest.raises(RuntimeError, match=r"in-place write to a streamed parameter \('transformer_blocks\.0\.up"
+                                           r"\.weight', in ring slot 0\).*load_state_dict"):
+        with torch.no_grad():
+            model(X)
+    # A write into a slot that the next layer's copy overwrites before the check: the candidates.
+    with torch.no_grad():
+        model.transformer_blocks[5].up.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match=r"in-place write to a streamed parameter \(one bound to ring slot 1: "
+                                           r".*up\.weight.* of transformer_blocks\.<i> for i in \[1, 3, 5, 7\]\)"):
+        with torch.no_grad():
+            model(X)
+
+
+@pytest.mark.parametrize("wrong,suggested", [("layers", "model.layers"), ("model.layer", "model.layers"),
+                                              ("model.norm", "model.layers")])
+def test_a_wrong_layer_name_says_did_you_mean(wrong, suggested):
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3))
+            self.norm = nn.LayerNorm(4)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+    with pytest.raises((ValueError, TypeError), match=rf"did you mean '{suggested}'\?|its block lists are "
+                                                       rf"'{suggested}'$"):
+        layerwise.configure_layerwise_offload(Outer(), wrong, device="cpu")
+
+
+def test_a_missing_checkpoint_file_is_a_file_not_found_error(tmp_path):
+    with torch.device("meta"):
+        model = TwoGroupModel()
+    missing = tmp_path / "nope.safetensors"
+    with pytest.raises(FileNotFoundError, match="no such file") as info:
+        layerwise.load_offloaded(model, missing, GROUPS, device="cpu")
+    assert info.value.filename == str(missing) and isinstance(info.value, ValueError)  # (refused like the rest)
+    with pytest.raises(FileNotFoundError):
+        layerwise.load_offloaded(model, [missing], GROUPS, device="cpu")
