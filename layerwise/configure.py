@@ -14,7 +14,7 @@ from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public
 from .manager import LayerwiseOffloadManager
 from .hostplan import check_disk_options, plan_spill
 from .budget import record_host_budget, validate_device_budget, warn_if_streaming_saves_nothing
-from .options import (resolve_device, resolve_resident, validate_compress, validate_depth,
+from .options import (note_cpu_threads, resolve_device, resolve_resident, validate_compress, validate_depth,
                       validate_engine_options)
 from .plan import resolve_group
 
@@ -212,6 +212,7 @@ def configure_models(parts, dev, finish=None) -> None:
 
 def _log_summary(model, managers, dev) -> None:
     warn_if_streaming_saves_nothing(managers)
+    note_cpu_threads(dev)
     per_dtype: dict = {}
     for m in managers:
         for dt, n in m.plan.bytes_per_dtype().items():

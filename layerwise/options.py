@@ -134,3 +134,26 @@ def validate_compress(compress):
         raise ValueError(f"compress must be None or 'lossless' (bf16/fp16 weights cross the bus losslessly "
                          f"encoded), got {compress!r}")
     return compress
+
+
+_THREADS_NOTED = []  # once per process
+
+
+def note_cpu_threads(device: torch.device) -> None:
+    """On a CPU device the copy engine's worker thread competes with torch's
+    intra-op (OpenMP) threads for the cores. layerwise does not change torch's
+    global thread count behind the caller's back: it says so once, at INFO, with
+    the recommendation (README, "The CPU backend and torch's threads")."""
+    import logging
+    import os
+
+    if device.type != "cpu" or _THREADS_NOTED:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    if cores > 1 and threads >= cores:
+        _THREADS_NOTED.append(True)
+        logging.getLogger("layerwise").info(
+            "layerwise: device='cpu': torch uses %d intra-op threads on %d cores, and the copy worker competes with "
+            "them (step times vary and may exceed resident ones). Recommended: torch.set_num_threads(%d) before "
+            "running the model; layerwise leaves torch's thread count as it is", threads, cores, cores - 1)

@@ -357,3 +357,24 @@ def test_a_missing_checkpoint_file_is_a_file_not_found_error(tmp_path):
     assert info.value.filename == str(missing) and isinstance(info.value, ValueError)  # (refused like the rest)
     with pytest.raises(FileNotFoundError):
         layerwise.load_offloaded(model, [missing], GROUPS, device="cpu")
+
+
+def test_cpu_device_recommends_one_torch_thread_fewer(monkeypatch, caplog):
+    import logging
+    import os
+
+    from layerwise import options
+
+    monkeypatch.setattr(options, "_THREADS_NOTED", [])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)  # 4 cores
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        with caplog.at_level(logging.INFO, logger="layerwise"):
+            streamed_model(steps=1)
+            streamed_model(steps=1)  # said once per process
+    finally:
+        torch.set_num_threads(threads)
+    said = [r.getMessage() for r in caplog.records if "intra-op threads" in r.getMessage()]
+    assert len(said) == 1 and "torch.set_num_threads(3)" in said[0], said
+    assert torch.get_num_threads() == threads  # never changed behind the caller's back
