@@ -291,3 +291,53 @@ def test_bad_argument_values_are_refused_naming_the_argument(door, tmp_path):
                     for k, v in before.items()):
                 wrong.append(f"{name}={value!r}: changed the model")
     assert not wrong, "\n".join(wrong)
+
+
+# ------------------------------------ tier sizes known before packing (layerwise.tierplan)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_encoded_size_is_exact_without_encoding(dtype):
+    """tierplan.encoded_layer_bytes gives the byte count encode_layer gives, from the
+    parameters alone: strided parameters, alignment gaps, a constant tensor, mixed dtypes."""
+    from torch import nn
+
+    from layerwise import tierplan
+    from layerwise.plan import build_group_plan
+    from layerwise.stages.decode import encode_layer
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(300, 77), nn.LayerNorm(77)) for _ in range(3)]).to(dtype)
+    blocks[1][0].weight.data = blocks[1][0].weight.data.t().contiguous().t()  # transposed
+    blocks[2][1].weight.data.zero_()  # one symbol only
+    blocks[0][1].float()  # an fp32 segment (stored, behind a header)
+    plan = build_group_plan(nn.ModuleDict({"b": blocks}), "b")
+    for lp in plan.layers:
+        block = torch.zeros(lp.nbytes, dtype=torch.uint8)  # packed as the manager packs it
+        for e in lp.params:
+            d = e.param.data
+            flat = torch.as_strided(d, (e.span,), (1,), d.storage_offset()).view(torch.uint8)
+            block[e.offset : e.offset + e.span_bytes].copy_(flat)
+        enc, _ = encode_layer(block, lp)
+        assert tierplan.encoded_layer_bytes(lp) == enc.numel() < lp.nbytes
+
+
+def test_planned_host_bytes_count_each_layer_at_its_tier():
+    from types import SimpleNamespace
+
+    from layerwise import tierplan
+    from layerwise.plan import BLOCK_ALIGN, round_up
+
+    model = make()
+    m = layerwise.LayerwiseOffloadManager(model, GROUPS[0], device="cpu", initialize=False)
+    raw = [round_up(lp.nbytes, BLOCK_ALIGN) for lp in m.plan.layers]
+    assert tierplan.planned_host_bytes(m) == m._arena_capacity() == sum(raw)
+    # split fetch: layers 0-3 are this rank's share (a quarter), layer 7 stays on disk
+    share = {i: (0, 0, m.plan.layers[i].nbytes // 4) for i in range(4)}
+    m._split, m._disk_layers = SimpleNamespace(spans=share), frozenset({7})
+    per = tierplan.layer_host_bytes(m)
+    assert [per[i] for i in range(4)] == [round_up(m.plan.layers[i].nbytes // 4, BLOCK_ALIGN) for i in range(4)]
+    assert per[7] == 0 and [per[i] for i in (4, 5, 6)] == raw[4:7]
+    m._split, m._disk_layers = None, frozenset()
+    m.compress = "lossless"  # encoded: at their encoded size, page-rounded
+    per = tierplan.layer_host_bytes(m)
+    assert all(per[i] == round_up(tierplan.encoded_layer_bytes(lp), BLOCK_ALIGN) < raw[i]
+               for i, lp in enumerate(m.plan.layers))
