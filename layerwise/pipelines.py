@@ -500,8 +500,8 @@ def _check_host_budget(host_budget, arena_bytes: int, held: int) -> int:
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: the streamed components' host arenas need "
             f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes; layers kept encoded by compress='lossless' counted at "
-            "their encoded size, split layers at this rank's share). Pass spill_dir=<a directory on a local disk> to keep "
-            "the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
+            "their encoded size, split layers at this rank's share). Pass spill_dir=<a directory on a local disk> "
+            "to keep the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
             "(components=...)"
         )
     return budget
@@ -649,8 +649,9 @@ _COLUMNS = [("component", "component", str), ("class", "class", str), ("placemen
 
 
 class PipelineReport(dict):
-    """{"device", "pin_budget", "components": [...]}: prints as a table within
-    120 columns, the pin budget, then plain lines per component and group."""
+    """{"device", "pin_budget", "host_budget", "components": [...]}: prints as a
+    table within 120 columns, the pin and host budgets, then plain lines per
+    component and group."""
 
     def table(self) -> str:
         cells = [[h for h, _, _ in _COLUMNS]]
@@ -669,6 +670,8 @@ class PipelineReport(dict):
 
     def lines(self) -> list[str]:
         out = textwrap.wrap(self["pin_budget"]["text"], WIDTH, subsequent_indent="    ")
+        if self.get("host_budget"):
+            out += textwrap.wrap(self["host_budget"]["text"], WIDTH, subsequent_indent="    ")
         for r in self["components"]:
             out += textwrap.wrap(f"{r['component']}: {r['why']}", WIDTH, subsequent_indent="    ")
             for g in r["groups"]:
@@ -740,7 +743,29 @@ def report_pipeline(pipe) -> PipelineReport:
     budget = {"bytes": None if b is None else b.bytes, "source": None if b is None else b.source,
               "pinned_bytes": pinned_total, "text": text,
               "limits": [] if b is None else [vars(lim) | {"budget": lim.budget} for lim in b.limits]}
-    return PipelineReport(device=str(state.device), pin_budget=budget, components=rows)
+    return PipelineReport(device=str(state.device), pin_budget=budget, components=rows,
+                          host_budget=_host_budget_use(state))
+
+
+def _host_budget_use(state: PipelineState) -> dict | None:
+    """The host budget in force (budget.record_host_budget) and what the streamed
+    components' weights take of it now: their arenas and disk staging slots, and on
+    a CPU device their non-layer weights, rings and resident layers."""
+    managers = [m for c in state.components for m in c.managers]
+    hb = next((m.host_budget for m in managers if getattr(m, "host_budget", None)), None)
+    if hb is None:
+        return None
+    stats = [m.stats() for m in managers]
+    used = sum(s["arena_bytes"] + (s["disk"]["staging_bytes"] if s["disk"] else 0) for s in stats)
+    if state.device.type == "cpu":
+        used += sum(non_layer_bytes(c.module, c.managers) for c in state.components if c.managers)
+        used += sum(s["ring_bytes"] + s["resident_bytes"] for s in stats)
+    share = f" ({100 * used / hb['bytes']:.0f}%)" if hb["bytes"] else ""
+    return {"bytes": hb["bytes"], "source": hb["source"], "used_bytes": used,
+            "text": f"host budget {fmt_bytes(hb['bytes'])} ({hb['source']}): {fmt_bytes(used)} used by the streamed "
+                    f"components{share}: arenas, disk staging"
+                    + (", and on this CPU device their non-layer weights, rings and resident layers"
+                       if state.device.type == "cpu" else "")}
 
 
 def report(obj, *args, **kwargs):

@@ -627,6 +627,9 @@ def test_compressed_layers_count_at_their_encoded_size_in_the_host_and_pin_budge
     # The raw arenas exceed the budget, the encoded ones fit: planned as fitting.
     layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless", host_budget=kept)
     assert torch.equal(generate(pipe, SIZE), reference)
+    rep = layerwise.report(pipe)  # the host budget in force, and what the components use of it
+    assert rep["host_budget"]["bytes"] == kept and rep["host_budget"]["source"] == "given"
+    assert f"host budget {pipelines.fmt_bytes(kept)} (given)" in str(rep)
     layerwise.remove_pipeline_offload(pipe)
     with pytest.raises(ValueError, match="too small"):  # without compress the same budget is refused
         layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, host_budget=kept)
