@@ -595,6 +595,7 @@ def _warn_unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
     keep, buffers = _unlike_from_pretrained(model, dtype)
     if not keep and not buffers:
         return
+
     def listed(items):
         return ", ".join(items[:8]) + (f" (and {len(items) - 8} more)" if len(items) > 8 else "")
 
