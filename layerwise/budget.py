@@ -24,7 +24,8 @@ import logging
 
 import torch
 
-from .options import resolve_resident
+from .plan import assign_slots
+from .options import resolve_resident, validate_budget_margin, validate_bytes
 
 log = logging.getLogger("layerwise")
 
@@ -41,6 +42,41 @@ def non_layer_bytes(model, managers) -> int:
     for b in model.buffers():
         total += b.numel() * b.element_size()
     return total
+
+
+def record_host_budget(managers, host_budget, budget_bytes: int) -> None:
+    """Keep the host budget in force on each manager (`host_budget`: what was given,
+    `budget_bytes`: what it resolved to), for layerwise.report."""
+    source = "auto" if isinstance(host_budget, str) else "given"
+    for m in managers:
+        m.host_budget = {"bytes": int(budget_bytes), "source": source, "groups": [g.layer_name for g in managers]}
+
+
+def streaming_saves_nothing(manager) -> str | None:
+    """Why streaming this group saves no device memory, or None: every layer is
+    resident, or every streamed layer has a ring slot of its own (as many slots as
+    streamed layers), so the device holds the whole group either way."""
+    if not manager.enabled:
+        return None
+    streamed = manager.num_layers - len(manager.resident)
+    if streamed == 0:
+        return (f"every one of its {manager.num_layers} layers is resident (resident_layers): nothing streams; "
+                "configure_layerwise_offload is not needed for it, or lower resident_layers")
+    _, slots = assign_slots(streamed, manager.prefetch_depth)
+    if slots >= streamed:
+        deepest = streamed // 2 - 1  # the deepest prefetch that leaves fewer slots than layers
+        fix = (f"lower prefetch_depth to {deepest} or less, or make the layers resident" if deepest >= 0 else
+               "make it resident (resident_layers) or leave the group out of layer_names")
+        return (f"each of its {streamed} streamed layer(s) has a ring slot of its own (prefetch_depth="
+                f"{manager.prefetch_depth} needs {slots} slot(s)), so the device holds the whole group anyway; {fix}")
+    return None
+
+
+def warn_if_streaming_saves_nothing(managers) -> None:
+    for m in managers:
+        why = streaming_saves_nothing(m)
+        if why:
+            log.warning("layerwise: layer group %r: streaming saves no device memory: %s", m.layer_name, why)
 
 
 def free_device_bytes(device: torch.device) -> tuple[int, int]:
@@ -64,15 +100,21 @@ def fmt_bytes(n: int | float) -> str:
 
 
 def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
+    validate_device_budget(device_budget, budget_margin)
     if isinstance(device_budget, str):
-        if device_budget != "auto":
-            raise ValueError(f"device_budget must be a number of bytes or 'auto', got {device_budget!r}")
         free, total = free_device_bytes(device)
         margin = int(DEFAULT_MARGIN_FRACTION * total) if budget_margin is None else int(budget_margin)
         return max(0, free - margin)
-    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, float)) or device_budget < 0:
-        raise ValueError(f"device_budget must be a number of bytes >= 0 or 'auto', got {device_budget!r}")
     return int(device_budget)
+
+
+def validate_device_budget(device_budget, budget_margin) -> None:
+    """device_budget: None, "auto" or a finite number of bytes >= 0; budget_margin:
+    None or a finite number of bytes >= 0 (checked whether or not a budget is given)."""
+    validate_budget_margin(budget_margin)
+    if device_budget is None or (isinstance(device_budget, str) and device_budget == "auto"):
+        return
+    validate_bytes("device_budget", device_budget, "'auto' (free device memory less budget_margin) or None")
 
 
 def check_explicit_residency(device_budget, resident_layers) -> None:

@@ -13,7 +13,9 @@ from . import contract
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
 from .hostplan import check_disk_options, plan_spill
-from .options import resolve_device, resolve_resident, validate_compress, validate_depth
+from .budget import record_host_budget, validate_device_budget, warn_if_streaming_saves_nothing
+from .options import (note_cpu_threads, resolve_device, resolve_resident, validate_compress, validate_depth,
+                      validate_engine_options)
 from .plan import resolve_group
 
 log = logging.getLogger("layerwise")
@@ -89,7 +91,7 @@ def configure_layerwise_offload(
     """
     managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
                              pin_memory, num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth,
-                             debug_read_delay_us)
+                             debug_read_delay_us, device_budget=device_budget, budget_margin=budget_margin)
     check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
     contract.check_configurable(model, managers)
     if device_budget is not None:
@@ -99,7 +101,8 @@ def configure_layerwise_offload(
                             resident_layers)
     if host_budget is not None:
         held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-        plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth, held)
+        plan = plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth, held)
+        record_host_budget(managers, host_budget, plan["budget"])
     attach_split_fetch(managers, split_fetch, dev)
     return _build(model, managers, dev)
 
@@ -115,8 +118,10 @@ def attach_split_fetch(managers, split_fetch, dev) -> None:
 
 def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
              num_copy_streams, debug_copy_delay_us, compress=None, disk_prefetch_depth=None,
-             debug_read_delay_us=None):
+             debug_read_delay_us=None, device_budget=None, budget_margin=None):
     """Validate everything and plan every group; changes nothing in the model."""
+    validate_device_budget(device_budget, budget_margin)
+    validate_engine_options(num_copy_streams, debug_copy_delay_us, debug_read_delay_us)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(layer_names, str) and layer_names == "auto":
@@ -142,7 +147,7 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
     validate_compress(compress)
     dev = resolve_device(device)
     for path in names:
-        resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy)
+        resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy, path)
     managers = [
         LayerwiseOffloadManager(
             model, path, device=dev, prefetch_depth=prefetch_depth, resident_layers=resident_layers,
@@ -206,6 +211,8 @@ def configure_models(parts, dev, finish=None) -> None:
 
 
 def _log_summary(model, managers, dev) -> None:
+    warn_if_streaming_saves_nothing(managers)
+    note_cpu_threads(dev)
     per_dtype: dict = {}
     for m in managers:
         for dt, n in m.plan.bytes_per_dtype().items():

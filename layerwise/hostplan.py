@@ -99,12 +99,13 @@ def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
     return max((round_up(manager.plan.layers[i].nbytes, PAGE) + pad(i) for i in layers), default=0)
 
 
-def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_depth, held_bytes: int) -> None:
+def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_depth, held_bytes: int) -> dict:
     """An in-memory model's (or pipeline's) disk tier: plan against the budget, then
-    the layers that do not fit go to spill files in `spill_dir` as they are packed."""
+    the layers that do not fit go to spill files in `spill_dir` as they are packed.
+    Returns the plan (plan_host_budget)."""
     from .stages.disk import spill_store
 
-    plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes)
+    plan = plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes)
     on_disk = sum(len(m._disk_layers) for m in managers)
     if on_disk and spill_dir is None:
         raise ValueError(
@@ -115,6 +116,7 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
     for m in managers:
         if m._disk_layers:
             m._disk_store = spill_store(m, spill_dir)
+    return plan
 
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import inspect
 import json
 import logging
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from . import contract
+from .budget import record_host_budget
 from .hostplan import check_disk_options, plan_host_budget
 from .configure import _build, _prepare, attach_split_fetch
 from .options import validate_compress
@@ -113,13 +115,18 @@ def _file_kind(mode: int) -> str:
     return "not a regular file"
 
 
+class CheckpointFileNotFound(FileNotFoundError, ValueError):
+    """A checkpoint file that does not exist: a FileNotFoundError (errno ENOENT, the
+    path in .filename), and a ValueError as every other refused checkpoint is."""
+
+
 def _check_regular(path: str, what: str) -> None:
     """`path` must be an existing regular file. Checked with stat, never by opening it
     (opening a FIFO blocks until someone writes to it)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise ValueError(f"{what}: no such file") from None
+        raise CheckpointFileNotFound(errno.ENOENT, f"{what}: no such file", path) from None
     except (OSError, ValueError) as e:  # ValueError: a NUL in the name
         raise ValueError(f"{what}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
     if not stat.S_ISREG(st.st_mode):
@@ -561,6 +568,49 @@ def _retype(model: nn.Module, dtype: torch.dtype) -> bool:
     return bool(new)
 
 
+def _unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """What `dtype=` casts that `from_pretrained(dtype=...)` keeps in fp32: the
+    modules named by a `_keep_in_fp32_modules` (transformers, diffusers) and the
+    non-persistent floating buffers the model computed (RoPE `inv_freq`)."""
+    if dtype == torch.float32:
+        return [], []
+    keep = []
+    for prefix, owner in model.named_modules():
+        names = set(getattr(owner, "_keep_in_fp32_modules", None) or ())
+        names |= set(getattr(owner, "_keep_in_fp32_modules_strict", None) or ())
+        if not names:
+            continue
+        for name, sub in owner.named_modules(prefix=prefix):
+            if sub is not owner and names & set(name.split(".")) and any(
+                    p.is_floating_point() and p.dtype != dtype for p in sub.parameters(recurse=False)):
+                keep.append(name)
+    buffers = [f"{n}.{attr}" if n else attr for n, mod in model.named_modules()
+               for attr, b in mod._buffers.items()
+               if b is not None and attr in mod._non_persistent_buffers_set and b.is_floating_point()
+               and b.dtype == torch.float32]
+    return keep, buffers
+
+
+def _warn_unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
+    keep, buffers = _unlike_from_pretrained(model, dtype)
+    if not keep and not buffers:
+        return
+
+    def listed(items):
+        return ", ".join(items[:8]) + (f" (and {len(items) - 8} more)" if len(items) > 8 else "")
+
+    what = []
+    if keep:
+        what.append(f"the {len(keep)} module(s) of _keep_in_fp32_modules ({listed(keep)})")
+    if buffers:
+        what.append(f"the fp32 buffers the model computes ({listed(buffers)})")
+    log.warning(
+        "layerwise: load_offloaded(dtype=%s) casts like model.to(%s), so the model differs from "
+        "from_pretrained(dtype=%s), which keeps %s in fp32; outputs will differ. To match from_pretrained, build "
+        "the model in that dtype (transformers: from_config(config, dtype=%s)) from a checkpoint stored in it, and "
+        "leave dtype= out (README, 'Loading a checkpoint')", dtype, dtype, dtype, " and ".join(what), dtype)
+
+
 def _parameter_entries(model: nn.Module):
     """[(module, attr, parameter)] for every registration of a parameter."""
     return [(mod, attr, p) for mod in model.modules(remove_duplicate=False)
@@ -598,6 +648,9 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
                         f"torch.float32, ...), got {dtype!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True (a checkpoint tensor the model does not have is an error) or False "
+                        f"(such tensors are ignored), got {strict!r}")
     files = _checkpoint_files(checkpoint)
     stored: dict[str, _Stored] = {}
     for path in files:
@@ -617,9 +670,12 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
     def prepare():
         return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-                        num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth, debug_read_delay_us)
+                        num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth, debug_read_delay_us,
+                        device_budget=device_budget, budget_margin=budget_margin)
 
     managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
+    if dtype is not None:
+        _warn_unlike_from_pretrained(model, dtype)
     # Ties and dtype change which parameter objects the model holds (and so the
     # plan): done now, put back if anything later fails.
     registered = _parameter_entries(model)
@@ -844,8 +900,9 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
                 return why
         return None
 
-    plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
-                     spill=spill_dir is not None)
+    plan = plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
+                            spill=spill_dir is not None)
+    record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:
         if m._disk_layers:
             m._disk_store = (spill_store(m, spill_dir) if spill_dir is not None

@@ -31,6 +31,7 @@ layer; an in-place write into a slot view is discarded and reported.
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import logging
 import sys
@@ -47,6 +48,7 @@ from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_
 log = logging.getLogger("layerwise")
 
 _PROGRESS_MIN_BYTES = 1 << 30
+RECENT_STEPS = 16  # complete steps kept for stats()["recent_steps"] (report's averages)
 
 
 def _stream_capturing(device: torch.device) -> bool:
@@ -569,9 +571,26 @@ class LayerwiseOffloadManager:
         if v != self._ring_version[s]:
             self._ring_version[s] = v
             holder, self._slot_holder[s] = self._slot_holder[s], -1  # reload the true bytes
+            # Which parameter: those whose bytes in the slot differ from the holder's in the arena (once
+            # the copies queued are done). A prefetch may have overwritten the write already, and a
+            # layer kept elsewhere (disk, encoded, split) has no arena bytes: then name the candidates.
+            lp = self.plan.layers[holder] if 0 <= holder < len(self.plan.layers) else None
+            host = self._host_blocks[holder] if lp is not None and holder < len(self._host_blocks) else None
+            changed = []
+            if host is not None:
+                self._engine.synchronize()
+                changed = [e.qualname for e in lp.params if not torch.equal(
+                    self._ring[s][e.offset : e.offset + e.span_bytes].cpu(), host[e.offset : e.offset + e.span_bytes])]
+            if changed:
+                what = f"{', '.join(map(repr, changed[:6]))}, in ring slot {s}"
+            else:
+                sharing = [i for i, sl in enumerate(self._slot_of) if sl == s]
+                rel = [e.qualname.removeprefix(f"{self.layer_name}.{holder}.") for e in (lp.params if lp else ())]
+                what = (f"one bound to ring slot {s}: {', '.join(rel[:6])}{' ...' if len(rel) > 6 else ''} of "
+                        f"{self.layer_name}.<i> for i in {sharing[:8]}{' ...' if len(sharing) > 8 else ''}")
             raise RuntimeError(
-                f"layerwise: an in-place write to a streamed parameter of {self.layer_name!r} (ring slot {s}, "
-                f"holding layer {holder}) was detected and discarded: streamed weights live in the host arena "
+                f"layerwise: an in-place write to a streamed parameter ({what}) was detected and discarded: "
+                "streamed weights live in the host arena "
                 "and a write into the device copy would be lost or land on another layer (an optimizer step is "
                 "such a write: training streamed weights is not supported). Change them with "
                 "model.load_state_dict(...), or call layerwise.remove_layerwise_offload(model) first. "
@@ -687,6 +706,7 @@ class LayerwiseOffloadManager:
         self._root_driven = False  # steps follow the model's forward (contract._root_*_hook)
         self._timing = self.measure_stalls
         self._last_step = None
+        self._recent = collections.deque(maxlen=RECENT_STEPS)  # the last complete steps, oldest first
 
     def _resolve_stalls(self) -> None:
         pending = []
@@ -739,6 +759,7 @@ class LayerwiseOffloadManager:
         self._step_stall = {k: v for k, v in self._step_stall.items() if k >= self._steps}
         self._step_copy = {k: v for k, v in self._step_copy.items() if k >= self._steps}
         self._last_step = last
+        self._recent.append(last)
 
     def _disk_counts(self) -> tuple:
         d = getattr(self, "_disk", None)
@@ -821,6 +842,7 @@ class LayerwiseOffloadManager:
             "copy_s": self._copy_s,
             "disk": self._disk_stats() if self._finalized else None,
             "last_step": dict(last) if last is not None else None,
+            "recent_steps": [dict(r) for r in self._recent],  # up to RECENT_STEPS, oldest first
             "compress": tier_stats[0] if tier_stats else None,
         }
         if self._split is not None:  # split fetch: its own figures (stages/gather.py)

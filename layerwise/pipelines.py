@@ -45,10 +45,12 @@ from torch import nn
 from . import contract
 from .hostmem import PinBudget, pinnable_host_bytes
 from .hostplan import check_disk_options, plan_spill, resolve_host_budget
-from .budget import apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes, resolve_budget
+from .budget import (apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes,
+                     record_host_budget, resolve_budget, validate_device_budget)
 from .configure import _prepare, attach_split_fetch, configure_models, managers_of
-from .options import resolve_device, validate_compress, validate_depth
+from .options import resolve_device, validate_bytes, validate_compress, validate_depth
 from .plan import local_tensor
+from .tierplan import planned_host_bytes
 from .report import report as model_report
 
 log = logging.getLogger("layerwise")
@@ -179,6 +181,9 @@ def _select(comps: dict[str, nn.Module], components) -> list[Component]:
             out.append(Component(name, module, names, "block lists found by detect_layer_groups"))
         else:
             names = [layers] if isinstance(layers, str) else layers
+            if not (isinstance(names, Sequence) and names and all(isinstance(n, str) for n in names)):
+                raise TypeError(f"components[{name!r}] must be 'auto', a layer list's name, a list of them or None "
+                                f"(whole on the device), got {layers!r}")
             out.append(Component(name, module, list(names), "layer names given in components"))
     return out
 
@@ -264,13 +269,10 @@ def choose_pins(groups: list[GroupPin], budget: int | None) -> set[int]:
 def _resolve_pin_budget(pin_budget, held: int) -> PinBudget | None:
     if pin_budget is None:
         return None
-    if isinstance(pin_budget, str):
-        if pin_budget != "auto":
-            raise ValueError(f"pin_budget must be a number of bytes, 'auto' or None, got {pin_budget!r}")
+    if isinstance(pin_budget, str) and pin_budget == "auto":
         return pinnable_host_bytes(held)
-    if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) or pin_budget < 0:
-        raise ValueError(f"pin_budget must be a number of bytes >= 0, 'auto' or None, got {pin_budget!r}")
-    return PinBudget(int(pin_budget), [], auto=False)
+    n = validate_bytes("pin_budget", pin_budget, "'auto' (what this process may lock) or None (no limit)")
+    return PinBudget(n, [], auto=False)
 
 
 def _plan_pins(parts: list[Component], budget: PinBudget | None, pin_memory) -> None:
@@ -377,6 +379,9 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     bad = [k for k in options if k not in _OPTIONS]
     if bad:
         raise TypeError(f"offload_pipeline got unexpected option(s) {bad}; it takes {list(_OPTIONS)}")
+    if not (pin_budget is None or isinstance(pin_budget, str) and pin_budget == "auto"):
+        _resolve_pin_budget(pin_budget, 0)  # checked before a warm-up call offloads anything
+    validate_device_budget(device_budget, options.get("budget_margin"))
     uses = options.pop("uses", None)
     if callable(uses) and not isinstance(uses, Mapping):
         return _offload_with_warmup(pipe, uses, device, components, prefetch_depth, pin_budget, host_budget,
@@ -418,15 +423,18 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         c.managers, _ = _prepare(c.module, c.layer_names, dev, prefetch_depth, resident_layers,
                                  options.get("residency_policy", "leading"), "auto",
                                  options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"),
-                                 options.get("compress"), disk_prefetch_depth, debug_read_delay_us)
+                                 options.get("compress"), disk_prefetch_depth, debug_read_delay_us,
+                                 device_budget=device_budget, budget_margin=budget_margin)
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)
     _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
                         resident_layers)
+    streamed_managers = [m for c in parts for m in c.managers]
     if host_budget is not None and spill_dir is not None:
-        plan_spill([c.module for c in parts], [m for c in parts for m in c.managers], dev, host_budget, spill_dir,
-                   disk_prefetch_depth, _held_bytes(parts))
+        plan = plan_spill([c.module for c in parts], streamed_managers, dev, host_budget, spill_dir,
+                          disk_prefetch_depth, _held_bytes(parts))
+        record_host_budget(streamed_managers, host_budget, plan["budget"])
     # split_fetch: one collective over every group of every component (configure.attach_split_fetch)
     attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
     for c in parts:
@@ -437,12 +445,13 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
             n, source = (counted, "counted in a warm-up call") if counted is not None else (c.uses, c.uses_source)
             resident = set(m.resident)
             streamed = sum(lp.nbytes for lp in m.plan.layers if lp.index not in resident)
-            c.groups.append(GroupPin(m.layer_name, m, m._arena_capacity(), streamed, n, source))
+            # At the size its tiers keep each layer (encoded, this rank's share, on disk: tierplan)
+            c.groups.append(GroupPin(m.layer_name, m, planned_host_bytes(m), streamed, n, source))
         if c.groups and any(g.uses_source == "counted in a warm-up call" for g in c.groups):
             c.uses, c.uses_source = max(g.uses for g in c.groups), "counted in a warm-up call"
     arena = sum(g.arena_bytes for c in parts for g in c.groups)
-    if spill_dir is None:
-        _check_host_budget(host_budget, arena, _held_bytes(parts))
+    if spill_dir is None and host_budget is not None:
+        record_host_budget(streamed_managers, host_budget, _check_host_budget(host_budget, arena, _held_bytes(parts)))
     budget = _resolve_pin_budget(pin_budget, _held_bytes(parts))
     _plan_pins(parts, budget, pin_memory)
     for c in parts:
@@ -484,17 +493,18 @@ def _held_bytes(parts: list[Component]) -> int:
     return total
 
 
-def _check_host_budget(host_budget, arena_bytes: int, held: int) -> None:
-    if host_budget is None:
-        return
+def _check_host_budget(host_budget, arena_bytes: int, held: int) -> int:
+    """The budget in bytes, or a ValueError if the arenas do not fit it."""
     budget, how = resolve_host_budget(host_budget, held)
     if arena_bytes > budget:
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: the streamed components' host arenas need "
-            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes). Pass spill_dir=<a directory on a local disk> to keep "
-            "the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
+            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes; layers kept encoded by compress='lossless' counted at "
+            "their encoded size, split layers at this rank's share). Pass spill_dir=<a directory on a local disk> "
+            "to keep the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
             "(components=...)"
         )
+    return budget
 
 
 def _offload_with_warmup(pipe, warmup: Callable, device, components, prefetch_depth, pin_budget, host_budget,
@@ -666,8 +676,9 @@ _COLUMNS = [("component", "component", str), ("class", "class", str), ("placemen
 
 
 class PipelineReport(dict):
-    """{"device", "pin_budget", "components": [...]}: prints as a table within
-    120 columns, the pin budget, then plain lines per component and group."""
+    """{"device", "pin_budget", "host_budget", "components": [...]}: prints as a
+    table within 120 columns, the pin and host budgets, then plain lines per
+    component and group."""
 
     def table(self) -> str:
         cells = [[h for h, _, _ in _COLUMNS]]
@@ -686,6 +697,8 @@ class PipelineReport(dict):
 
     def lines(self) -> list[str]:
         out = textwrap.wrap(self["pin_budget"]["text"], WIDTH, subsequent_indent="    ")
+        if self.get("host_budget"):
+            out += textwrap.wrap(self["host_budget"]["text"], WIDTH, subsequent_indent="    ")
         for r in self["components"]:
             out += textwrap.wrap(f"{r['component']}: {r['why']}", WIDTH, subsequent_indent="    ")
             for g in r["groups"]:
@@ -757,7 +770,29 @@ def report_pipeline(pipe) -> PipelineReport:
     budget = {"bytes": None if b is None else b.bytes, "source": None if b is None else b.source,
               "pinned_bytes": pinned_total, "text": text,
               "limits": [] if b is None else [vars(lim) | {"budget": lim.budget} for lim in b.limits]}
-    return PipelineReport(device=str(state.device), pin_budget=budget, components=rows)
+    return PipelineReport(device=str(state.device), pin_budget=budget, components=rows,
+                          host_budget=_host_budget_use(state))
+
+
+def _host_budget_use(state: PipelineState) -> dict | None:
+    """The host budget in force (budget.record_host_budget) and what the streamed
+    components' weights take of it now: their arenas and disk staging slots, and on
+    a CPU device their non-layer weights, rings and resident layers."""
+    managers = [m for c in state.components for m in c.managers]
+    hb = next((m.host_budget for m in managers if getattr(m, "host_budget", None)), None)
+    if hb is None:
+        return None
+    stats = [m.stats() for m in managers]
+    used = sum(s["arena_bytes"] + (s["disk"]["staging_bytes"] if s["disk"] else 0) for s in stats)
+    if state.device.type == "cpu":
+        used += sum(non_layer_bytes(c.module, c.managers) for c in state.components if c.managers)
+        used += sum(s["ring_bytes"] + s["resident_bytes"] for s in stats)
+    share = f" ({100 * used / hb['bytes']:.0f}%)" if hb["bytes"] else ""
+    return {"bytes": hb["bytes"], "source": hb["source"], "used_bytes": used,
+            "text": f"host budget {fmt_bytes(hb['bytes'])} ({hb['source']}): {fmt_bytes(used)} used by the streamed "
+                    f"components{share}: arenas, disk staging"
+                    + (", and on this CPU device their non-layer weights, rings and resident layers"
+                       if state.device.type == "cpu" else "")}
 
 
 def report(obj, *args, **kwargs):

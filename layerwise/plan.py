@@ -125,12 +125,33 @@ def resolve_group(model: nn.Module, path: str) -> nn.Module:
     try:
         module = model.get_submodule(path)
     except AttributeError as e:
-        raise ValueError(f"layer group {path!r} does not exist in {type(model).__name__}: {e}") from None
+        raise ValueError(f"layer group {path!r} does not exist in {type(model).__name__}: {e}"
+                         f"{_did_you_mean(model, path)}") from None
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         raise TypeError(
             f"layer group {path!r} is a {type(module).__name__}, not an nn.ModuleList or nn.Sequential of blocks"
+            f"{_did_you_mean(model, path)}"
         )
     return module
+
+
+def _did_you_mean(model: nn.Module, path: str) -> str:
+    """'; did you mean ...?' over the model's block lists (the paths of its
+    nn.ModuleList / nn.Sequential modules): those ending in `path`, then the closest
+    by difflib; the first few lists if none is close; '' if it has none."""
+    import difflib
+
+    lists = [name for name, m in model.named_modules() if name and isinstance(m, (nn.ModuleList, nn.Sequential))
+             and not any(part.isdigit() for part in name.split("."))]  # not the lists inside each block
+    if not lists:
+        return ""
+    tail = path.rpartition(".")[2]
+    close = [n for n in lists if n.endswith("." + path) or n.rpartition(".")[2] == tail]
+    close += [n for n in difflib.get_close_matches(path, lists, n=3, cutoff=0.6) if n not in close]
+    if close:
+        return "; did you mean " + " or ".join(f"{n!r}" for n in close[:3]) + "?"
+    more = f" (and {len(lists) - 5} more)" if len(lists) > 5 else ""
+    return f"; its block lists are {', '.join(repr(n) for n in lists[:5])}{more}"
 
 
 def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None) -> GroupPlan:

@@ -1,14 +1,17 @@
 """layerwise.report(model): what streaming costs and moves, across every group.
 
-The Report is a dict ({"groups": [...], "total": {...}}); printed, it is a
-table (within 120 columns) followed by one plain-language line per group that
-says what the figures mean and what, if anything, is off.
+The Report is a dict ({"groups": [...], "total": {...}, "host_budget": {...} or
+None}); printed, it is a table (within 120 columns), the host budget in force
+and its use, then one plain-language line per group that says what the figures
+mean (the last step, and averages over the last steps) and what, if anything,
+is off (a group where streaming saves no device memory, a group held entirely
+on disk).
 """
 from __future__ import annotations
 
 import textwrap
 
-from .budget import fmt_bytes
+from .budget import fmt_bytes, non_layer_bytes, streaming_saves_nothing
 from .configure import managers_of
 
 WIDTH = 120  # the table and the plain lines stay within this many columns
@@ -19,15 +22,16 @@ _COLUMNS = [
     ("group", "group", str),
     ("resident", "resident_of", str),
     ("per step", "bytes_per_step", fmt_bytes),
-    ("stall/step", "stall_ms_per_step", "{:.2f} ms".format),
+    ("step", "step_ms", "{:.1f} ms".format),
+    ("stall", "stall_ms_per_step", "{:.2f} ms".format),
     ("sync loads", "sync_loads", str),
     ("GB/s", "gbps", "{:.2f}".format),
     ("arena", "arena_bytes", fmt_bytes),
     ("ring", "ring_bytes", fmt_bytes),
     ("resident size", "resident_bytes", fmt_bytes),
 ]
-_LEGEND = ("per step: the last complete step; stall: compute waiting on copies; sync loads: all steps; "
-           "GB/s: over copy time")
+_LEGEND = ("per step, step (host time of the step), stall: the last complete step (averages over the last "
+           "steps below); stall: compute waiting on copies; sync loads: all steps; GB/s: over copy time")
 
 
 def _wrap(parts: list[str], width: int, indent: str = "    ") -> list[str]:
@@ -79,6 +83,9 @@ class Report(dict):
     def lines(self) -> list[str]:
         """The plain-language lines, each wrapped to WIDTH columns."""
         out = []
+        hb = self.get("host_budget")
+        if hb:
+            out += _wrap(hb["text"].split("; "), WIDTH)
         for g in self["groups"]:
             out += _wrap(g["summary"].split("; "), WIDTH)
         return out
@@ -108,10 +115,24 @@ def _summary(r: dict) -> str:
         parts.append((f"compute waited {stall:.2f} ms per step on copies" if stall is not None else
                       "compute's wait on copies was not timed in the last step")
                      + f" (sync loads: {r['sync_loads_per_step']})")
+        rec = r["recent"]
+        if rec["steps"] > 1:
+            text = (f"over the last {rec['steps']} steps: step mean {rec['step_ms_mean']:.2f} ms (min "
+                    f"{rec['step_ms_min']:.2f}, max {rec['step_ms_max']:.2f})")
+            if rec["stall_steps"]:
+                text += (f", stall mean {rec['stall_ms_mean']:.2f} ms (min {rec['stall_ms_min']:.2f}, max "
+                         f"{rec['stall_ms_max']:.2f}" + (f", {rec['stall_steps']} steps timed" if
+                                                        rec["stall_steps"] < rec["steps"] else "") + ")")
+            parts.append(text)
     else:
         parts.append(f"no complete step yet ({r['steps']} started): per-step figures appear after the first "
                      "complete forward")
-    if r["arena_pinned"]:
+    d = r.get("disk")
+    if not r["arena_bytes"] and d and d["layers"] == r["layers"] - r["resident"]:
+        parts.append(f"no host arena: all {d['layers']} streamed layers stay on disk (in "
+                     f"{'spill files' if d['spill'] else 'the checkpoint'}) and are read at every step; host memory "
+                     f"holds only the staging slots")
+    elif r["arena_pinned"]:
         parts.append(f"arena {fmt_bytes(r['arena_bytes'])} pinned")
     elif r["arena_bytes"]:
         why = r["pin_error"] or ("pin_memory=False" if r["pin_memory"] is False else "no reason reported")
@@ -122,7 +143,8 @@ def _summary(r: dict) -> str:
             text += " (on a CPU device this only means its pages may be swapped out)"
         parts.append(text)
     parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
-    d = r.get("disk")
+    if r["saves_nothing"]:
+        parts.append(f"WARNING: streaming saves no device memory: {r['saves_nothing']}")
     if d:
         text = (f"disk tier: {d['layers']} layers ({fmt_bytes(d['layer_bytes'])}) stay in "
                 f"{'spill files' if d['spill'] else 'the checkpoint'}, staging {fmt_bytes(d['staging_bytes'])} "
@@ -162,6 +184,44 @@ def _summary(r: dict) -> str:
     return "; ".join(parts)
 
 
+def _spread(values: list, key: str) -> dict:
+    if not values:
+        return {f"{key}_mean": None, f"{key}_min": None, f"{key}_max": None}
+    return {f"{key}_mean": sum(values) / len(values), f"{key}_min": min(values), f"{key}_max": max(values)}
+
+
+def _recent(steps: list) -> dict:
+    """Host time and stall of the last complete steps (stats()["recent_steps"]):
+    one step's figures vary a lot between identical runs; their spread says how much."""
+    wall = [st["wall_s"] * 1e3 for st in steps if st.get("wall_s") is not None]
+    stall = [st["stall_s"] * 1e3 for st in steps if st.get("stall_s") is not None]
+    return {"steps": len(wall), "stall_steps": len(stall), **_spread(wall, "step_ms"), **_spread(stall, "stall_ms")}
+
+
+def _host_budget(model, managers, groups: list) -> dict | None:
+    """The host budget in force (recorded at configure by layerwise.budget.record_host_budget)
+    and what the streamed weights use of it now: the arenas, the disk tier's staging slots
+    and, on a CPU device, the non-layer weights, rings and resident layers."""
+    hb = next((m.host_budget for m in managers if getattr(m, "host_budget", None)), None)
+    if hb is None:
+        return None
+    arena = sum(g["arena_bytes"] for g in groups)
+    staging = sum(g["disk"]["staging_bytes"] for g in groups if g.get("disk"))
+    used, parts = arena + staging, [f"arenas {fmt_bytes(arena)}", f"staging {fmt_bytes(staging)}"]
+    if all(g["device"] == "cpu" for g in groups):
+        device = non_layer_bytes(model, managers) + sum(g["ring_bytes"] + g["resident_bytes"] for g in groups)
+        used += device
+        parts.append(f"non-layer weights, rings and resident layers {fmt_bytes(device)} (the device is host memory)")
+    shared = set(hb["groups"]) - {m.layer_name for m in managers}
+    text = (f"host budget {fmt_bytes(hb['bytes'])} ({hb['source']}"
+            + (", shared with the other components of the pipeline" if shared else "") + f"): {fmt_bytes(used)} "
+            f"used by this model ({100 * used / hb['bytes']:.0f}%)" if hb["bytes"] else
+            f"host budget 0 B ({hb['source']}): {fmt_bytes(used)} used by this model")
+    text += f"; {', '.join(parts)}"
+    return {"bytes": hb["bytes"], "source": hb["source"], "used_bytes": used, "arena_bytes": arena,
+            "staging_bytes": staging, "text": text}
+
+
 def _row(m, s: dict) -> dict:
     last = s["last_step"]
     has = last is not None
@@ -193,6 +253,10 @@ def _row(m, s: dict) -> dict:
         "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,
         "disk_wait_ms_per_step": last["read_wait_s"] * 1e3 if has and s.get("disk") else None,
         "split_fetch": s.get("split_fetch"),  # stages/gather.py: shares, bytes copied locally / gathered, waits
+        "step_ms": last["wall_s"] * 1e3 if has and last.get("wall_s") is not None else None,
+        "recent": _recent(s.get("recent_steps") or ([last] if has else [])),
+        "saves_nothing": streaming_saves_nothing(m),
+        "host_budget": getattr(m, "host_budget", None),
     }
     row["summary"] = _summary(row)
     return row
@@ -227,4 +291,6 @@ def report(model, sync: bool = False) -> Report:
     # Copy time summed over groups: copies of consecutive groups rarely overlap, so this errs low.
     copy_s = total["copy_s_per_step"]
     total["gbps"] = total["bytes_per_step"] / copy_s / 1e9 if copy_s and total["bytes_per_step"] else None
-    return Report(groups=groups, total=total)
+    steps = [g["step_ms"] for g in groups if g["step_ms"] is not None]
+    total["step_ms"] = max(steps) if steps else None  # every group runs inside the same model step
+    return Report(groups=groups, total=total, host_budget=_host_budget(model, managers, groups))

@@ -409,30 +409,43 @@ def _readme_recipes(disk=False):
     return [b for b in blocks if "load_offloaded(" in b and "from_config" in b and ("host_budget" in b) == disk]
 
 
+def _from_pretrained(path, transformers_model: bool):
+    """What the library itself loads from `path` in bf16: the reference the recipes must equal."""
+    if transformers_model:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel.from_pretrained(path, torch_dtype=torch.bfloat16).eval()
+
+
 @pytest.mark.parametrize("sharded", [True, False])
 def test_readme_recipes_run_as_written(tmp_path, sharded):
     """The loading recipes of the README, run as written (device "cuda" -> "cpu"), on
-    the folder save_pretrained wrote: sharded (an index JSON) or a single file."""
+    the folder save_pretrained wrote in bf16, sharded (an index JSON) or a single
+    file: bitwise equal to from_pretrained(path, dtype=torch.bfloat16) itself."""
     recipes = _readme_recipes()
     assert len(recipes) == 2, "README: expected the transformers and the diffusers loading recipe"
     for code in recipes:
-        if "from transformers" in code:
-            ref = resident_llama(True)
+        llm = "from transformers" in code
+        if llm:
+            ref = resident_llama(True).to(torch.bfloat16)
             ref.save_pretrained(tmp_path / "llm", **({"max_shard_size": "20KB"} if sharded else {}))
             path, out = str(tmp_path / "llm"), "model"
         else:
             arch = ARCHS["flux"]
             pytest.importorskip(arch.package)
             torch.manual_seed(0)
-            ref = arch.build().eval()
+            ref = arch.build().eval().to(torch.bfloat16)
             ref.save_pretrained(tmp_path / "flux", **({"max_shard_size": "200KB"} if sharded else {}))
             path, out = str(tmp_path / "flux"), "transformer"
+        want = _from_pretrained(path, llm)
         scope = {"path": path}
         exec(code.replace('"cuda"', '"cpu"'), scope)
         model = scope[out]
-        want = ref.to(torch.bfloat16)  # the recipes load in bf16
         assert_bitwise(state(model), state(want))
-        if "from transformers" in code:
+        if llm:
             assert all(torch.equal(x, y) for x, y in zip(generate(model), generate(want)))
         else:
             args, kwargs = arch.inputs(1)
@@ -444,14 +457,15 @@ def test_readme_recipes_run_as_written(tmp_path, sharded):
 
 def test_readme_disk_tier_recipe_runs_as_written(tmp_path):
     """The "Larger than host memory" recipe, as written (device "cuda" -> "cpu", the
-    budget a quarter of the model's bytes, or the least that works if more)."""
+    budget a quarter of the model's bytes, or the least that works if more), against
+    from_pretrained(path, dtype=torch.bfloat16)."""
     (code,) = _readme_recipes(disk=True)
     transformers = pytest.importorskip("transformers")
     config = llama_config(True)
     config.hidden_size, config.intermediate_size, config.num_hidden_layers = 128, 512, 12  # layers dominate
     torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
-    ref.save_pretrained(tmp_path / "llm")
+    transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16).save_pretrained(tmp_path / "llm")
+    ref = _from_pretrained(str(tmp_path / "llm"), True)
     model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     budget = model_bytes // 4
     while True:
@@ -466,7 +480,48 @@ def test_readme_disk_tier_recipe_runs_as_written(tmp_path):
     (m,) = layerwise.contract.managers_of(model)
     assert sum(s.kind == "disk" for s in m._src) >= m.num_layers // 2
     assert all(torch.equal(x, y) for x, y in zip(generate(model), generate(ref)))
+    assert_bitwise(state(model), state(ref))
     assert m.stats()["last_step"]["bytes_read"] > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "wan"])
+def test_dtype_at_load_warns_where_from_pretrained_keeps_fp32(tmp_path, caplog, name):
+    """dtype= is model.to(dtype): where from_pretrained(dtype=) keeps a module or a buffer
+    in fp32 (Llama's inv_freq, Wan's _keep_in_fp32_modules), a WARNING names them."""
+    arch = ARCHS[name]
+    pytest.importorskip(arch.package)
+    torch.manual_seed(0)
+    arch.build().eval().save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = arch.build().eval()
+    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        layerwise.load_offloaded(model, checkpoint(tmp_path), arch.groups, device="cpu", dtype=torch.bfloat16)
+    text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "from_pretrained" in text, text
+    assert ("inv_freq" in text) if name == "llama" else ("_keep_in_fp32_modules" in text and "norm" in text), text
+    layerwise.remove_layerwise_offload(model)
+    caplog.clear()
+    with torch.device("meta"):
+        model = arch.build().eval()
+    with caplog.at_level(logging.WARNING, logger="layerwise"):  # fp32 to fp32: nothing to warn about
+        layerwise.load_offloaded(model, checkpoint(tmp_path), arch.groups, device="cpu", dtype=torch.float32)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING and "from_pretrained" in r.getMessage()]
+
+
+def test_wan_cast_whole_to_bf16_is_refused_against_a_from_pretrained_checkpoint(tmp_path):
+    """The README's note: Wan under from_pretrained(torch_dtype=bf16) keeps its
+    _keep_in_fp32_modules in fp32; a model cast whole to bf16 is refused, naming the tensor."""
+    arch = ARCHS["wan"]
+    pytest.importorskip(arch.package)
+    torch.manual_seed(0)
+    arch.build().eval().save_pretrained(tmp_path / "fp32")
+    type(arch.build()).from_pretrained(tmp_path / "fp32", torch_dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    with torch.device("meta"):
+        model = arch.build().eval().to(torch.bfloat16)
+    before = registered(model)
+    with pytest.raises(ValueError, match=r"is torch.float32.* but the model expects torch.bfloat16"):
+        layerwise.load_offloaded(model, checkpoint(tmp_path / "bf16"), arch.groups, device="cpu")
+    assert untouched(model, before)
 
 
 # ------------------------------------------------- found by attacking the loader

@@ -335,7 +335,7 @@ BAD = [
     (dict(layer_names=GROUPS, device="cuda:7"), RuntimeError, "cuda:7"),
     (dict(layer_names=GROUPS, device="tpu"), ValueError, "'tpu'"),
     (dict(layer_names=GROUPS, resident_layers=-1), ValueError, "resident_layers must be >= 0"),
-    (dict(layer_names=GROUPS, resident_layers=1.5), ValueError, r"\[0, 1\)"),
+    (dict(layer_names=GROUPS, resident_layers=-0.5), ValueError, r"\[0, 1\]"),  # (1.5: every layer, a WARNING)
     (dict(layer_names=GROUPS, residency_policy="random"), ValueError, "residency_policy"),
 ]
 

@@ -601,3 +601,45 @@ def test_host_budget_with_spill_dir_keeps_layers_on_disk(pipe, reference, tmp_pa
     layerwise.remove_pipeline_offload(pipe)
     assert glob.glob(str(tmp_path / "layerwise-*.spill")) == []
     assert_state_dicts_equal(pipe, before)
+
+
+# ------------------------------------------- budgets at the size the tiers keep
+def _kept_bytes(m):
+    """Host bytes a packed group holds, each block page-rounded: its arena and its encoded blocks."""
+    page = 4096
+    own = sum(-(-max(s.stored_bytes, 1) // page) * page for s in m._src if s.kind == "lossless")
+    return m._arena.capacity + own
+
+
+def test_compressed_layers_count_at_their_encoded_size_in_the_host_and_pin_budgets():
+    bf16 = torch.bfloat16
+    pipe = tiny_flux_pipeline(SIZE, dtype=bf16)
+    reference = generate(pipe, SIZE)
+    raw = sum(_arena(ms) for ms in layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0).values())
+    layerwise.remove_pipeline_offload(pipe)
+    managers = layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless")
+    kept = sum(_kept_bytes(m) for ms in managers.values() for m in ms)
+    planned = [g.arena_bytes for c in pipe.__dict__[pipelines._STATE].components for g in c.groups]
+    layerwise.remove_pipeline_offload(pipe)
+    assert kept < 0.9 * raw, (kept, raw)  # bf16 weights shrink
+    assert sum(planned) == kept  # the plan counted each layer exactly as packing kept it
+    before = state_dicts(pipe)
+    # The raw arenas exceed the budget, the encoded ones fit: planned as fitting.
+    layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless", host_budget=kept)
+    assert torch.equal(generate(pipe, SIZE), reference)
+    rep = layerwise.report(pipe)  # the host budget in force, and what the components use of it
+    assert rep["host_budget"]["bytes"] == kept and rep["host_budget"]["source"] == "given"
+    assert f"host budget {pipelines.fmt_bytes(kept)} (given)" in str(rep)
+    layerwise.remove_pipeline_offload(pipe)
+    with pytest.raises(ValueError, match="too small"):  # without compress the same budget is refused
+        layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, host_budget=kept)
+    with pytest.raises(ValueError, match="encoded size"):  # and below the encoded size too, saying how it counted
+        layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless", host_budget=kept - 1)
+    assert not pipelines.is_offloaded_pipeline(pipe)
+    assert_state_dicts_equal(pipe, before)
+    # A pin budget that holds every encoded arena chooses every group for pinning.
+    layerwise.offload_pipeline(pipe, device="cpu", pin_budget=kept, compress="lossless")
+    groups = [g for c in pipe.__dict__[pipelines._STATE].components for g in c.groups]
+    assert all(g.pin == "auto" for g in groups), [(g.layer_name, g.arena_bytes, g.why) for g in groups]
+    assert torch.equal(generate(pipe, SIZE), reference)
+    layerwise.remove_pipeline_offload(pipe)

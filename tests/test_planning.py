@@ -34,7 +34,9 @@ def needs(model, depth):
 
 
 def warnings_of(caplog):
-    return [r for r in caplog.records if r.name == "layerwise" and r.levelno >= logging.WARNING]
+    """The planner's warnings (a group where streaming saves nothing has a WARNING of its own: test_report)."""
+    return [r for r in caplog.records if r.name == "layerwise" and r.levelno >= logging.WARNING
+            and "streaming saves no device memory" not in r.getMessage()]
 
 
 def infos_of(caplog):
@@ -210,3 +212,132 @@ def test_bytes_budget_on_cpu_is_planned_as_on_cuda():
 def test_fmt_bytes():
     assert fmt_bytes(0) == "0 B" and fmt_bytes(1023) == "1023 B"
     assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 << 20) == "3.0 MiB" and fmt_bytes(5 << 40) == "5120.0 GiB"
+
+
+# ------------------------------------------- bad argument values, every front door
+INF, NAN = float("inf"), float("nan")
+BAD = {  # argument: bad values (each must be refused naming the argument, the model unchanged)
+    "device": ["tpu", 3.5, "cuda:x"],
+    "prefetch_depth": [INF, NAN, -1, 1.5, "1", None],
+    "resident_layers": [INF, NAN, -1, "1", None, -0.5],
+    "residency_policy": ["first", 3, None],
+    "pin_memory": ["yes", 2, None],
+    "device_budget": [INF, NAN, -1, "lots", [1], True],
+    "budget_margin": [INF, NAN, -1, "x", True],
+    "num_copy_streams": [0, INF, NAN, 1.5, "2", None],
+    "debug_copy_delay_us": [-1, INF, NAN, "x", 1.5],
+    "debug_read_delay_us": [-1, INF, NAN, "x", 1.5],
+    "compress": ["zstd", True, 1],
+    "host_budget": [INF, NAN, -1, "lots", [1], True],
+    "disk_prefetch_depth": [0, INF, NAN, "2", 1.5],
+}
+ONLY = {
+    "offload_pipeline": {"pin_budget": [INF, NAN, -1, "lots", [1], True],
+                         "components": [{"model": 3}, 3, {"model": [3]}, {"nope": "auto"}, ["model", 3]],
+                         "uses": [{"model": INF}, {"model": NAN}, {"model": -1}, 3]},
+    "load_offloaded": {"dtype": ["bf16", torch.int8, 16], "strict": ["yes", None, 1]},
+    "configure_layerwise_offload": {},
+}
+
+
+class Holder:  # any object holding modules is a pipeline for offload_pipeline
+    def __init__(self, model):
+        self.model = model
+
+
+def _front_door(door, tmp_path):
+    """(call(**kwargs), the model it configures, what the model holds now)."""
+    if door == "load_offloaded":
+        from safetensors.torch import save_file
+
+        path = tmp_path / "model.safetensors"
+        if not path.exists():
+            save_file({k: v.contiguous() for k, v in make().state_dict().items()}, str(path))
+        with torch.device("meta"):
+            model = TwoGroupModel(n_a=8, n_b=4)
+        return (lambda **kw: layerwise.load_offloaded(model, path, GROUPS, **{"device": "cpu", **kw})), model
+    model = make()
+    if door == "offload_pipeline":
+        holder = Holder(model)
+        return (lambda **kw: layerwise.offload_pipeline(holder, **{"device": "cpu", **kw})), model
+    return (lambda **kw: layerwise.configure_layerwise_offload(model, GROUPS, **{"device": "cpu", **kw})), model
+
+
+@pytest.mark.parametrize("door", list(ONLY))
+def test_bad_argument_values_are_refused_naming_the_argument(door, tmp_path):
+    from layerwise.configure import managers_of
+
+    table = {**BAD, **ONLY[door]}
+    wrong = []
+    for name, values in table.items():
+        for value in values:
+            call, model = _front_door(door, tmp_path)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            try:
+                call(**{name: value})
+            except (ValueError, TypeError, RuntimeError) as e:
+                if name not in str(e):
+                    wrong.append(f"{name}={value!r}: {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 (OverflowError & co: the point of the test)
+                wrong.append(f"{name}={value!r}: {type(e).__name__}: {e}")
+            else:
+                wrong.append(f"{name}={value!r}: accepted")
+            if managers_of(model):
+                wrong.append(f"{name}={value!r}: left the model configured")
+                layerwise.remove_layerwise_offload(model)
+            now = model.state_dict()
+            if now.keys() != before.keys() or not all(
+                    (v.is_meta and now[k].is_meta) if v.is_meta or now[k].is_meta else torch.equal(now[k], v)
+                    for k, v in before.items()):
+                wrong.append(f"{name}={value!r}: changed the model")
+    assert not wrong, "\n".join(wrong)
+
+
+# ------------------------------------ tier sizes known before packing (layerwise.tierplan)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_encoded_size_is_exact_without_encoding(dtype):
+    """tierplan.encoded_layer_bytes gives the byte count encode_layer gives, from the
+    parameters alone: strided parameters, alignment gaps, a constant tensor, mixed dtypes."""
+    from torch import nn
+
+    from layerwise import tierplan
+    from layerwise.plan import build_group_plan
+    from layerwise.stages.decode import encode_layer
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(300, 77), nn.LayerNorm(77)) for _ in range(3)]).to(dtype)
+    blocks[1][0].weight.data = blocks[1][0].weight.data.t().contiguous().t()  # transposed
+    blocks[2][1].weight.data.zero_()  # one symbol only
+    blocks[0][1].float()  # an fp32 segment (stored, behind a header)
+    plan = build_group_plan(nn.ModuleDict({"b": blocks}), "b")
+    for lp in plan.layers:
+        block = torch.zeros(lp.nbytes, dtype=torch.uint8)  # packed as the manager packs it
+        for e in lp.params:
+            d = e.param.data
+            flat = torch.as_strided(d, (e.span,), (1,), d.storage_offset()).view(torch.uint8)
+            block[e.offset : e.offset + e.span_bytes].copy_(flat)
+        enc, _ = encode_layer(block, lp)
+        assert tierplan.encoded_layer_bytes(lp) == enc.numel() < lp.nbytes
+
+
+def test_planned_host_bytes_count_each_layer_at_its_tier():
+    from types import SimpleNamespace
+
+    from layerwise import tierplan
+    from layerwise.plan import BLOCK_ALIGN, round_up
+
+    model = make()
+    m = layerwise.LayerwiseOffloadManager(model, GROUPS[0], device="cpu", initialize=False)
+    raw = [round_up(lp.nbytes, BLOCK_ALIGN) for lp in m.plan.layers]
+    assert tierplan.planned_host_bytes(m) == m._arena_capacity() == sum(raw)
+    # split fetch: layers 0-3 are this rank's share (a quarter), layer 7 stays on disk
+    share = {i: (0, 0, m.plan.layers[i].nbytes // 4) for i in range(4)}
+    m._split, m._disk_layers = SimpleNamespace(spans=share), frozenset({7})
+    per = tierplan.layer_host_bytes(m)
+    assert [per[i] for i in range(4)] == [round_up(m.plan.layers[i].nbytes // 4, BLOCK_ALIGN) for i in range(4)]
+    assert per[7] == 0 and [per[i] for i in (4, 5, 6)] == raw[4:7]
+    m._split, m._disk_layers = None, frozenset()
+    m.compress = "lossless"  # encoded: at their encoded size, page-rounded
+    per = tierplan.layer_host_bytes(m)
+    assert all(per[i] == round_up(tierplan.encoded_layer_bytes(lp), BLOCK_ALIGN) < raw[i]
+               for i, lp in enumerate(m.plan.layers))
