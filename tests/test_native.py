@@ -218,10 +218,12 @@ def test_delay_mode_changes_timing_never_data(monkeypatch):
             e.synchronize()
         return time.perf_counter() - t0, dsts
 
-    t_fast, d_fast = run(fast)
+    _, d_fast = run(fast)
     t_slow, d_slow = run(slow)
     assert all(torch.equal(a, s) and torch.equal(b, s) for a, b, s in zip(d_fast, d_slow, srcs))
-    assert t_slow > t_fast and t_slow > 0.01  # 60 copies, up to 2 ms each, on 2 workers
+    # A lower bound only (a loaded machine makes both runs slower, never the delays shorter):
+    # 60 copies of up to 2 ms each on 2 workers take ~30 ms on average.
+    assert t_slow > 0.01, t_slow
 
 
 def test_delay_env_must_be_a_number(monkeypatch):
