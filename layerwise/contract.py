@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
+import sys
 import threading
 import weakref
 
@@ -57,17 +59,138 @@ def managers_of(model: nn.Module) -> list:
     return list(model.__dict__.get(_MANAGERS, []))
 
 
-def model_lock(model: nn.Module) -> threading.RLock:
-    """One lock per model, shared by all its groups (prefetch crosses groups)."""
-    return model.__dict__.setdefault(_LOCK, threading.RLock())
+class ModelLock:
+    """One model's reentrant lock, shared by all its groups (prefetch crosses groups),
+    with the wait / notify_all of a condition on it.
+
+    A forward holds it from a layer's pre-hook to its post-hook. torch runs
+    always_call forward hooks when an Exception leaves a module, not a
+    KeyboardInterrupt or SystemExit: such a forward leaves its hold behind. A hold
+    is *stale* once its thread has died or has left the module call that took it
+    (that call's frame is no longer on the thread's stack); a thread waiting for the
+    lock then takes it over (and `on_take_over` forgets the layers the abandoned
+    forward left marked as computing) instead of waiting for that thread to call
+    the model again. Holds taken by `with` blocks are released by Python, never stale."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner = None
+        self._holds: list = []  # per hold: the id of the module-call frame that took it, or None
+        self.on_take_over = None
+        self.taken_over = 0
+
+    def _stale(self) -> bool:
+        if not self._holds or any(f is None for f in self._holds):
+            return False
+        return not _on_stack(self._owner, set(self._holds))
+
+    def acquire(self, frame: int | None = None) -> bool:
+        me = threading.get_ident()
+        taken = False
+        with self._cond:
+            while self._owner not in (None, me):
+                if self._stale():
+                    self._owner, self._holds, taken = None, [], True
+                    self.taken_over += 1
+                    break
+                self._cond.wait(0.05)
+            self._owner = me
+            self._holds.append(frame)
+        if taken and self.on_take_over is not None:
+            self.on_take_over()
+        return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("layerwise: internal: the model lock is released by a thread that does not hold it")
+            self._holds.pop()
+            if not self._holds:
+                self._owner = None
+                self._cond.notify_all()
+
+    def _is_owned(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Release every hold of this thread, wait for a notify_all (or the timeout),
+        and hold the lock again as before."""
+        me = threading.get_ident()
+        taken = False
+        with self._cond:
+            saved, self._owner, self._holds = self._holds, None, []
+            self._cond.notify_all()
+            self._cond.wait(timeout)
+            while self._owner is not None:
+                if self._stale():
+                    taken = True
+                    self.taken_over += 1
+                    break
+                self._cond.wait(0.05)
+            self._owner, self._holds = me, saved
+        if taken and self.on_take_over is not None:
+            self.on_take_over()
+
+    def notify_all(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+def _on_stack(ident, frame_ids: set) -> bool:
+    """Whether thread `ident` is alive and one of `frame_ids` is on its stack."""
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        if id(frame) in frame_ids:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def module_call_frame() -> int | None:
+    """The id of the frame of torch's module call that runs the calling hook (None
+    where there is none: such a hold is never taken over)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_call_impl" and frame.f_code.co_filename.endswith(_MODULE_PY):
+            return id(frame)
+        frame = frame.f_back
+    return None
+
+
+_MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def model_lock(model: nn.Module) -> ModelLock:
+    lock = model.__dict__.get(_LOCK)
+    if lock is None:
+        lock = model.__dict__.setdefault(_LOCK, ModelLock())
+        ref = weakref.ref(model)
+        lock.on_take_over = lambda: _forget_abandoned(ref())
+    return lock
+
+
+def _forget_abandoned(model) -> None:
+    """The lock was taken over from a forward that an interrupt abandoned inside a
+    layer: nobody else is inside a layer now, so what is marked computing is stale."""
+    for m in managers_of(model) if model is not None else []:
+        if m._finalized and (m._entered or any(m._busy)):
+            m._forget_entered()
 
 
 def attach(model: nn.Module, managers) -> None:
     """Record the managers on the model and install the model-level guards once."""
     model.__dict__.setdefault(_MANAGERS, []).extend(managers)
     if _HANDLES not in model.__dict__:
-        model.__dict__[_FORWARDS] = {"threads": {}, "removing": False,
-                                     "cond": threading.Condition(model_lock(model))}
+        model.__dict__[_FORWARDS] = {"threads": {}, "removing": False, "cond": model_lock(model)}
         handles = [model.register_forward_pre_hook(torch.compiler.disable(_root_pre_hook), prepend=True),
                    model.register_forward_hook(torch.compiler.disable(_root_post_hook), always_call=True)]
         model.__dict__[_HANDLES] = handles
@@ -130,7 +253,9 @@ def defer_interrupts():
         if caught:
             if previous is signal.default_int_handler:
                 raise KeyboardInterrupt
-            if callable(previous):
+            if previous == signal.SIG_DFL:  # the default action: the process ends by SIGINT
+                os.kill(os.getpid(), signal.SIGINT)
+            elif callable(previous):
                 previous(*caught[0])
 
 
@@ -183,9 +308,7 @@ def rollback_on_failure(parts, undo=None, finish=None):
         raise
     try:
         for model, managers in parts:
-            enabled = [m for m in managers if m.enabled]
-            for a, b in zip(enabled, enabled[1:] + enabled[:1]):
-                a.next_manager = b
+            link([m for m in managers if m.enabled])
             for m in managers:
                 m._commit()
             if managers:
@@ -212,11 +335,14 @@ def _root_pre_hook(model, args):
         if forwards is not None:
             while forwards["removing"]:  # a removal is under way: it ends, then this forward runs plain
                 forwards["cond"].wait()
-            forwards["threads"][threading.get_ident()] = 1  # (a stale mark of this thread is replaced)
+            # The frame of this call of the model: gone from the thread's stack, the
+            # forward is over even if an interrupt skipped the post-hook.
+            forwards["threads"][threading.get_ident()] = module_call_frame()
+        me = threading.get_ident()
         for m in managers_of(model):
             if not m._finalized:
                 continue
-            if m._entered or any(m._busy):
+            if m._entered or any(m._busy) or any(o == me for o, _ in m._grad_hooks):
                 m._reset_entered()
             if m._handed_out:
                 check_handed_out(m)
@@ -248,10 +374,16 @@ def removing(model: nn.Module):
             if forwards is not None:
                 forwards["removing"] = True
                 me = threading.get_ident()
-                while any(t != me for t in forwards["threads"]):
-                    forwards["cond"].wait(timeout=60)  # (a thread that died mid-forward cannot end it)
-                    if any(t != me for t in forwards["threads"]) and not _threads_alive(forwards["threads"], me):
+                while True:
+                    # Forwards an interrupt abandoned (their call is off the thread's stack) or
+                    # whose thread died are over.
+                    for t, frame in list(forwards["threads"].items()):
+                        if t != me and (frame is None and not _threads_alive([t], me)
+                                        or frame is not None and not _on_stack(t, {frame})):
+                            del forwards["threads"][t]
+                    if not any(t != me for t in forwards["threads"]):
                         break
+                    forwards["cond"].wait(timeout=0.5)
             yield
         finally:
             if forwards is not None:
@@ -259,7 +391,7 @@ def removing(model: nn.Module):
                 forwards["cond"].notify_all()
 
 
-def remove_models(parts, original_devices: bool = False, finish=None) -> None:
+def remove_models(parts, original_devices: bool = False, finish=None, prepare=None) -> None:
     """Remove the offload of several models as one transaction ([(model, managers)]).
 
     Phase one builds every parameter's ordinary tensor and changes nothing: if it
@@ -267,18 +399,39 @@ def remove_models(parts, original_devices: bool = False, finish=None) -> None:
     still streams exactly and the removal can be called again. Phase two rebinds
     and releases, with Ctrl-C held back, and `finish()` runs inside it. Forwards
     and state_dict() calls on other threads end first; ones that start meanwhile
-    wait and then run on the plain model."""
+    wait and then run on the plain model. `prepare()`, if given, runs in phase one
+    with every model held (its result is the caller's, for `finish`)."""
     with contextlib.ExitStack() as held:
         for model, _ in parts:
             held.enter_context(removing(model))
+        if prepare is not None:
+            prepare()
         prepared = [[(m, m._prepare_removal(original_devices)) for m in managers] for _, managers in parts]
         with defer_interrupts():
             for (model, _), group in zip(parts, prepared):
                 for m, p in group:
                     m._commit_removal(p)
-                detach(model)
+                forget(model, [m for m, _ in group])
             if finish is not None:
                 finish()
+
+
+def forget(model: nn.Module, managers) -> None:
+    """Managers removed: off the model's list, and the model's guards gone with the last one."""
+    registered = model.__dict__.get(_MANAGERS)
+    if registered is None:
+        return
+    registered[:] = [m for m in registered if all(m is not r for r in managers)]
+    if not registered:
+        detach(model)
+        return
+    link([m for m in registered if m.enabled])
+
+
+def link(enabled) -> None:
+    """Cross-group prefetch: each group's last layer prefetches the next group's first."""
+    for a, b in zip(enabled, enabled[1:] + enabled[:1]):
+        a.next_manager = b
 
 
 def _threads_alive(threads, me) -> bool:

@@ -531,10 +531,15 @@ class LayerwiseOffloadManager:
         self._slot_gen = [g + 1 for g in self._slot_gen]
         self._dirty = False
 
-    def _reset_entered(self) -> None:
+    def _forget_entered(self) -> None:
         """Forget layers left 'computing' by a forward that an interrupt abandoned."""
         self._busy = [0] * self.num_slots
         self._entered = []
+        self._dirty = True
+
+    def _reset_entered(self) -> None:
+        """_forget_entered, and this thread's saved-tensor hooks of that forward."""
+        self._forget_entered()
         me = threading.get_ident()
         for owner, ctx in reversed(self._grad_hooks):
             if owner == me:
@@ -598,9 +603,14 @@ class LayerwiseOffloadManager:
             )
 
     def _pre_hook(self, i: int, module, args):
+        # Released by the post-hook (which also runs when a forward raises; a hold that
+        # a KeyboardInterrupt abandons is taken over by the next thread: contract.ModelLock).
+        self._lock.acquire(contract.module_call_frame())
+        if not self._finalized:  # removed while this call waited for the lock: the layer runs plain
+            self._lock.release()
+            return
         if self._engine.is_cuda and _stream_capturing(self.device):
             raise RuntimeError(_CAPTURE_REFUSED.format(group=self.layer_name, i=i))
-        self._lock.acquire()  # released by the post-hook (which also runs when a forward raises)
         if self._contract_error is not None:
             raise RuntimeError(self._contract_error)
         if self._dirty:
@@ -969,9 +979,7 @@ class LayerwiseOffloadManager:
         device (or, with original_devices, where each one was before packing).
         Transactional: if it raises (or is interrupted), the group still streams
         exactly and remove() can be called again."""
-        prepared = self._prepare_removal(original_devices)
-        with contract.defer_interrupts():
-            self._commit_removal(prepared)
+        contract.remove_models([(self.model, [self])], original_devices)
 
     def __reduce_ex__(self, protocol):
         raise TypeError(contract.COPY_REFUSED)

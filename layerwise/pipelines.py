@@ -627,8 +627,11 @@ def _remove_components(components, finish=None) -> None:
     the commit."""
     parts = [(c.module, managers_of(c.module)) for c in components]
     managed = {id(e.param) for _, ms in parts for m in ms for lp in m.plan.layers for e in lp.params}
-    with torch.no_grad():
-        moves = [_device_moves(c.devices, managed) for c in components]
+    moves = []
+
+    def prepare():  # with every component held: a load_state_dict on another thread is not lost
+        with torch.no_grad():
+            moves.extend(_device_moves(c.devices, managed) for c in components)
 
     def commit():
         for c, todo in zip(components, moves):
@@ -641,7 +644,7 @@ def _remove_components(components, finish=None) -> None:
         if finish is not None:
             finish()
 
-    contract.remove_models(parts, original_devices=True, finish=commit)
+    contract.remove_models(parts, original_devices=True, finish=commit, prepare=prepare)
 
 
 def _device_moves(snap, managed) -> list:

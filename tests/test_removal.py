@@ -294,3 +294,155 @@ def test_a_failure_during_remove_pipeline_offload_leaves_every_component_streami
             for key, v in before[n].items():
                 assert torch.equal(sd[key], v), (k, n, key)
         assert torch.equal(generate(pipe, size), reference), k
+
+
+# ------------------------------------------- forwards an interrupt abandoned
+def _interrupt_inside_a_layer(model, x, exc=KeyboardInterrupt):
+    """A forward that leaves a layer by a BaseException that is not an Exception:
+    torch then runs no always_call hook, so layerwise's post-hook never runs."""
+    def boom(*a):
+        raise exc()
+
+    h = model.transformer_blocks[2].up.register_forward_hook(boom)
+    try:
+        with torch.no_grad():
+            model(x)
+    except exc:
+        pass
+    finally:
+        h.remove()
+
+
+def _in_thread(fn, timeout=60):
+    out, errors = [], []
+
+    def run_():
+        try:
+            out.append(fn())
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    t = threading.Thread(target=run_, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} still running after {timeout} s: it hangs"
+    assert not errors, errors
+    return out[0]
+
+
+def test_a_removal_on_another_thread_after_a_forward_interrupted_inside_a_layer(tmp_path):
+    ref = make()
+    x = inputs(1)[0]
+    with torch.no_grad():
+        want = ref(x)
+    model = _configure(make(), "plain", tmp_path)
+    _interrupt_inside_a_layer(model, x)
+    _in_thread(lambda: layerwise.remove_layerwise_offload(model))  # the abandoned hold is taken over
+    assert no_trace_of_layerwise(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    assert_fingerprint(model, fingerprint(ref))
+
+
+def test_a_forward_waiting_on_another_thread_after_an_interrupted_one_runs(tmp_path):
+    ref = make()
+    x = inputs(1)[0]
+    with torch.no_grad():
+        want = ref(x)
+    model = _configure(make(), "plain", tmp_path)
+    _interrupt_inside_a_layer(model, x)
+    with torch.no_grad():
+        assert torch.equal(_in_thread(lambda: model(x)), want)  # still offloaded, exact
+        assert torch.equal(model(x), want)  # and the interrupted thread goes on too
+    layerwise.remove_layerwise_offload(model)
+
+
+def test_a_thread_that_died_inside_a_layer_does_not_block_the_removal(tmp_path):
+    ref = make()
+    x = inputs(1)[0]
+    model = _configure(make(), "plain", tmp_path)
+    t = threading.Thread(target=_interrupt_inside_a_layer, args=(model, x, SystemExit))
+    t.start()
+    t.join(60)
+    _in_thread(lambda: layerwise.remove_layerwise_offload(model))
+    assert_fingerprint(model, fingerprint(ref))
+
+
+def test_blocks_called_directly_on_another_thread_during_a_removal_are_exact(tmp_path):
+    """A pipeline calls sub-blocks outside the model's forward (vae.decode): the
+    removal cannot wait for forwards it never saw; the block runs streamed or plain."""
+    ref = make()
+    h = torch.randn(2, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = [blk(h) for blk in ref.transformer_blocks]
+    for trial in range(10):
+        model = _configure(make(), "plain", tmp_path)
+        wrong, errors, stop = [], [], threading.Event()
+
+        def caller():
+            try:
+                while not stop.is_set():
+                    for i, blk in enumerate(model.transformer_blocks):
+                        with torch.no_grad():
+                            if not torch.equal(blk(h), want[i]):
+                                wrong.append(i)
+            except Exception as err:  # noqa: BLE001
+                errors.append(repr(err))
+
+        t = threading.Thread(target=caller)
+        t.start()
+        layerwise.remove_layerwise_offload(model)
+        stop.set()
+        t.join(60)
+        assert not errors, errors[:3]
+        assert not wrong, wrong[:5]
+
+
+def test_manager_remove_alone_leaves_the_model_plain_and_configurable(tmp_path):
+    ref = make()
+    x = inputs(1)[0]
+    with torch.no_grad():
+        want = ref(x)
+    model = make()
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+    managers[0].remove()
+    assert managers_of(model) == [managers[1]]  # the other group still streams
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    managers[1].remove()
+    assert no_trace_of_layerwise(model)
+    copy.deepcopy(model)  # an ordinary module again
+    layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+SIG_DFL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+import layerwise
+from layerwise import manager as mm
+from models import TwoGroupModel
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # a program that lets Ctrl-C end it
+model = TwoGroupModel()
+layerwise.configure_layerwise_offload(model, ["transformer_blocks", "single_transformer_blocks"], device="cpu")
+orig = mm.LayerwiseOffloadManager._commit_removal
+def commit(self, prepared):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands while the removal commits
+    return orig(self, prepared)
+mm.LayerwiseOffloadManager._commit_removal = commit
+layerwise.remove_layerwise_offload(model)
+print("still running: the Ctrl-C was dropped", flush=True)
+"""
+
+
+def test_ctrl_c_held_back_during_the_commit_is_delivered_to_sig_dfl():
+    import signal
+    import subprocess
+    import sys
+
+    code = SIG_DFL_SCRIPT.format(tests=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stdout, proc.stderr[-2000:])
