@@ -482,6 +482,12 @@ def _load_pre_hook(manager, owned):
                     continue
                 try:
                     manager._write_layer(i, lambda block, e=e, value=value: e.view_in(block).copy_(local_tensor(value)))
+                except stages.gather.SplitError:
+                    # Refused on every rank (different values per rank, ranks out of lockstep): raised as
+                    # it is. As a message in error_msgs torch would go on and copy the refused value
+                    # into the parameter (a ring slot view).
+                    manager._loaded_keys.clear()
+                    raise
                 except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
                     error_msgs.append(f"While copying the parameter named {key!r}: {err}")
                     continue

@@ -529,6 +529,11 @@ class LayerwiseOffloadManager:
         self._slot_gen = [g + 1 for g in self._slot_gen]
         self._dirty = False
 
+    def forget_slots(self) -> None:
+        """What the slots hold is unknown (a split-fetch collective failed): the
+        next hook waits for every copy and reloads the layers it needs."""
+        self._dirty = True
+
     def _reset_entered(self) -> None:
         """Forget layers left 'computing' by a forward that an interrupt abandoned."""
         self._busy = [0] * self.num_slots
@@ -610,17 +615,25 @@ class LayerwiseOffloadManager:
                 self._dirty = False
             if ev is not None:
                 stream = self._stream()
-                if self._timing:
-                    if self._engine.is_cuda:
-                        start = self._engine.record(stream, True)
-                        self._engine.wait(ev, stream)
-                        self._stall_pairs.append((self._steps, start, self._engine.record(stream, True)))
+                try:
+                    if self._timing:
+                        if self._engine.is_cuda:
+                            start = self._engine.record(stream, True)
+                            self._engine.wait(ev, stream)
+                            self._stall_pairs.append((self._steps, start, self._engine.record(stream, True)))
+                        else:
+                            t0 = time.perf_counter()
+                            self._engine.wait(ev, stream)
+                            self._stall_s += time.perf_counter() - t0
                     else:
-                        t0 = time.perf_counter()
                         self._engine.wait(ev, stream)
-                        self._stall_s += time.perf_counter() - t0
-                else:
-                    self._engine.wait(ev, stream)
+                except Exception as err:
+                    self._slot_holder[s] = -1  # the slot's bytes are unknown: the next call loads it again
+                    self._copy_event[i] = None
+                    failed = getattr(self._src[i], "fetch_failed", None)  # the source's own error type
+                    if failed is None:
+                        raise
+                    raise failed(err) from None
                 self._copy_event[i] = None
             if torch.is_grad_enabled():
                 ctx = contract.saved_slot_hooks(self)
@@ -691,7 +704,11 @@ class LayerwiseOffloadManager:
     def _resolve_stalls(self) -> None:
         pending = []
         for step, ev in self._timed_copies:
-            if not ev.query():
+            try:
+                done = ev.query()
+            except Exception:  # a failed fetch (a split gather): raised where its layer was needed, not timed
+                continue
+            if not done:
                 pending.append((step, ev))
                 continue
             ms = ev.copy_ms

@@ -4,7 +4,9 @@ outputs are bitwise equal to the resident model's (different inputs per rank),
 that each rank holds and reads about 1/N of the streamed bytes, and that
 mismatched configurations are refused on every rank without hanging.
 
-    python tests/split_worker.py RANK WORLD PORT TMPDIR
+    python tests/split_worker.py RANK WORLD PORT TMPDIR [SCENARIO]
+
+SCENARIO (one of SCENARIOS) runs that check alone; without it, the main ones.
 """
 import copy
 import datetime
@@ -32,11 +34,11 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, d=48, n=6, m=3):
+    def __init__(self, d=48, n=6, m=3, equal=False):
         super().__init__()
         self.embed = nn.Linear(d, d)
-        self.blocks = nn.ModuleList([Block(d, i) for i in range(n)])
-        self.extra = nn.ModuleList([Block(d, i) for i in range(m)])
+        self.blocks = nn.ModuleList([Block(d, 0 if equal else i) for i in range(n)])  # equal: layers of one size
+        self.extra = nn.ModuleList([Block(d, 0 if equal else i) for i in range(m)])
         self.head = nn.Linear(d, d)
 
     def forward(self, x):
@@ -125,11 +127,7 @@ def scenario_equal(rank, world, depth, resident, contract=True):
     sd = model.state_dict()
     for k in sd:
         assert torch.equal(sd[k].cpu(), new[k]), k
-    try:
-        check_outputs(model, reference, rank, steps=1)
-    except RuntimeError as e:  # torch's own copy into the slot view is caught and discarded once
-        assert "in-place write" in str(e), e
-    check_outputs(model, reference, rank, steps=1)
+    check_outputs(model, reference, rank, steps=1)  # at once: the refused value never reached a slot
     layerwise.remove_layerwise_offload(model)
     for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(p, q), k
@@ -255,7 +253,7 @@ def scenario_mismatch(rank, world):
     if rank == 0:
         t0 = time.perf_counter()
         with torch.no_grad():
-            expect_refused(rank, lambda: model(x), ["split fetch of layer blocks[", "lockstep"])
+            expect_split_error(rank, lambda: model(x), ["blocks[", "lockstep", "timed out"])
         assert time.perf_counter() - t0 < 30
     # last: a rank that never configures: the others time out with a clear error (no hang)
     dist.barrier()
@@ -268,10 +266,140 @@ def scenario_mismatch(rank, world):
     assert time.perf_counter() - t0 < 30
 
 
-def main(rank, world, port, tmp):
+def expect_split_error(rank, fn, words):
+    """fn() raises SplitError (not ReadError, not a message torch swallows) naming `words`."""
+    try:
+        fn()
+    except gather.SplitError as e:
+        assert all(w in str(e) for w in words), (rank, words, str(e))
+        return str(e)
+    except BaseException as e:  # noqa: BLE001 - the wrong type is the failure
+        raise AssertionError(f"rank {rank}: {type(e).__name__} instead of SplitError: {e}") from e
+    raise AssertionError(f"rank {rank}: no error ({words})")
+
+
+def run_blocks(model, order, x):
+    with torch.no_grad():
+        for j in order:
+            x = model.blocks[j](x)
+    return x
+
+
+def same_weights(model, reference):
+    for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p.cpu(), q), k
+
+
+def scenario_lockstep(rank, world):
+    """Issue 21, item 4: a rank out of lockstep gets SplitError on every rank, naming both
+    sides, never a wrong output and never an abort; in lockstep again, the model is exact."""
+    for equal in (True, False):  # equal-size layers: gloo would pair them; unequal: gloo would abort
+        torch.manual_seed(0)
+        model = Net(equal=equal)
+        reference = copy.deepcopy(model)
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+        n = len(model.blocks)
+        order = list(range(n)) if rank == 0 else list(range(n))[::-1]  # the others call the blocks reversed
+        torch.manual_seed(100 + rank)
+        x = torch.randn(3, 48)
+        expect_split_error(rank, lambda: run_blocks(model, order, x),
+                           ["out of lockstep", "rank 0 wanted", "rank", f"blocks[{n - 1}]", "Nothing was gathered"])
+        check_outputs(model, reference, rank, steps=2)  # back in lockstep: exact
+        # state_dict on rank 0 while the others run a forward
+        if rank == 0:
+            expect_split_error(rank, model.state_dict, ["out of lockstep", "host read", "forward's gather"])
+        else:
+            expect_split_error(rank, lambda: model(x), ["out of lockstep", "host read", "forward's gather"])
+        check_outputs(model, reference, rank, steps=1)
+        sd = model.state_dict()
+        for k, v in reference.state_dict().items():
+            assert torch.equal(sd[k].cpu(), v), k
+        layerwise.remove_layerwise_offload(model)
+        same_weights(model, reference)
+
+
+def scenario_seeds(rank, world):
+    """Issue 21, item 5: ranks with different weights are refused at configure, on every
+    rank, naming the first differing layer, the model unchanged."""
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        if rank == world - 1:
+            model.blocks[2].b.weight[5, 7] += 1  # one element of one layer differs on one rank
+    before = {k: (p, p.data.clone()) for k, p in model.named_parameters()}
+    expect_split_error(rank, lambda: layerwise.configure_layerwise_offload(
+        model, ["blocks", "extra"], device="cpu", split_fetch=dist.group.WORLD),
+        ["different weights", "blocks[2]", "Nothing was changed"])
+    for k, p in model.named_parameters():
+        assert p is before[k][0] and torch.equal(p.data, before[k][1]), k
+    assert not layerwise.contract.managers_of(model)
+    # built with different seeds: refused, naming the first layer (blocks[0])
+    class Holder:  # any object holding modules is a pipeline
+        def __init__(self):
+            torch.manual_seed(rank)
+            self.net = Net()
+
+    holder = Holder()
+    expect_split_error(rank, lambda: layerwise.offload_pipeline(holder, device="cpu", split_fetch=dist.group.WORLD),
+                       ["different weights", "blocks[0]"])
+    assert not layerwise.contract.managers_of(holder.net)
+    # the same weights: accepted and exact (the check does not refuse what matches)
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    layerwise.configure_layerwise_offload(model, ["blocks", "extra"], device="cpu", split_fetch=dist.group.WORLD)
+    check_outputs(model, reference, rank, steps=1)
+    layerwise.remove_layerwise_offload(model)
+
+
+def scenario_refused_load(rank, world):
+    """Issue 21, item 6: a load_state_dict refused because the ranks loaded different values
+    raises SplitError and leaves state_dict, forward and remove showing the true weights."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    layerwise.configure_layerwise_offload(model, ["blocks", "extra"], device="cpu", split_fetch=dist.group.WORLD)
+    check_outputs(model, reference, rank, steps=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = {k: v.clone() for k, v in before.items()}
+    bad["blocks.3.b.weight"] += rank + 1  # different on every rank
+    expect_split_error(rank, lambda: model.load_state_dict(bad), ["ranks wrote different values", "blocks[3]"])
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(sd[k], v), (rank, k)
+    check_outputs(model, reference, rank, steps=2)  # exact at once: no "in-place write" on the way
+    # a refused load of a whole block (several parameters, the first refused)
+    bad = {k: v.clone() + (rank if k.startswith("extra.1.") else 0) for k, v in before.items()}
+    expect_split_error(rank, lambda: model.load_state_dict(bad), ["ranks wrote different values", "extra[1]"])
+    check_outputs(model, reference, rank, steps=1)
+    layerwise.remove_layerwise_offload(model)
+    same_weights(model, reference)
+
+
+def scenario_gather_error(rank, world):
+    """Issue 21, item 11 (split part): a gather that fails in a forward is a SplitError."""
+    torch.manual_seed(0)
+    model = Net()
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+    x = torch.randn(2, 48)
+    if rank == 0:  # the others skip the forward: rank 0's gathers time out
+        with torch.no_grad():
+            expect_split_error(rank, lambda: model(x), ["blocks[", "timed out", "lockstep"])
+    dist.barrier()  # (main ends with os._exit: the timed-out collective leaves the group unusable)
+
+
+SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,
+             "gather_error": scenario_gather_error}
+
+
+def main(rank, world, port, tmp, scenario=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LAYERWISE_COLLECTIVE_TIMEOUT_S="2")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     t0 = time.perf_counter()
+    if scenario is not None:
+        SCENARIOS[scenario](rank, world)
+        print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
+        os._exit(0)
     scenario_equal(rank, world, depth=1, resident=0)
     scenario_equal(rank, world, depth=2, resident=2, contract=False)
     scenario_load(rank, world, tmp)
@@ -282,4 +410,4 @@ def main(rank, world, port, tmp):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:])
