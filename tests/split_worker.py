@@ -318,7 +318,7 @@ def scenario_lockstep(rank, world):
         same_weights(model, reference)
 
 
-def scenario_seeds(rank, world):
+def scenario_seeds(rank, world, tmp):
     """Issue 21, item 5: ranks with different weights are refused at configure, on every
     rank, naming the first differing layer, the model unchanged."""
     torch.manual_seed(0)
@@ -343,6 +343,18 @@ def scenario_seeds(rank, world):
     expect_split_error(rank, lambda: layerwise.offload_pipeline(holder, device="cpu", split_fetch=dist.group.WORLD),
                        ["different weights", "blocks[0]"])
     assert not layerwise.contract.managers_of(holder.net)
+    # load_offloaded of checkpoints saved from different weights (each rank its own file)
+    from safetensors.torch import save_file
+
+    path = os.path.join(tmp, f"seed-{rank}.safetensors")
+    torch.manual_seed(rank)
+    save_file({k: v.contiguous() for k, v in Net().state_dict().items()}, path)
+    model = layerwise.empty_model(Net)
+    expect_split_error(rank, lambda: layerwise.load_offloaded(model, path, ["blocks", "extra"], device="cpu",
+                                                              split_fetch=dist.group.WORLD),
+                       ["different weights", "blocks[0]", "Nothing was changed"])
+    assert not layerwise.contract.managers_of(model)
+    assert all(p.is_meta for p in model.parameters())
     # the same weights: accepted and exact (the check does not refuse what matches)
     torch.manual_seed(0)
     model = Net()
@@ -397,7 +409,8 @@ def main(rank, world, port, tmp, scenario=None):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     t0 = time.perf_counter()
     if scenario is not None:
-        SCENARIOS[scenario](rank, world)
+        fn = SCENARIOS[scenario]
+        fn(rank, world, tmp) if fn is scenario_seeds else fn(rank, world)
         print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
         os._exit(0)
     scenario_equal(rank, world, depth=1, resident=0)
