@@ -248,7 +248,7 @@ class SplitGroup:
         if self.device.type == "cuda" or self._broken is None:
             return
 
-        def clear():
+        def clear(later):
             self._broken = None
 
         try:
@@ -265,11 +265,30 @@ class SplitGroup:
 
     # -- the CPU collective thread
     def _run(self, jobs: queue.Queue) -> None:
+        # A second thread waits for the slot gathers this one issued, so that the next
+        # gather's lockstep check (a small all-gather: a round trip) overlaps the
+        # transfer of the one before; gloo runs the two at once, in the order issued.
+        pending: queue.Queue = queue.Queue()
+        waiter = threading.Thread(target=self._finish, args=(pending,), daemon=True,
+                                  name=f"layerwise-gather-wait-r{self.rank}")
+        waiter.start()
+        try:
+            while True:
+                job = jobs.get()
+                if job is None:
+                    return
+                job(pending.put)
+        finally:
+            pending.put(None)
+            waiter.join()
+
+    @staticmethod
+    def _finish(pending: queue.Queue) -> None:
         while True:
-            job = jobs.get()
-            if job is None:
+            finish = pending.get()
+            if finish is None:
                 return
-            job()
+            finish()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -299,7 +318,7 @@ class SplitGroup:
         done = threading.Event()
         box = {}
 
-        def job():
+        def job(later):
             try:
                 box["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -685,20 +704,32 @@ class ShareSource:
             return done
         done = st.last_gather[key] = _native._C.host_event()
 
-        def job():
+        def failed(e):
+            done.fail(str(e) if isinstance(e, SplitError) else
+                      f"layerwise split fetch of layer {st.layer_name}[{i}] failed: {e}")
+
+        def job(later):
             try:
                 t0 = time.perf_counter()
                 if copied is not None:
                     copied.synchronize()
                 t1 = time.perf_counter()
-                group.agree(*tag)
-                group.wait(_gather(full, part, group.gather_pg, async_op=True), f"the gather of {st.layer_name}[{i}]")
                 st.copy_wait_s += t1 - t0
-                st.gather_s += time.perf_counter() - t1
-                done.set()
+                group.agree(*tag)
+                work = _gather(full, part, group.gather_pg, async_op=True)
             except BaseException as e:  # noqa: BLE001 - the compute learns it from the event (fetch_failed)
-                done.fail(str(e) if isinstance(e, SplitError) else
-                          f"layerwise split fetch of layer {st.layer_name}[{i}] failed: {e}")
+                failed(e)
+                return
+
+            def finish():
+                try:
+                    group.wait(work, f"the gather of {st.layer_name}[{i}]")
+                    st.gather_s += time.perf_counter() - t1
+                    done.set()
+                except BaseException as e:  # noqa: BLE001 - as above
+                    failed(e)
+
+            later(finish)  # waited for on the second thread: the next job's check overlaps this transfer
 
         group.submit(job)
         return done
