@@ -34,8 +34,31 @@ what the compute stream and the slot's next copy wait on: no host sync in the
 hot path (the CUDA path is written for NCCL and not run in CI: no GPU there).
 Host-side collectives go through the private gloo group.
 
+The lockstep check (issue 21). Every collective on the private group is
+preceded by an all-gather of a 64-byte tag per rank (``SplitGroup.agree``): what
+it is (a forward's gather, a host read, a check of new values), the layer group,
+the layer, its bytes and version. Ranks about to run different collectives (one
+calls the blocks in another order, one calls state_dict() while another runs a
+forward) find out there - before a byte of the layer moves, and before gloo
+sees buffers of different sizes (it aborts the process then) - and raise
+``SplitError`` on every rank naming what each wanted. On CPU the collectives
+queued behind a failed one fail too, without being issued, until the failure
+has reached the user (``surfaced``); every manager of the group then reloads its
+slots, so the next calls made in lockstep pair up again and are exact. Cost:
+one small all-gather per collective; on CPU a second thread waits for each
+gather, so the next check overlaps the transfer (BENCHMARKS.md). On CUDA the
+check runs on the host, from the hook, before the local copy and the NCCL
+gather are issued (a host round trip per layer; written, not run: no GPU).
+
+At configure the validation all-gather also carries a CRC-32 of every split
+layer's bytes (``layer_values``): ranks built with different weights are refused
+on every rank, naming the first differing layer. load_offloaded, where each rank
+reads only its share, compares what every rank can read cheaply instead
+(loading._sampled_values).
+
 Which operations are collective (every rank of the group must call them, in the
-same order, or the others wait until ``timeout_s`` and raise):
+same order, or they raise SplitError: at once where the ranks disagree, after
+``timeout_s`` where a rank does not take part):
 
     configure_layerwise_offload / load_offloaded / offload_pipeline with
         split_fetch (one all-gather validates the configuration on every rank)
@@ -53,8 +76,9 @@ attribute access, hooks of resident layers.
 
 Not supported: DTensor (tensor-parallel) weights - each rank's weights differ
 already, there is nothing to split - refused at configure. An interrupt or an
-error on one rank only breaks lockstep: the other ranks' next collective times
-out (``timeout_s``) and raises; the group should then be torn down.
+error on one rank only, or a rank that skips a call, leaves the others waiting:
+their next collective times out (``timeout_s``) and raises SplitError; a gloo
+group with a timed-out collective should then be torn down.
 
 Compression (issue 15) composes at the ``share`` step: a rank would encode its
 share when storing it and its local stage would become transfer -> decode into
@@ -405,8 +429,8 @@ _VALUES = len(_FIELDS) - 1
 def layer_crc(lp):
     """CRC-32 of a layer's parameters' bytes (each storage span, in plan order: the
     bytes its block packs), or None where a parameter has no values yet (meta).
-    zlib.crc32 runs at about 5 GB/s on one core of a 2-core CPU VM (blake2b: 1.1,
-    measured 2026-12-01 over 64 MiB): this check costs about 0.2 s per GB streamed."""
+    zlib.crc32 runs at 4.9 GB/s on one core of the 2-core CPU VM (blake2b: 1.3;
+    BENCHMARKS.md, "The lockstep check's cost"): about 0.2 s per GB streamed."""
     crc = 0
     for e in lp.params:
         data = e.param.data
