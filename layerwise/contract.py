@@ -361,7 +361,7 @@ def _owned(manager):
 def install_layer_hooks(manager) -> list:
     """state_dict / load_state_dict hooks on every module that holds streamed
     parameters, and peft merge guards in every streamed layer."""
-    handles = []
+    handles = _split_load_guards(manager)  # first: they refuse before any write hook ran
     for mod, owned in _owned(manager).items():
         handles.append(mod.register_state_dict_post_hook(_state_dict_hook(manager, owned)))
         handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
@@ -374,6 +374,35 @@ def install_layer_hooks(manager) -> list:
     handles.extend(_read_only_guards(manager))
     _ensure_registration_hook()
     return handles
+
+
+def _split_load_guards(manager) -> list:
+    """split fetch: a load_state_dict that gives the ranks different values for the
+    split layers is refused where it starts (the module it was called on, or the
+    model when it is loaded as part of something larger), before anything changed:
+    one collective compares them (stages/gather.py, ShareStore.check_load). The
+    per-layer check in the source's write() stays the last word."""
+    store = manager._split
+    if store is None:
+        return []
+    split = {id(e.param) for i in manager._streamed if i in store.spans for e in manager.plan.layers[i].params}
+    handles = []
+    for name, mod in manager.model.named_modules():
+        inner = [rel for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in split]
+        if inner:
+            handles.append(mod.register_load_state_dict_pre_hook(_check_split_load(manager, mod, inner)))
+    return handles
+
+
+def _check_split_load(manager, mod, inner):
+    def hook(module, state_dict, prefix, *args):
+        if not manager._finalized or (prefix and module is not manager.model):
+            return  # inside a load that started above: checked there
+        named = [(prefix + rel, state_dict[prefix + rel]) for rel in inner
+                 if isinstance(state_dict.get(prefix + rel), torch.Tensor)]
+        manager._split.check_load(named)
+
+    return hook
 
 
 def _read_only_guards(manager) -> list:

@@ -118,12 +118,7 @@ def scenario_equal(rank, world, depth, resident, contract=True):
     # different values on different ranks: refused on every rank, the true bytes unchanged
     bad = {k: v.clone() for k, v in new.items()}
     bad["blocks.3.b.weight"] += rank
-    try:
-        model.load_state_dict(bad)
-    except RuntimeError as e:
-        assert "ranks wrote different values" in str(e), e
-    else:
-        raise AssertionError("load_state_dict with different values per rank was not refused")
+    expect_split_error(rank, lambda: model.load_state_dict(bad), ["different values", "blocks.3.b.weight"])
     sd = model.state_dict()
     for k in sd:
         assert torch.equal(sd[k].cpu(), new[k]), k
@@ -375,14 +370,35 @@ def scenario_refused_load(rank, world):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     bad = {k: v.clone() for k, v in before.items()}
     bad["blocks.3.b.weight"] += rank + 1  # different on every rank
-    expect_split_error(rank, lambda: model.load_state_dict(bad), ["ranks wrote different values", "blocks[3]"])
+    expect_split_error(rank, lambda: model.load_state_dict(bad), ["different values", "blocks.3.b.weight",
+                                                                  "Nothing was changed"])
     sd = model.state_dict()
     for k, v in before.items():
         assert torch.equal(sd[k], v), (rank, k)
     check_outputs(model, reference, rank, steps=2)  # exact at once: no "in-place write" on the way
-    # a refused load of a whole block (several parameters, the first refused)
-    bad = {k: v.clone() + (rank if k.startswith("extra.1.") else 0) for k, v in before.items()}
-    expect_split_error(rank, lambda: model.load_state_dict(bad), ["ranks wrote different values", "extra[1]"])
+    # the layer-level check (peft merges and edits go through it): a refused write of
+    # layer 3, and an edit of what read() gave, leave the truth as it was
+    m = layerwise.contract.managers_of(model)[0]
+    m._src[3].read().add_(1)  # a copy: editing it changes nothing
+    expect_split_error(rank, lambda: m._write_layer(3, lambda block: block.add_(rank + 1)),
+                       ["ranks wrote different values", "blocks[3]", "Nothing was changed"])
+    for k, v in model.blocks[3].state_dict().items():  # layer 3 read first (what a one-entry cache would give)
+        assert torch.equal(v, before[f"blocks.3.{k}"]), (rank, k)
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(sd[k], v), (rank, k)
+    check_outputs(model, reference, rank, steps=1)
+    # new values everywhere (the same on every rank) but one late layer that differs per rank:
+    # refused before any layer changed, not after the layers before it were written
+    bad = {k: v.clone() + 0.5 + (rank if k.startswith("extra.1.") else 0) for k, v in before.items()}
+    expect_split_error(rank, lambda: model.load_state_dict(bad), ["different values", "extra.1.", "Nothing was changed"])
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(sd[k], v), (rank, k)
+    check_outputs(model, reference, rank, steps=1)
+    # the same through a submodule's load_state_dict
+    sub = {k[len("blocks.4."):]: v + rank for k, v in bad.items() if k.startswith("blocks.4.")}
+    expect_split_error(rank, lambda: model.blocks[4].load_state_dict(sub), ["different values", "Nothing was changed"])
     check_outputs(model, reference, rank, steps=1)
     layerwise.remove_layerwise_offload(model)
     same_weights(model, reference)

@@ -143,9 +143,10 @@ class SplitError(RuntimeError):
 # tag saying what it is (the lockstep check): ranks that would gather different
 # layers (or a layer and a host read) find out there, before a byte of the layer
 # moves and before gloo sees buffers of different sizes, and raise on every rank.
-GATHER, READ, COMPARE = 1, 2, 3
+GATHER, READ, COMPARE, LOAD = 1, 2, 3, 4
 _KIND = {GATHER: "a forward's gather of", READ: "a host read (state_dict, load_state_dict, remove) of",
-         COMPARE: "the check of new values (load_state_dict, an edit) of"}
+         COMPARE: "the check of new values (load_state_dict, an edit) of",
+         LOAD: "the check of a load_state_dict's values for"}
 _MAGIC = 0x4C57_5350  # "LWSP": a tag, not a stray tensor
 _TAG = 8  # int64s: magic, kind, layer group, layer, bytes, version, and two words of payload (a digest)
 _SAME = 6  # the fields every rank must agree on
@@ -257,7 +258,8 @@ class SplitGroup:
         kind, store_id, layer, nbytes, version = row[1:_SAME]
         name = self.layer_names[store_id] if 0 <= store_id < len(self.layer_names) else f"layer group #{store_id}"
         extra = f", version {version}" if version else ""
-        return f"{_KIND.get(kind, f'collective kind {kind} of')} {name}[{layer}] ({nbytes} bytes{extra})"
+        what = _KIND.get(kind, f"collective kind {kind} of")
+        return f"{what} {name}" if layer < 0 else f"{what} {name}[{layer}] ({nbytes} bytes{extra})"
 
     def surfaced(self) -> None:
         """A failed collective reached the user (raised from a hook or a host read):
@@ -637,6 +639,48 @@ class ShareStore:
                 view.set_(dst.untyped_storage(), dst.storage_offset(), (nbytes,))
             self._views[key] = view
         return view
+
+    def check_load(self, named: list) -> None:
+        """Before a load_state_dict changes any of this group's split layers: ONE
+        collective compares a CRC-32 of the (key, dtype, shape, bytes) of every value
+        it would load into them; raises SplitError on every rank, naming the first key
+        whose values differ, before anything changed (contract._split_load_guards).
+        Every rank calls it (even with nothing to load), so the ranks stay in step."""
+        g = self.group
+        crcs = []
+        for key, value in named:
+            t = value.detach()
+            t = t.to_local() if hasattr(t, "to_local") else t
+            crc = zlib.crc32(repr((key, str(t.dtype), tuple(t.shape))).encode())
+            crcs.append(zlib.crc32(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy(), crc))
+        mine = (len(crcs), zlib.crc32(repr(crcs).encode()))
+
+        def compare():
+            rows = g.agree(LOAD, self.id, -1, 0, 0, mine)
+            if all(r[_SAME:] == rows[0][_SAME:] for r in rows):
+                return None
+            per = None
+            if len({r[_SAME] for r in rows}) == 1 and crcs:  # as many values on every rank: which differs
+                out = torch.empty(g.world * len(crcs), dtype=torch.int64)
+                g.wait(_gather(out, torch.tensor(crcs, dtype=torch.int64), g.host_pg, async_op=True),
+                       f"comparing the values a load_state_dict gives {self.layer_name}")
+                per = out.view(g.world, -1).tolist()
+            return rows, per
+
+        bad = g.call(compare)
+        if bad is None:
+            return
+        rows, per = bad
+        if per is None:
+            what = f"different keys ({', '.join(f'rank {r}: {row[_SAME]}' for r, row in enumerate(rows))} values)"
+        else:
+            k = next(k for k in range(len(crcs)) if len({row[k] for row in per}) > 1)
+            same = [r for r in range(g.world) if per[r][k] == crcs[k]]
+            what = f"different values for {named[k][0]!r} (first of those that differ; ranks with this rank's: {same})"
+        raise SplitError(
+            f"layerwise split fetch: load_state_dict gives the split layers of {self.layer_name!r} {what} on the "
+            f"ranks of the split_fetch group (rank {g.rank} of {g.world} here). Every rank computes with layers "
+            "stitched from every rank's share, so every rank must load the same state dict. Nothing was changed.")
 
     @property
     def share_bytes(self) -> int:
