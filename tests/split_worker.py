@@ -391,7 +391,8 @@ def scenario_refused_load(rank, world):
     # new values everywhere (the same on every rank) but one late layer that differs per rank:
     # refused before any layer changed, not after the layers before it were written
     bad = {k: v.clone() + 0.5 + (rank if k.startswith("extra.1.") else 0) for k, v in before.items()}
-    expect_split_error(rank, lambda: model.load_state_dict(bad), ["different values", "extra.1.", "Nothing was changed"])
+    expect_split_error(rank, lambda: model.load_state_dict(bad),
+                       ["different values", "extra.1.", "Nothing was changed"])
     sd = model.state_dict()
     for k, v in before.items():
         assert torch.equal(sd[k], v), (rank, k)
