@@ -559,7 +559,13 @@ def editing(manager, i: int):
                 ev = ev.resolve()
                 manager._dirty = False
             if ev is not None:
-                ev.synchronize()
+                try:
+                    ev.synchronize()
+                except Exception as err:
+                    exc = manager._fetch_failed(i, s, err)  # a split gather's failure is a SplitError
+                    if exc is err:
+                        raise
+                    raise exc from None
                 manager._copy_event[i] = None
             manager._busy[s] += 1
         views = [(e, e.param.data) for e in lp.params]

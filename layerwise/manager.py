@@ -529,6 +529,15 @@ class LayerwiseOffloadManager:
         self._slot_gen = [g + 1 for g in self._slot_gen]
         self._dirty = False
 
+    def _fetch_failed(self, i: int, s: int, err: BaseException) -> BaseException:
+        """Waiting for layer i's fetch into slot s raised `err`: the slot reloads at its
+        next use; the error to raise is the source's own where it has one (a split
+        gather's SplitError, which the native event gives back as a ReadError)."""
+        self._slot_holder[s] = -1
+        self._copy_event[i] = None
+        failed = getattr(self._src[i], "fetch_failed", None)
+        return err if failed is None else failed(err)
+
     def forget_slots(self) -> None:
         """What the slots hold is unknown (a split-fetch collective failed): the
         next hook waits for every copy and reloads the layers it needs."""
@@ -628,12 +637,10 @@ class LayerwiseOffloadManager:
                     else:
                         self._engine.wait(ev, stream)
                 except Exception as err:
-                    self._slot_holder[s] = -1  # the slot's bytes are unknown: the next call loads it again
-                    self._copy_event[i] = None
-                    failed = getattr(self._src[i], "fetch_failed", None)  # the source's own error type
-                    if failed is None:
+                    exc = self._fetch_failed(i, s, err)
+                    if exc is err:
                         raise
-                    raise failed(err) from None
+                    raise exc from None
                 self._copy_event[i] = None
             if torch.is_grad_enabled():
                 ctx = contract.saved_slot_hooks(self)

@@ -414,6 +414,13 @@ def scenario_gather_error(rank, world):
     if rank == 0:  # the others skip the forward: rank 0's gathers time out
         with torch.no_grad():
             expect_split_error(rank, lambda: model(x), ["blocks[", "timed out", "lockstep"])
+        m = layerwise.contract.managers_of(model)[0]
+
+        def edit():  # what peft's merge runs: the layer's true weights in its slot (a gather)
+            with layerwise.contract.editing(m, 3):
+                pass
+
+        expect_split_error(rank, edit, ["blocks[3]"])
     dist.barrier()  # (main ends with os._exit: the timed-out collective leaves the group unusable)
 
 
