@@ -521,7 +521,17 @@ class LayerwiseOffloadManager:
         copy and forget what the slots hold; the next uses reload."""
         if self._disk is not None:
             self._disk.forget()
-        self._engine.synchronize()
+        try:
+            self._engine.synchronize()
+        except Exception:  # noqa: BLE001 - a failed copy (after a failed split gather, say): the engine stops
+            # at it, so wait for each slot's last copy instead; failed ones are finished too. Their layers
+            # reload below (nothing computes with their bytes) and fail again, raising, if the cause stays.
+            for ev in self._slot_event:
+                if ev is not None and type(ev) is not stages.Deferred:
+                    try:
+                        ev.synchronize()
+                    except Exception:  # noqa: BLE001 - as above
+                        pass
         start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
         self._slot_event = [start] * self.num_slots
         self._slot_holder = [-1] * self.num_slots

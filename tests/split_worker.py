@@ -422,6 +422,29 @@ def scenario_gather_error(rank, world):
 
         expect_split_error(rank, edit, ["blocks[3]"])
     dist.barrier()  # (main ends with os._exit: the timed-out collective leaves the group unusable)
+    # a local copy that fails on one rank: the others hear of it at once (no timeout), and
+    # the group stays usable: the next forwards in lockstep are exact
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+    real = gather.ShareSource.fetch
+
+    def poisoned(self, i, dst, after, timing):  # this copy chains after an event that failed
+        gather.ShareSource.fetch = real
+        ev = layerwise._native._C.host_event()
+        ev.fail("injected: the event before this layer's local copy failed")
+        return real(self, i, dst, ev, timing)
+
+    if rank == world - 1:
+        gather.ShareSource.fetch = poisoned
+    t0 = time.perf_counter()
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        words = ["injected"] if rank == world - 1 else [f"rank {world - 1} wanted to say that its local copy failed"]
+        expect_split_error(rank, lambda: model(x), words)
+    assert time.perf_counter() - t0 < 1.5, "waited for the timeout (2 s)"
+    check_outputs(model, reference, rank, steps=2)
 
 
 SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,

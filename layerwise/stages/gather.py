@@ -143,10 +143,11 @@ class SplitError(RuntimeError):
 # tag saying what it is (the lockstep check): ranks that would gather different
 # layers (or a layer and a host read) find out there, before a byte of the layer
 # moves and before gloo sees buffers of different sizes, and raise on every rank.
-GATHER, READ, COMPARE, LOAD = 1, 2, 3, 4
+GATHER, READ, COMPARE, LOAD, LOCAL_FAILED = 1, 2, 3, 4, 5
 _KIND = {GATHER: "a forward's gather of", READ: "a host read (state_dict, load_state_dict, remove) of",
          COMPARE: "the check of new values (load_state_dict, an edit) of",
-         LOAD: "the check of a load_state_dict's values for"}
+         LOAD: "the check of a load_state_dict's values for",
+         LOCAL_FAILED: "to say that its local copy failed, a forward's gather of"}
 _MAGIC = 0x4C57_5350  # "LWSP": a tag, not a stray tensor
 _TAG = 8  # int64s: magic, kind, layer group, layer, bytes, version, and two words of payload (a digest)
 _SAME = 6  # the fields every rank must agree on
@@ -783,10 +784,16 @@ class ShareSource:
         def job(later):
             try:
                 t0 = time.perf_counter()
+                local = None
                 if copied is not None:
-                    copied.synchronize()
+                    try:
+                        copied.synchronize()
+                    except Exception as e:  # noqa: BLE001 - the others are told below instead of left waiting
+                        local = e
                 t1 = time.perf_counter()
                 st.copy_wait_s += t1 - t0
+                if local is not None:
+                    self._local_failed(i, local)
                 group.agree(*tag)
                 work = _gather(full, part, group.gather_pg, async_op=True)
             except BaseException as e:  # noqa: BLE001 - the compute learns it from the event (fetch_failed)
@@ -805,6 +812,18 @@ class ShareSource:
 
         group.submit(job)
         return done
+
+    def _local_failed(self, i: int, local: BaseException) -> None:
+        """This rank's part of layer i did not reach its slot: the tag exchange tells
+        the other ranks (their tags differ: they raise at once instead of waiting for
+        the timeout), then this rank raises the local error; no gather is issued."""
+        g = self.group
+        try:
+            g.agree(LOCAL_FAILED, self.store.id, i, self.nbytes, self._gen)
+        except SplitError as e:
+            raise SplitError(f"{e} Here on rank {g.rank}: {local}") from None
+        raise g._break(f"layerwise split fetch of layer {self.store.layer_name}[{i}]: its local copy failed on "
+                       f"every rank of the split_fetch group (here on rank {g.rank}: {local}); nothing was gathered")
 
     def fetch_failed(self, err: BaseException) -> SplitError:
         """What the manager raises where a fetch of this layer failed (the event's
