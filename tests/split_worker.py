@@ -438,12 +438,10 @@ def scenario_gather_error(rank, world):
 
     if rank == world - 1:
         gather.ShareSource.fetch = poisoned
-    t0 = time.perf_counter()
     x = torch.randn(2, 48)
-    with torch.no_grad():
+    with torch.no_grad():  # told, not timed out (the timeout's error says "timed out" and names no rank)
         words = ["injected"] if rank == world - 1 else [f"rank {world - 1} wanted to say that its local copy failed"]
         expect_split_error(rank, lambda: model(x), words)
-    assert time.perf_counter() - t0 < 1.5, "waited for the timeout (2 s)"
     check_outputs(model, reference, rank, steps=2)
 
 
