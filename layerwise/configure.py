@@ -107,13 +107,14 @@ def configure_layerwise_offload(
     return _build(model, managers, dev)
 
 
-def attach_split_fetch(managers, split_fetch, dev) -> None:
-    """split_fetch: one collective validates every group of every rank, then each
+def attach_split_fetch(managers, split_fetch, dev, values=None) -> None:
+    """split_fetch: one collective validates every group of every rank (the streamed
+    layers' values too: `values` as in stages.gather.layer_values), then each
     manager keeps only this rank's shares (before packing: nothing changed on error)."""
     if split_fetch is not None:
         from .stages import gather
 
-        gather.attach(managers, split_fetch, dev)
+        gather.attach(managers, split_fetch, dev, values=values)
 
 
 def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,

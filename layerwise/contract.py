@@ -535,7 +535,7 @@ def _owned(manager):
 def install_layer_hooks(manager) -> list:
     """state_dict / load_state_dict hooks on every module that holds streamed
     parameters, and peft merge guards in every streamed layer."""
-    handles = []
+    handles = _split_load_guards(manager)  # first: they refuse before any write hook ran
     for mod, owned in _owned(manager).items():
         handles.append(_guard_save(mod, manager, owned))
         handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
@@ -548,6 +548,35 @@ def install_layer_hooks(manager) -> list:
     handles.extend(_read_only_guards(manager))
     _ensure_registration_hook()
     return handles
+
+
+def _split_load_guards(manager) -> list:
+    """split fetch: a load_state_dict that gives the ranks different values for the
+    split layers is refused where it starts (the module it was called on, or the
+    model when it is loaded as part of something larger), before anything changed:
+    one collective compares them (stages/gather.py, ShareStore.check_load). The
+    per-layer check in the source's write() stays the last word."""
+    store = manager._split
+    if store is None:
+        return []
+    split = {id(e.param) for i in manager._streamed if i in store.spans for e in manager.plan.layers[i].params}
+    handles = []
+    for name, mod in manager.model.named_modules():
+        inner = [rel for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in split]
+        if inner:
+            handles.append(mod.register_load_state_dict_pre_hook(_check_split_load(manager, mod, inner)))
+    return handles
+
+
+def _check_split_load(manager, mod, inner):
+    def hook(module, state_dict, prefix, *args):
+        if not manager._finalized or (prefix and module is not manager.model):
+            return  # inside a load that started above: checked there
+        named = [(prefix + rel, state_dict[prefix + rel]) for rel in inner
+                 if isinstance(state_dict.get(prefix + rel), torch.Tensor)]
+        manager._split.check_load(named)
+
+    return hook
 
 
 def _read_only_guards(manager) -> list:
@@ -674,6 +703,12 @@ def _load_pre_hook(manager, owned):
                     continue
                 try:
                     manager._write_layer(i, lambda block, e=e, value=value: e.view_in(block).copy_(local_tensor(value)))
+                except stages.gather.SplitError:
+                    # Refused on every rank (different values per rank, ranks out of lockstep): raised as
+                    # it is. As a message in error_msgs torch would go on and copy the refused value
+                    # into the parameter (a ring slot view).
+                    manager._loaded_keys.clear()
+                    raise
                 except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
                     error_msgs.append(f"While copying the parameter named {key!r}: {err}")
                     continue
@@ -716,7 +751,13 @@ def editing(manager, i: int):
                 ev = ev.resolve()
                 manager._dirty = False
             if ev is not None:
-                ev.synchronize()
+                try:
+                    ev.synchronize()
+                except Exception as err:
+                    exc = manager._fetch_failed(i, s, err)  # a split gather's failure is a SplitError
+                    if exc is err:
+                        raise
+                    raise exc from None
                 manager._copy_event[i] = None
             manager._busy[s] += 1
         views = [(e, e.param.data) for e in lp.params]

@@ -790,7 +790,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
     host_budget, spill_dir, disk_prefetch_depth = disk
     if host_budget is not None:
         _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth)
-    attach_split_fetch(managers, split_fetch, dev)
+    attach_split_fetch(managers, split_fetch, dev, values=_sampled_values(stored, entry_key))
     share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes
     total = sum(s.nbytes for s in stored.values())
     bar = None
@@ -959,6 +959,43 @@ def _checkpoint_store(manager, stored: dict, entry_key: dict):
                           what=f"layer {manager.layer_name}[{lp.index}]")
 
     return store
+
+
+_SAMPLE = 4096  # bytes at each end of a tensor that every rank reads for the split-fetch values check
+
+
+def _sampled_values(stored: dict, entry_key: dict):
+    """split_fetch's values check (stages/gather.layer_values) for a load: every rank
+    reads only its share of a split layer, so no rank can compare all of a layer's
+    bytes with another's. What every rank compares instead, per split layer: each
+    tensor's dtype, shape and size in the file and a CRC-32 of its first and last
+    4 KiB (two small reads per tensor). Ranks that load checkpoints saved from
+    different weights (other seeds, another fine-tune) are refused; a change that
+    touches only the middle of a tensor is not seen (the same file on every rank is
+    the caller's promise)."""
+    import zlib
+
+    def values(manager, lp):
+        crc = 0
+        fds = {}
+        try:
+            for e in lp.params:
+                st = stored.get(entry_key.get(id(e)))
+                if st is None:
+                    return None
+                crc = zlib.crc32(repr((str(st.dtype), tuple(st.shape), st.nbytes)).encode(), crc)
+                fd = fds.get(st.path)
+                if fd is None:
+                    fd = fds[st.path] = os.open(st.path, os.O_RDONLY)
+                head = min(_SAMPLE, st.nbytes)
+                crc = zlib.crc32(os.pread(fd, head, st.start), crc)
+                crc = zlib.crc32(os.pread(fd, head, st.start + st.nbytes - head), crc)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return crc
+
+    return values
 
 
 def _share_ranges(managers) -> dict:

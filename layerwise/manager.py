@@ -523,13 +523,37 @@ class LayerwiseOffloadManager:
         copy and forget what the slots hold; the next uses reload."""
         if self._disk is not None:
             self._disk.forget()
-        self._engine.synchronize()
+        try:
+            self._engine.synchronize()
+        except Exception:  # noqa: BLE001 - a failed copy (after a failed split gather, say): the engine stops
+            # at it, so wait for each slot's last copy instead; failed ones are finished too. Their layers
+            # reload below (nothing computes with their bytes) and fail again, raising, if the cause stays.
+            for ev in self._slot_event:
+                if ev is not None and type(ev) is not stages.Deferred:
+                    try:
+                        ev.synchronize()
+                    except Exception:  # noqa: BLE001 - as above
+                        pass
         start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
         self._slot_event = [start] * self.num_slots
         self._slot_holder = [-1] * self.num_slots
         self._copy_event = [None] * self.num_layers
         self._slot_gen = [g + 1 for g in self._slot_gen]
         self._dirty = False
+
+    def _fetch_failed(self, i: int, s: int, err: BaseException) -> BaseException:
+        """Waiting for layer i's fetch into slot s raised `err`: the slot reloads at its
+        next use; the error to raise is the source's own where it has one (a split
+        gather's SplitError, which the native event gives back as a ReadError)."""
+        self._slot_holder[s] = -1
+        self._copy_event[i] = None
+        failed = getattr(self._src[i], "fetch_failed", None)
+        return err if failed is None else failed(err)
+
+    def forget_slots(self) -> None:
+        """What the slots hold is unknown (a split-fetch collective failed): the
+        next hook waits for every copy and reloads the layers it needs."""
+        self._dirty = True
 
     def _forget_entered(self) -> None:
         """Forget layers left 'computing' by a forward that an interrupt abandoned."""
@@ -639,17 +663,23 @@ class LayerwiseOffloadManager:
                 self._dirty = False
             if ev is not None:
                 stream = self._stream()
-                if self._timing:
-                    if self._engine.is_cuda:
-                        start = self._engine.record(stream, True)
-                        self._engine.wait(ev, stream)
-                        self._stall_pairs.append((self._steps, start, self._engine.record(stream, True)))
+                try:
+                    if self._timing:
+                        if self._engine.is_cuda:
+                            start = self._engine.record(stream, True)
+                            self._engine.wait(ev, stream)
+                            self._stall_pairs.append((self._steps, start, self._engine.record(stream, True)))
+                        else:
+                            t0 = time.perf_counter()
+                            self._engine.wait(ev, stream)
+                            self._stall_s += time.perf_counter() - t0
                     else:
-                        t0 = time.perf_counter()
                         self._engine.wait(ev, stream)
-                        self._stall_s += time.perf_counter() - t0
-                else:
-                    self._engine.wait(ev, stream)
+                except Exception as err:
+                    exc = self._fetch_failed(i, s, err)
+                    if exc is err:
+                        raise
+                    raise exc from None
                 self._copy_event[i] = None
             if torch.is_grad_enabled():
                 ctx = contract.saved_slot_hooks(self)
@@ -721,7 +751,11 @@ class LayerwiseOffloadManager:
     def _resolve_stalls(self) -> None:
         pending = []
         for step, ev in self._timed_copies:
-            if not ev.query():
+            try:
+                done = ev.query()
+            except Exception:  # a failed fetch (a split gather): raised where its layer was needed, not timed
+                continue
+            if not done:
                 pending.append((step, ev))
                 continue
             ms = ev.copy_ms

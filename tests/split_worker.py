@@ -4,7 +4,9 @@ outputs are bitwise equal to the resident model's (different inputs per rank),
 that each rank holds and reads about 1/N of the streamed bytes, and that
 mismatched configurations are refused on every rank without hanging.
 
-    python tests/split_worker.py RANK WORLD PORT TMPDIR
+    python tests/split_worker.py RANK WORLD PORT TMPDIR [SCENARIO]
+
+SCENARIO (one of SCENARIOS) runs that check alone; without it, the main ones.
 """
 import copy
 import datetime
@@ -32,11 +34,11 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, d=48, n=6, m=3):
+    def __init__(self, d=48, n=6, m=3, equal=False):
         super().__init__()
         self.embed = nn.Linear(d, d)
-        self.blocks = nn.ModuleList([Block(d, i) for i in range(n)])
-        self.extra = nn.ModuleList([Block(d, i) for i in range(m)])
+        self.blocks = nn.ModuleList([Block(d, 0 if equal else i) for i in range(n)])  # equal: layers of one size
+        self.extra = nn.ModuleList([Block(d, 0 if equal else i) for i in range(m)])
         self.head = nn.Linear(d, d)
 
     def forward(self, x):
@@ -116,20 +118,11 @@ def scenario_equal(rank, world, depth, resident, contract=True):
     # different values on different ranks: refused on every rank, the true bytes unchanged
     bad = {k: v.clone() for k, v in new.items()}
     bad["blocks.3.b.weight"] += rank
-    try:
-        model.load_state_dict(bad)
-    except RuntimeError as e:
-        assert "ranks wrote different values" in str(e), e
-    else:
-        raise AssertionError("load_state_dict with different values per rank was not refused")
+    expect_split_error(rank, lambda: model.load_state_dict(bad), ["different values", "blocks.3.b.weight"])
     sd = model.state_dict()
     for k in sd:
         assert torch.equal(sd[k].cpu(), new[k]), k
-    try:
-        check_outputs(model, reference, rank, steps=1)
-    except RuntimeError as e:  # torch's own copy into the slot view is caught and discarded once
-        assert "in-place write" in str(e), e
-    check_outputs(model, reference, rank, steps=1)
+    check_outputs(model, reference, rank, steps=1)  # at once: the refused value never reached a slot
     layerwise.remove_layerwise_offload(model)
     for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(p, q), k
@@ -255,7 +248,7 @@ def scenario_mismatch(rank, world):
     if rank == 0:
         t0 = time.perf_counter()
         with torch.no_grad():
-            expect_refused(rank, lambda: model(x), ["split fetch of layer blocks[", "lockstep"])
+            expect_split_error(rank, lambda: model(x), ["blocks[", "lockstep", "timed out"])
         assert time.perf_counter() - t0 < 30
     # last: a rank that never configures: the others time out with a clear error (no hang)
     dist.barrier()
@@ -268,10 +261,205 @@ def scenario_mismatch(rank, world):
     assert time.perf_counter() - t0 < 30
 
 
-def main(rank, world, port, tmp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LAYERWISE_COLLECTIVE_TIMEOUT_S="2")
+def expect_split_error(rank, fn, words):
+    """fn() raises SplitError (not ReadError, not a message torch swallows) naming `words`."""
+    try:
+        fn()
+    except gather.SplitError as e:
+        assert all(w in str(e) for w in words), (rank, words, str(e))
+        return str(e)
+    except BaseException as e:  # noqa: BLE001 - the wrong type is the failure
+        raise AssertionError(f"rank {rank}: {type(e).__name__} instead of SplitError: {e}") from e
+    raise AssertionError(f"rank {rank}: no error ({words})")
+
+
+def run_blocks(model, order, x):
+    with torch.no_grad():
+        for j in order:
+            x = model.blocks[j](x)
+    return x
+
+
+def same_weights(model, reference):
+    for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p.cpu(), q), k
+
+
+def scenario_lockstep(rank, world):
+    """Issue 21, item 4: a rank out of lockstep gets SplitError on every rank, naming both
+    sides, never a wrong output and never an abort; in lockstep again, the model is exact."""
+    for equal in (True, False):  # equal-size layers: gloo would pair them; unequal: gloo would abort
+        torch.manual_seed(0)
+        model = Net(equal=equal)
+        reference = copy.deepcopy(model)
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+        n = len(model.blocks)
+        order = list(range(n)) if rank == 0 else list(range(n))[::-1]  # the others call the blocks reversed
+        torch.manual_seed(100 + rank)
+        x = torch.randn(3, 48)
+        expect_split_error(rank, lambda: run_blocks(model, order, x),
+                           ["out of lockstep", "rank 0 wanted", "rank", f"blocks[{n - 1}]", "Nothing was gathered"])
+        check_outputs(model, reference, rank, steps=2)  # back in lockstep: exact
+        # state_dict on rank 0 while the others run a forward
+        if rank == 0:
+            expect_split_error(rank, model.state_dict, ["out of lockstep", "host read", "forward's gather"])
+        else:
+            expect_split_error(rank, lambda: model(x), ["out of lockstep", "host read", "forward's gather"])
+        check_outputs(model, reference, rank, steps=1)
+        sd = model.state_dict()
+        for k, v in reference.state_dict().items():
+            assert torch.equal(sd[k].cpu(), v), k
+        layerwise.remove_layerwise_offload(model)
+        same_weights(model, reference)
+
+
+def scenario_seeds(rank, world, tmp):
+    """Issue 21, item 5: ranks with different weights are refused at configure, on every
+    rank, naming the first differing layer, the model unchanged."""
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        if rank == world - 1:
+            model.blocks[2].b.weight[5, 7] += 1  # one element of one layer differs on one rank
+    before = {k: (p, p.data.clone()) for k, p in model.named_parameters()}
+    expect_split_error(rank, lambda: layerwise.configure_layerwise_offload(
+        model, ["blocks", "extra"], device="cpu", split_fetch=dist.group.WORLD),
+        ["different weights", "blocks[2]", "Nothing was changed"])
+    for k, p in model.named_parameters():
+        assert p is before[k][0] and torch.equal(p.data, before[k][1]), k
+    assert not layerwise.contract.managers_of(model)
+    # built with different seeds: refused, naming the first layer (blocks[0])
+    class Holder:  # any object holding modules is a pipeline
+        def __init__(self):
+            torch.manual_seed(rank)
+            self.net = Net()
+
+    holder = Holder()
+    expect_split_error(rank, lambda: layerwise.offload_pipeline(holder, device="cpu", split_fetch=dist.group.WORLD),
+                       ["different weights", "blocks[0]"])
+    assert not layerwise.contract.managers_of(holder.net)
+    # load_offloaded of checkpoints saved from different weights (each rank its own file)
+    from safetensors.torch import save_file
+
+    path = os.path.join(tmp, f"seed-{rank}.safetensors")
+    torch.manual_seed(rank)
+    save_file({k: v.contiguous() for k, v in Net().state_dict().items()}, path)
+    model = layerwise.empty_model(Net)
+    expect_split_error(rank, lambda: layerwise.load_offloaded(model, path, ["blocks", "extra"], device="cpu",
+                                                              split_fetch=dist.group.WORLD),
+                       ["different weights", "blocks[0]", "Nothing was changed"])
+    assert not layerwise.contract.managers_of(model)
+    assert all(p.is_meta for p in model.parameters())
+    # the same weights: accepted and exact (the check does not refuse what matches)
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    layerwise.configure_layerwise_offload(model, ["blocks", "extra"], device="cpu", split_fetch=dist.group.WORLD)
+    check_outputs(model, reference, rank, steps=1)
+    layerwise.remove_layerwise_offload(model)
+
+
+def scenario_refused_load(rank, world):
+    """Issue 21, item 6: a load_state_dict refused because the ranks loaded different values
+    raises SplitError and leaves state_dict, forward and remove showing the true weights."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    layerwise.configure_layerwise_offload(model, ["blocks", "extra"], device="cpu", split_fetch=dist.group.WORLD)
+    check_outputs(model, reference, rank, steps=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = {k: v.clone() for k, v in before.items()}
+    bad["blocks.3.b.weight"] += rank + 1  # different on every rank
+    expect_split_error(rank, lambda: model.load_state_dict(bad), ["different values", "blocks.3.b.weight",
+                                                                  "Nothing was changed"])
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(sd[k], v), (rank, k)
+    check_outputs(model, reference, rank, steps=2)  # exact at once: no "in-place write" on the way
+    # the layer-level check (peft merges and edits go through it): a refused write of
+    # layer 3, and an edit of what read() gave, leave the truth as it was
+    m = layerwise.contract.managers_of(model)[0]
+    m._src[3].read().add_(1)  # a copy: editing it changes nothing
+    expect_split_error(rank, lambda: m._write_layer(3, lambda block: block.add_(rank + 1)),
+                       ["ranks wrote different values", "blocks[3]", "Nothing was changed"])
+    for k, v in model.blocks[3].state_dict().items():  # layer 3 read first (what a one-entry cache would give)
+        assert torch.equal(v, before[f"blocks.3.{k}"]), (rank, k)
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(sd[k], v), (rank, k)
+    check_outputs(model, reference, rank, steps=1)
+    # new values everywhere (the same on every rank) but one late layer that differs per rank:
+    # refused before any layer changed, not after the layers before it were written
+    bad = {k: v.clone() + 0.5 + (rank if k.startswith("extra.1.") else 0) for k, v in before.items()}
+    expect_split_error(rank, lambda: model.load_state_dict(bad),
+                       ["different values", "extra.1.", "Nothing was changed"])
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(sd[k], v), (rank, k)
+    check_outputs(model, reference, rank, steps=1)
+    # the same through a submodule's load_state_dict
+    sub = {k[len("blocks.4."):]: v + rank for k, v in bad.items() if k.startswith("blocks.4.")}
+    expect_split_error(rank, lambda: model.blocks[4].load_state_dict(sub), ["different values", "Nothing was changed"])
+    check_outputs(model, reference, rank, steps=1)
+    layerwise.remove_layerwise_offload(model)
+    same_weights(model, reference)
+
+
+def scenario_gather_error(rank, world):
+    """Issue 21, item 11 (split part): a gather that fails in a forward is a SplitError."""
+    torch.manual_seed(0)
+    model = Net()
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+    x = torch.randn(2, 48)
+    if rank == 0:  # the others skip the forward: rank 0's gathers time out
+        with torch.no_grad():
+            expect_split_error(rank, lambda: model(x), ["blocks[", "timed out", "lockstep"])
+        m = layerwise.contract.managers_of(model)[0]
+
+        def edit():  # what peft's merge runs: the layer's true weights in its slot (a gather)
+            with layerwise.contract.editing(m, 3):
+                pass
+
+        expect_split_error(rank, edit, ["blocks[3]"])
+    dist.barrier()  # (main ends with os._exit: the timed-out collective leaves the group unusable)
+    # a local copy that fails on one rank: the others hear of it at once (no timeout), and
+    # the group stays usable: the next forwards in lockstep are exact
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
+    real = gather.ShareSource.fetch
+
+    def poisoned(self, i, dst, after, timing):  # this copy chains after an event that failed
+        gather.ShareSource.fetch = real
+        ev = layerwise._native._C.host_event()
+        ev.fail("injected: the event before this layer's local copy failed")
+        return real(self, i, dst, ev, timing)
+
+    if rank == world - 1:
+        gather.ShareSource.fetch = poisoned
+    x = torch.randn(2, 48)
+    with torch.no_grad():  # told, not timed out (the timeout's error says "timed out" and names no rank)
+        words = ["injected"] if rank == world - 1 else [f"rank {world - 1} wanted to say that its local copy failed"]
+        expect_split_error(rank, lambda: model(x), words)
+    check_outputs(model, reference, rank, steps=2)
+
+
+SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,
+             "gather_error": scenario_gather_error}
+
+
+def main(rank, world, port, tmp, scenario=None):
+    # 2 s where a check waits for a timeout on purpose; elsewhere long enough for a loaded machine
+    timeout_s = "2" if scenario in (None, "gather_error") else "60"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LAYERWISE_COLLECTIVE_TIMEOUT_S=timeout_s)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     t0 = time.perf_counter()
+    if scenario is not None:
+        fn = SCENARIOS[scenario]
+        fn(rank, world, tmp) if fn is scenario_seeds else fn(rank, world)
+        print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
+        os._exit(0)
     scenario_equal(rank, world, depth=1, resident=0)
     scenario_equal(rank, world, depth=2, resident=2, contract=False)
     scenario_load(rank, world, tmp)
@@ -282,4 +470,4 @@ def main(rank, world, port, tmp):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:])

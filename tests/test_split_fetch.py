@@ -34,13 +34,11 @@ def test_share_span_covers_the_block_once_aligned():
             assert all(lo % 512 == 0 or lo == hi == nbytes for _, lo, hi in spans)
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
-@pytest.mark.parametrize("world", [2, 3])
-def test_split_fetch_on_gloo_ranks(world, tmp_path):
+def run_ranks(world, tmp_path, *scenario):
     worker = ROOT / "tests" / "split_worker.py"
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world), str(port), str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world), str(port), str(tmp_path), *scenario],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
              for r in range(world)]
     try:
@@ -52,6 +50,42 @@ def test_split_fetch_on_gloo_ranks(world, tmp_path):
     failed = [f"rank {r} (exit {p.returncode}):\n{err[-3000:]}" for r, (p, (out, err)) in enumerate(zip(procs, outs))
               if p.returncode != 0 or f"rank {r} ok" not in out]
     assert not failed, "\n".join(failed)
+
+
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch built without gloo")
+
+
+@needs_gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_fetch_on_gloo_ranks(world, tmp_path):
+    run_ranks(world, tmp_path)
+
+
+@needs_gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_rank_out_of_lockstep_raises_on_every_rank(world, tmp_path):
+    """Issue 21, item 4: blocks called in another order (equal and unequal sizes), state_dict
+    against a forward: SplitError on every rank naming both sides, no abort, exact after."""
+    run_ranks(world, tmp_path, "lockstep")
+
+
+@needs_gloo
+def test_split_ranks_with_different_weights_are_refused(tmp_path):
+    """Issue 21, item 5: configure / offload_pipeline compare the streamed layers' bytes."""
+    run_ranks(2, tmp_path, "seeds")
+
+
+@needs_gloo
+def test_split_refused_load_state_dict_keeps_the_true_weights(tmp_path):
+    """Issue 21, item 6: state_dict, forward and remove show the old weights after a refusal."""
+    run_ranks(2, tmp_path, "refused_load")
+
+
+@needs_gloo
+def test_split_gather_failure_is_a_split_error(tmp_path):
+    """Issue 21, item 11 (split part): SplitError, not ReadError."""
+    run_ranks(2, tmp_path, "gather_error")
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")

@@ -34,8 +34,31 @@ what the compute stream and the slot's next copy wait on: no host sync in the
 hot path (the CUDA path is written for NCCL and not run in CI: no GPU there).
 Host-side collectives go through the private gloo group.
 
+The lockstep check (issue 21). Every collective on the private group is
+preceded by an all-gather of a 64-byte tag per rank (``SplitGroup.agree``): what
+it is (a forward's gather, a host read, a check of new values), the layer group,
+the layer, its bytes and version. Ranks about to run different collectives (one
+calls the blocks in another order, one calls state_dict() while another runs a
+forward) find out there - before a byte of the layer moves, and before gloo
+sees buffers of different sizes (it aborts the process then) - and raise
+``SplitError`` on every rank naming what each wanted. On CPU the collectives
+queued behind a failed one fail too, without being issued, until the failure
+has reached the user (``surfaced``); every manager of the group then reloads its
+slots, so the next calls made in lockstep pair up again and are exact. Cost:
+one small all-gather per collective; on CPU a second thread waits for each
+gather, so the next check overlaps the transfer (BENCHMARKS.md). On CUDA the
+check runs on the host, from the hook, before the local copy and the NCCL
+gather are issued (a host round trip per layer; written, not run: no GPU).
+
+At configure the validation all-gather also carries a CRC-32 of every split
+layer's bytes (``layer_values``): ranks built with different weights are refused
+on every rank, naming the first differing layer. load_offloaded, where each rank
+reads only its share, compares what every rank can read cheaply instead
+(loading._sampled_values).
+
 Which operations are collective (every rank of the group must call them, in the
-same order, or the others wait until ``timeout_s`` and raise):
+same order, or they raise SplitError: at once where the ranks disagree, after
+``timeout_s`` where a rank does not take part):
 
     configure_layerwise_offload / load_offloaded / offload_pipeline with
         split_fetch (one all-gather validates the configuration on every rank)
@@ -53,8 +76,9 @@ attribute access, hooks of resident layers.
 
 Not supported: DTensor (tensor-parallel) weights - each rank's weights differ
 already, there is nothing to split - refused at configure. An interrupt or an
-error on one rank only breaks lockstep: the other ranks' next collective times
-out (``timeout_s``) and raises; the group should then be torn down.
+error on one rank only, or a rank that skips a call, leaves the others waiting:
+their next collective times out (``timeout_s``) and raises SplitError; a gloo
+group with a timed-out collective should then be torn down.
 
 Compression (issue 15) composes at the ``share`` step: a rank would encode its
 share when storing it and its local stage would become transfer -> decode into
@@ -70,6 +94,7 @@ import queue
 import threading
 import time
 import weakref
+import zlib
 
 import torch
 
@@ -114,6 +139,20 @@ class SplitError(RuntimeError):
     """A split-fetch collective failed or the ranks disagree."""
 
 
+# Every collective on the private group is preceded by an all-gather of a fixed-size
+# tag saying what it is (the lockstep check): ranks that would gather different
+# layers (or a layer and a host read) find out there, before a byte of the layer
+# moves and before gloo sees buffers of different sizes, and raise on every rank.
+GATHER, READ, COMPARE, LOAD, LOCAL_FAILED = 1, 2, 3, 4, 5
+_KIND = {GATHER: "a forward's gather of", READ: "a host read (state_dict, load_state_dict, remove) of",
+         COMPARE: "the check of new values (load_state_dict, an edit) of",
+         LOAD: "the check of a load_state_dict's values for",
+         LOCAL_FAILED: "to say that its local copy failed, a forward's gather of"}
+_MAGIC = 0x4C57_5350  # "LWSP": a tag, not a stray tensor
+_TAG = 8  # int64s: magic, kind, layer group, layer, bytes, version, and two words of payload (a digest)
+_SAME = 6  # the fields every rank must agree on
+
+
 # ------------------------------------------------------------------ the group
 class SplitGroup:
     """One process group's split fetch: its rank and size, the timeout, the gloo
@@ -139,6 +178,12 @@ class SplitGroup:
         self._closed = False  # close(): the private group is gone, no collective may be issued
         self._lock = threading.Lock()
         self.last_read = None  # (source id, version, full block): consecutive reads of one layer gather once
+        self.layer_names: list[str] = []  # the layer groups streamed through this group, in attach order
+        self._stores: list = []  # weakrefs to their ShareStores
+        # CPU: why the group's last collective failed, until the failure reached the user
+        # (the queued collectives after it fail without being issued: every rank drops the
+        # same ones, so that the next call made in lockstep pairs up again).
+        self._broken: str | None = None
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -162,13 +207,81 @@ class SplitGroup:
         else:
             self.gather_pg = self.host_pg
 
+    def register(self, store) -> int:
+        """A ShareStore's number in this group (the same on every rank: validated order)."""
+        self.layer_names.append(store.layer_name)
+        self._stores.append(weakref.ref(store))
+        return len(self.layer_names) - 1
+
     def wait(self, work, what: str) -> None:
         try:
             ok = work.wait(timeout=self.timeout)
         except RuntimeError as e:
-            raise SplitError(self._failed(what, e)) from None
+            raise self._break(self._failed(what, e)) from None
         if ok is False:
-            raise SplitError(self._failed(what, "timed out"))
+            raise self._break(self._failed(what, "timed out"))
+
+    def _break(self, why: str) -> SplitError:
+        if self.device.type != "cuda":  # CUDA issues from the caller's thread: nothing queued behind it
+            self._broken = why
+        return SplitError(why)
+
+    def agree(self, kind: int, store_id: int, layer: int, nbytes: int, version: int, payload=(0, 0)) -> list:
+        """The tag exchange before a collective (on the private gloo group, host
+        tensors: 64 bytes per rank). Raises SplitError on every rank, naming what
+        each rank wanted, if they are about to run different collectives; the
+        tags (every rank's row) otherwise. Its cost: one small all-gather per
+        collective (measured in BENCHMARKS.md / the report)."""
+        if self._broken is not None:
+            raise SplitError(self._broken)
+        mine = torch.tensor([_MAGIC, kind, store_id, layer, nbytes, version, *payload], dtype=torch.int64)
+        out = torch.empty(self.world * _TAG, dtype=torch.int64)
+        self.wait(_gather(out, mine, self.host_pg, async_op=True),
+                  f"the lockstep check before {self._what(mine.tolist())}")
+        rows = out.view(self.world, _TAG).tolist()
+        if all(r[:_SAME] == rows[0][:_SAME] for r in rows):
+            return rows
+        sides = {}
+        for r, row in enumerate(rows):
+            sides.setdefault(self._what(row), []).append(r)
+        told = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} wanted {what}"
+                         for what, rs in sides.items())
+        raise self._break(
+            f"layerwise split fetch: the ranks of the split_fetch group are out of lockstep (rank {self.rank} of "
+            f"{self.world} here): {told}. Every rank must make the same calls in the same order (the same layers "
+            "in every forward, state_dict / load_state_dict / remove_layerwise_offload on every rank at the same "
+            "point). Nothing was gathered: no rank computed with another layer's bytes; the layers are fetched "
+            "again at the next calls, once every rank makes them in the same order.")
+
+    def _what(self, row) -> str:
+        if row[0] != _MAGIC:
+            return f"a collective that is not layerwise's ({row[:3]}...)"
+        kind, store_id, layer, nbytes, version = row[1:_SAME]
+        name = self.layer_names[store_id] if 0 <= store_id < len(self.layer_names) else f"layer group #{store_id}"
+        extra = f", version {version}" if version else ""
+        what = _KIND.get(kind, f"collective kind {kind} of")
+        return f"{what} {name}" if layer < 0 else f"{what} {name}[{layer}] ({nbytes} bytes{extra})"
+
+    def surfaced(self) -> None:
+        """A failed collective reached the user (raised from a hook or a host read):
+        the collectives queued before now fail too, without being issued, and the
+        ones issued after run again; every manager of the group reloads its slots
+        (a failed gather left its slot's bytes unknown)."""
+        for ref in self._stores:
+            store = ref()
+            m = store._manager() if store is not None else None
+            if m is not None:
+                m.forget_slots()
+        if self.device.type == "cuda" or self._broken is None:
+            return
+
+        def clear(later):
+            self._broken = None
+
+        try:
+            self.submit(clear)
+        except SplitError:
+            pass  # closed: nothing can be issued any more
 
     def _failed(self, what: str, why) -> str:
         return (f"layerwise split fetch: {what} failed on rank {self.rank} of {self.world}: {why}. Every rank of "
@@ -179,11 +292,30 @@ class SplitGroup:
 
     # -- the CPU collective thread
     def _run(self, jobs: queue.Queue) -> None:
+        # A second thread waits for the slot gathers this one issued, so that the next
+        # gather's lockstep check (a small all-gather: a round trip) overlaps the
+        # transfer of the one before; gloo runs the two at once, in the order issued.
+        pending: queue.Queue = queue.Queue()
+        waiter = threading.Thread(target=self._finish, args=(pending,), daemon=True,
+                                  name=f"layerwise-gather-wait-r{self.rank}")
+        waiter.start()
+        try:
+            while True:
+                job = jobs.get()
+                if job is None:
+                    return
+                job(pending.put)
+        finally:
+            pending.put(None)
+            waiter.join()
+
+    @staticmethod
+    def _finish(pending: queue.Queue) -> None:
         while True:
-            job = jobs.get()
-            if job is None:
+            finish = pending.get()
+            if finish is None:
                 return
-            job()
+            finish()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -205,11 +337,15 @@ class SplitGroup:
         the same order as the slot gathers on every rank); its result or error."""
         if self.device.type == "cuda":
             self._check_open()
-            return fn()  # host collectives have a gloo group of their own
+            try:
+                return fn()  # host collectives have a gloo group of their own
+            except SplitError:
+                self.surfaced()
+                raise
         done = threading.Event()
         box = {}
 
-        def job():
+        def job(later):
             try:
                 box["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -219,6 +355,8 @@ class SplitGroup:
         self.submit(job)
         done.wait()
         if "error" in box:
+            if isinstance(box["error"], SplitError):
+                self.surfaced()
             raise box["error"]
         return box["value"]
 
@@ -287,10 +425,43 @@ def _digest(value) -> int:
 
 
 _FIELDS = ("layer groups", "layers per group", "bytes per layer", "dtypes per layer", "resident layers",
-           "prefetch_depth", "split layers", "device type", "world size")
+           "prefetch_depth", "split layers", "device type", "world size", "streamed layers' values")
+_VALUES = len(_FIELDS) - 1
 
 
-def describe(managers, world: int, device: torch.device) -> list:
+def layer_crc(lp):
+    """CRC-32 of a layer's parameters' bytes (each storage span, in plan order: the
+    bytes its block packs), or None where a parameter has no values yet (meta).
+    zlib.crc32 runs at 4.9 GB/s on one core of the 2-core CPU VM (blake2b: 1.3;
+    BENCHMARKS.md, "The lockstep check's cost"): about 0.2 s per GB streamed."""
+    crc = 0
+    for e in lp.params:
+        data = e.param.data
+        data = data.to_local() if hasattr(data, "to_local") else data
+        if data.is_meta:
+            return None
+        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset()).view(torch.uint8)
+        crc = zlib.crc32(flat.cpu().numpy(), crc)
+    return crc
+
+
+def layer_values(managers, values=None) -> list:
+    """Per split layer (in manager, layer order): a digest of its values that must be
+    the same on every rank. `values(manager, lp)` gives it where the parameters have
+    no values yet (load_offloaded: layerwise.loading says what it compares); None
+    (not compared) where neither can."""
+    out = []
+    for m in managers:
+        for i in sorted(split_layers(m)):
+            lp = m.plan.layers[i]
+            crc = layer_crc(lp)
+            if crc is None and values is not None:
+                crc = values(m, lp)
+            out.append(-1 if crc is None else int(crc))
+    return out
+
+
+def describe(managers, world: int, device: torch.device, crcs=()) -> list:
     """What must match on every rank, field by field (see _FIELDS)."""
     return [
         [m.layer_name for m in managers],
@@ -302,6 +473,7 @@ def describe(managers, world: int, device: torch.device) -> list:
         [sorted(split_layers(m)) for m in managers],
         device.type,
         world,
+        list(crcs),
     ]
 
 
@@ -310,24 +482,31 @@ def _summary(value) -> str:
     return text if len(text) <= 80 else f"{text[:77]}..."
 
 
-def validate(group: SplitGroup, managers) -> None:
-    """ONE all-gather of every rank's configuration digests; raises the same
-    error on every rank (naming the fields that differ) if they disagree, and a
-    timeout error if a rank does not take part."""
-    desc = describe(managers, group.world, group.device)
+def _all_gather_rows(group: SplitGroup, row: list, what: str) -> list:
+    dev = group.device if group.device.type == "cuda" else torch.device("cpu")
+    mine = torch.tensor(row, dtype=torch.int64).to(dev)
+    out = torch.empty(group.world * mine.numel(), dtype=torch.int64, device=dev)
+    group.wait(_gather(out, mine, group.pg, async_op=True), what)
+    return out.view(group.world, -1).cpu().tolist()
+
+
+def validate(group: SplitGroup, managers, values=None) -> None:
+    """ONE all-gather of every rank's configuration digests (the streamed layers'
+    values among them: a CRC per split layer); raises the same error on every rank
+    (naming the fields that differ) if they disagree, and a timeout error if a rank
+    does not take part. Where only the values differ, a second all-gather of the
+    per-layer CRCs (the same length on every rank then) names the first layer."""
+    crcs = layer_values(managers, values)
+    desc = describe(managers, group.world, group.device, crcs)
     # Per field its digest, then two readable figures: layers and managed bytes.
     row = [_digest(v) for v in desc]
     total = [sum(m.num_layers for m in managers), sum(m.plan.managed_bytes for m in managers)]
-    mine = torch.tensor(row + total, dtype=torch.int64)
-    dev = group.device if group.device.type == "cuda" else torch.device("cpu")
-    mine = mine.to(dev)
-    out = torch.empty(group.world * mine.numel(), dtype=torch.int64, device=dev)
-    work = _gather(out, mine, group.pg, async_op=True)
-    group.wait(work, "the configuration check at configure time (one all-gather)")
-    rows = out.view(group.world, -1).cpu().tolist()
+    rows = _all_gather_rows(group, row + total, "the configuration check at configure time (one all-gather)")
     bad = [k for k in range(len(_FIELDS)) if len({r[k] for r in rows}) > 1]
     if not bad:
         return
+    if bad == [_VALUES]:
+        _refuse_values(group, managers, crcs)
     ranks_like_me = [r for r, row_r in enumerate(rows) if row_r == rows[group.rank]]
     parts = []
     for k in bad:
@@ -345,11 +524,30 @@ def validate(group: SplitGroup, managers) -> None:
     )
 
 
-def attach(managers, pg, device: torch.device, timeout_s: float | None = None) -> SplitGroup:
+def _refuse_values(group: SplitGroup, managers, crcs: list) -> None:
+    """Every rank configures the same layers, with different values (built with other
+    seeds, another checkpoint): name the first layer whose values differ."""
+    rows = _all_gather_rows(group, crcs, "the comparison of the streamed layers' values at configure time")
+    names = [f"{m.layer_name}[{i}]" for m in managers for i in sorted(split_layers(m))]
+    k = next(k for k in range(len(crcs)) if len({r[k] for r in rows}) > 1)
+    groups = {}
+    for r, row_r in enumerate(rows):
+        groups.setdefault(row_r[k], []).append(r)
+    others = sum(1 for j in range(len(crcs)) if len({r[j] for r in rows}) > 1) - 1
+    raise SplitError(
+        f"layerwise split fetch: the ranks of the split_fetch group hold different weights in layer {names[k]} "
+        f"(the first of {others + 1} streamed layer(s) whose bytes differ; ranks grouped by its CRC-32: "
+        f"{sorted(groups.values())}). With split_fetch every rank computes with a layer stitched from every "
+        "rank's share, so every rank must hold the same weights: build the model with the same seed, or load "
+        "the same checkpoint on every rank. Nothing was changed.")
+
+
+def attach(managers, pg, device: torch.device, timeout_s: float | None = None, values=None) -> SplitGroup:
     """Validate (one collective) and make every manager keep only this rank's
     share of its split layers (set before packing). Raises, with nothing changed,
     for DTensor weights, a backend that does not fit the device, or ranks that
-    disagree."""
+    disagree (in settings, or in the streamed layers' values: `values` as in
+    layer_values)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -376,7 +574,7 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None) -
     if want not in group.backend:  # "gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl"
         raise ValueError(f"split_fetch: streaming to {device} needs a {want} process group, got a "
                          f"{group.backend} one (create it with dist.new_group(backend={want!r}))")
-    validate(group, managers)
+    validate(group, managers, values)
     group.make_private_groups()
     for m in managers:
         if not m.enabled:
@@ -415,6 +613,7 @@ class ShareStore:
         self.last_gather = {}  # slot address -> the event of the last gather into it
         group.acquire()
         self._released = False
+        self.id = group.register(self)  # its number in the lockstep tags
 
     def keep(self, lp, scratch: torch.Tensor):
         """The manager's `_store` hook: keep this rank's share of the packed layer."""
@@ -441,6 +640,52 @@ class ShareStore:
                 view.set_(dst.untyped_storage(), dst.storage_offset(), (nbytes,))
             self._views[key] = view
         return view
+
+    def check_load(self, named: list) -> None:
+        """Before a load_state_dict changes any of this group's split layers: ONE
+        collective compares a CRC-32 of the (key, dtype, shape, bytes) of every value
+        it would load into them; raises SplitError on every rank, naming the first key
+        whose values differ, before anything changed (contract._split_load_guards).
+        Every rank calls it (even with nothing to load), so the ranks stay in step."""
+        g = self.group
+        crcs = []
+        for key, value in named:
+            t = value.detach()
+            t = t.to_local() if hasattr(t, "to_local") else t
+            crc = zlib.crc32(repr((key, str(t.dtype), tuple(t.shape))).encode())
+            try:
+                raw = t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+            except (RuntimeError, TypeError, NotImplementedError):  # a meta or wrapper tensor: no bytes to compare
+                raw = b""  # (write() compares the bytes the layer gets, if it gets any)
+            crcs.append(zlib.crc32(raw, crc))
+        mine = (len(crcs), zlib.crc32(repr(crcs).encode()))
+
+        def compare():
+            rows = g.agree(LOAD, self.id, -1, 0, 0, mine)
+            if all(r[_SAME:] == rows[0][_SAME:] for r in rows):
+                return None
+            per = None
+            if len({r[_SAME] for r in rows}) == 1 and crcs:  # as many values on every rank: which differs
+                out = torch.empty(g.world * len(crcs), dtype=torch.int64)
+                g.wait(_gather(out, torch.tensor(crcs, dtype=torch.int64), g.host_pg, async_op=True),
+                       f"comparing the values a load_state_dict gives {self.layer_name}")
+                per = out.view(g.world, -1).tolist()
+            return rows, per
+
+        bad = g.call(compare)
+        if bad is None:
+            return
+        rows, per = bad
+        if per is None:
+            what = f"different keys ({', '.join(f'rank {r}: {row[_SAME]}' for r, row in enumerate(rows))} values)"
+        else:
+            k = next(k for k in range(len(crcs)) if len({row[k] for row in per}) > 1)
+            same = [r for r in range(g.world) if per[r][k] == crcs[k]]
+            what = f"different values for {named[k][0]!r} (first of those that differ; ranks with this rank's: {same})"
+        raise SplitError(
+            f"layerwise split fetch: load_state_dict gives the split layers of {self.layer_name!r} {what} on the "
+            f"ranks of the split_fetch group (rank {g.rank} of {g.world} here). Every rank computes with layers "
+            "stitched from every rank's share, so every rank must load the same state dict. Nothing was changed.")
 
     @property
     def share_bytes(self) -> int:
@@ -519,6 +764,10 @@ class ShareSource:
                     prev.synchronize()
                 except Exception:  # noqa: BLE001 - a failed gather: the layer that waited on it raised
                     pass
+        group = self.group
+        tag = (GATHER, st.id, i, self.nbytes, self._gen)
+        if engine.is_cuda:  # the lockstep check first, on the host: nothing is issued if it fails
+            group.agree(*tag)
         copied = engine.copy_async(part[:n], self.block, after, timing) if n else after
         st.local_bytes += n
         st.gathered_bytes += self.nbytes - n
@@ -527,23 +776,60 @@ class ShareSource:
             done = st.last_gather[key] = self._gather_cuda(engine, full, part, copied, timing)
             return done
         done = st.last_gather[key] = _native._C.host_event()
-        group = self.group
 
-        def job():
+        def failed(e):
+            done.fail(str(e) if isinstance(e, SplitError) else
+                      f"layerwise split fetch of layer {st.layer_name}[{i}] failed: {e}")
+
+        def job(later):
             try:
                 t0 = time.perf_counter()
+                local = None
                 if copied is not None:
-                    copied.synchronize()
+                    try:
+                        copied.synchronize()
+                    except Exception as e:  # noqa: BLE001 - the others are told below instead of left waiting
+                        local = e
                 t1 = time.perf_counter()
-                group.wait(_gather(full, part, group.gather_pg, async_op=True), f"the gather of {st.layer_name}[{i}]")
                 st.copy_wait_s += t1 - t0
-                st.gather_s += time.perf_counter() - t1
-                done.set()
-            except BaseException as e:  # noqa: BLE001 - the compute learns it from the event
-                done.fail(f"layerwise split fetch of layer {st.layer_name}[{i}] failed: {e}")
+                if local is not None:
+                    self._local_failed(i, local)
+                group.agree(*tag)
+                work = _gather(full, part, group.gather_pg, async_op=True)
+            except BaseException as e:  # noqa: BLE001 - the compute learns it from the event (fetch_failed)
+                failed(e)
+                return
+
+            def finish():
+                try:
+                    group.wait(work, f"the gather of {st.layer_name}[{i}]")
+                    st.gather_s += time.perf_counter() - t1
+                    done.set()
+                except BaseException as e:  # noqa: BLE001 - as above
+                    failed(e)
+
+            later(finish)  # waited for on the second thread: the next job's check overlaps this transfer
 
         group.submit(job)
         return done
+
+    def _local_failed(self, i: int, local: BaseException) -> None:
+        """This rank's part of layer i did not reach its slot: the tag exchange tells
+        the other ranks (their tags differ: they raise at once instead of waiting for
+        the timeout), then this rank raises the local error; no gather is issued."""
+        g = self.group
+        try:
+            g.agree(LOCAL_FAILED, self.store.id, i, self.nbytes, self._gen)
+        except SplitError as e:
+            raise SplitError(f"{e} Here on rank {g.rank}: {local}") from None
+        raise g._break(f"layerwise split fetch of layer {self.store.layer_name}[{i}]: its local copy failed on "
+                       f"every rank of the split_fetch group (here on rank {g.rank}: {local}); nothing was gathered")
+
+    def fetch_failed(self, err: BaseException) -> SplitError:
+        """What the manager raises where a fetch of this layer failed (the event's
+        error, a ReadError of the native event, becomes the SplitError it was)."""
+        self.group.surfaced()
+        return err if isinstance(err, SplitError) else SplitError(str(err))
 
     def _gather_cuda(self, engine, full, part, copied, timing):
         # Written for NCCL, not run in CI (no GPU): the gather stream waits on the
@@ -560,6 +846,7 @@ class ShareSource:
     # -- the truth on the host (collective)
     def _gather_host(self) -> torch.Tensor:
         g = self.group
+        g.agree(READ, self.store.id, self.index, self.nbytes, self._gen)
         full = torch.empty(self.slot_bytes, dtype=torch.uint8)
         part = full[g.rank * self.share : (g.rank + 1) * self.share]
         part[: self.hi - self.lo].copy_(self.block)
@@ -568,14 +855,16 @@ class ShareSource:
         return full[: self.nbytes]
 
     def read(self) -> torch.Tensor:
-        """The full layer on the host: COLLECTIVE (every rank must read it too)."""
+        """The full layer on the host, a copy of its own: COLLECTIVE (every rank
+        must read it too). Never the cached block itself: a caller that edits what
+        it got (load_state_dict, then refused) must not change what later reads give."""
         g = self.group
         last = g.last_read
         if last is not None and last[0] is self and last[1] == self._gen:
-            return last[2]
+            return last[2].clone()
         block = g.call(self._gather_host)
         g.last_read = (self, self._gen, block)
-        return block
+        return block.clone()
 
     def write(self, block: torch.Tensor) -> None:
         """Keep this rank's share of `block`: COLLECTIVE. The ranks compare a digest
@@ -583,17 +872,10 @@ class ShareSource:
         ranks), every rank refuses and nothing changes."""
         g = self.group
         digest = hashlib.blake2b(block.numpy(), digest_size=16).digest()
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-
-        def compare():
-            out = torch.empty(16 * g.world, dtype=torch.uint8)
-            g.wait(_gather(out, mine, g.host_pg, async_op=True),
-                   f"comparing the new bytes of layer {self.store.layer_name}[{self.index}] across ranks")
-            return out.view(g.world, 16)
-
-        rows = g.call(compare)
-        if not all(torch.equal(rows[r], rows[0]) for r in range(g.world)):
-            same = [r for r in range(g.world) if torch.equal(rows[r], mine)]
+        payload = (int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:], "little", signed=True))
+        rows = g.call(lambda: g.agree(COMPARE, self.store.id, self.index, self.nbytes, self._gen, payload))
+        if not all(r[_SAME:] == rows[0][_SAME:] for r in rows):
+            same = [r for r in range(g.world) if rows[r][_SAME:] == list(payload)]
             raise SplitError(
                 f"layerwise split fetch: the ranks wrote different values into layer {self.store.layer_name}"
                 f"[{self.index}] (load_state_dict or an edit); ranks with this rank's values: {same}. With "
