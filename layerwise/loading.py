@@ -73,6 +73,7 @@ class _Stored:
     dtype: torch.dtype | str
     shape: tuple
     fd: int = -1  # the file, open for the duration of a load
+    evict: _PageCacheDrop | None = None  # a host_budget load: what drops the bytes read from the page cache
 
 
 class _DuplicateKey(Exception):
@@ -319,16 +320,61 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
+class _PageCacheDrop:
+    """With a host budget, the checkpoint's pages read while packing must not stay
+    in the page cache: they are memory of the process's cgroup as much as the arena
+    is (a 512 MiB checkpoint loaded with host_budget=128 MiB stayed cached whole).
+    Read-ahead is turned off (it would cache bytes nobody read yet), reads go in
+    pieces of at most EVERY bytes, and after every EVERY bytes read (and at the
+    end) the cached pages of the files read are dropped, all of them: the page
+    cache may hold a file in folios of up to 2 MiB, and a folio that straddles two
+    tensors is dropped by neither tensor's own range. So the cache holds at most
+    MOST bytes of the checkpoint at any time (layerwise.hostplan counts them)."""
+
+    EVERY = 4 << 20
+    MOST = EVERY + (2 << 20)  # ... and one folio that straddles the last drop
+
+    def __init__(self, fds):
+        self.fds = list(fds)
+        self.read_from: set[int] = set()  # the files read since the last drop
+        self.since = 0  # ... and how many bytes, all of them together
+        for fd in self.fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def read(self, fd: int, nbytes: int) -> None:
+        self.read_from.add(fd)
+        self.since += nbytes
+        if self.since >= self.EVERY:
+            self.drop()
+
+    def drop(self, every_file: bool = False) -> None:
+        for fd in self.fds if every_file else self.read_from:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.read_from.clear()
+        self.since = 0
+
+    def close(self) -> None:
+        self.drop(every_file=True)
+
+
+def _pread_exact(stored: _Stored, view: memoryview, start: int) -> None:
+    """Read len(view) bytes of the stored tensor's file at `start` into `view` (in
+    pieces the page-cache drop can follow, with one)."""
+    piece = _PageCacheDrop.EVERY if stored.evict is not None else len(view)
+    got = 0
+    while got < len(view):
+        n = os.preadv(stored.fd, [view[got:got + piece]], start + got)
+        if not n:
+            raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {len(view)} bytes read)")
+        got += n
+        if stored.evict is not None:
+            stored.evict.read(stored.fd, n)
+
+
 def _read_into(stored: _Stored, out: torch.Tensor) -> None:
     """Read a stored tensor's bytes into the contiguous tensor `out` (host, of the
     stored dtype), with positioned reads on the file's open descriptor."""
-    view = _bytes_of(out)
-    got = 0
-    while got < stored.nbytes:
-        n = os.preadv(stored.fd, [view[got:]], stored.start + got)
-        if not n:
-            raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {stored.nbytes} bytes read)")
-        got += n
+    _pread_exact(stored, _bytes_of(out)[: stored.nbytes], stored.start)
 
 
 def _host_tensor(stored: _Stored, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -809,13 +855,19 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
                 mod._buffers[attr] = b.to(want(b))
 
     fds = {path: os.open(path, os.O_RDONLY) for path in files}
+    evict = _PageCacheDrop(fds.values()) if host_budget is not None else None
     for st in stored.values():
         st.fd = fds[st.path]
+        st.evict = evict
     try:
         return _build(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        try:
+            if evict is not None:
+                evict.close()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         if bar is not None:
             bar.close()
 
@@ -845,7 +897,7 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
         return None
 
     plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
-                     spill=spill_dir is not None)
+                     spill=spill_dir is not None, cache_bytes=_PageCacheDrop.MOST)
     for m in managers:
         if m._disk_layers:
             m._disk_store = (spill_store(m, spill_dir) if spill_dir is not None
@@ -928,14 +980,7 @@ def _read_share(stored: _Stored, e, block: torch.Tensor, lo: int, hi: int) -> No
     isz = e.dtype.itemsize
     first, last = (a - e.offset) // isz, -(-(b - e.offset) // isz)  # elements covering [a, b)
     src = torch.empty(last - first, dtype=stored.dtype)
-    view = _bytes_of(src)
-    start = stored.start + first * stored.dtype.itemsize
-    got = 0
-    while got < len(view):
-        n = os.preadv(stored.fd, [view[got:]], start + got)
-        if not n:
-            raise ValueError(f"{stored.path}: file ends inside a tensor")
-        got += n
+    _pread_exact(stored, _bytes_of(src), stored.start + first * stored.dtype.itemsize)
     out = src if stored.dtype == e.dtype else src.to(e.dtype)
     at = e.offset + first * isz
     block[at : at + out.numel() * isz].copy_(out.view(torch.uint8))
