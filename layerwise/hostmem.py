@@ -248,3 +248,59 @@ def resident_file_bytes(path) -> int:
 def budget_memory_bytes(files=()) -> int:
     """What a host budget counts: anon_shmem_bytes() + resident_file_bytes(f) for each file."""
     return anon_shmem_bytes() + sum(resident_file_bytes(f) for f in files)
+
+
+def _hwm_bytes() -> int:
+    return int(_proc_status(PROC_SELF).get("VmHWM", "0 kB").split()[0]) * 1024
+
+
+class MemoryMeter:
+    """What a host budget counts, over a `with` block: growth of budget_memory_bytes()
+    from its start, sampled every `interval` seconds on a thread (a sample can miss a
+    peak, never invent one), and the peak RSS growth (VmHWM: exact, but it counts code
+    pages mapped on the way too: warm up first) with the files' own sampled peak.
+
+    `files()`: the paths whose page cache counts (the checkpoint, the spill files
+    there are at the time). After the block: `.peak`, `.end`, `.hwm`, `.files_peak`,
+    `.files_end` (bytes) and `.worst`, the largest estimate of the peak."""
+
+    def __init__(self, files=lambda: (), interval: float = 0.005):
+        self.files, self.interval = files, interval
+        self.peak = self.end = self.hwm = self.files_peak = self.files_end = 0
+
+    def _files(self) -> int:
+        return sum(resident_file_bytes(f) for f in self.files())
+
+    def _sample(self) -> None:
+        while True:
+            files = self._files()
+            self.files_peak = max(self.files_peak, files - self._files0)
+            self.peak = max(self.peak, anon_shmem_bytes() + files - self._base)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> MemoryMeter:
+        import threading
+
+        self._files0 = self._files()
+        self._base = anon_shmem_bytes() + self._files0
+        self._hwm0 = _hwm_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="layerwise-memory-meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.files_end = self._files()
+        self.end = anon_shmem_bytes() + self.files_end - self._base
+        self.hwm = _hwm_bytes() - self._hwm0
+        self.peak = max(self.peak, self.end)
+
+    @property
+    def worst(self) -> int:
+        return max(self.peak, self.hwm + self.files_peak)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("peak", "end", "hwm", "files_peak", "files_end", "worst")}

@@ -500,18 +500,13 @@ def test_a_model_four_times_the_budget_streams_within_it(disk_dir):
 
 
 BUDGET_SCRIPT = textwrap.dedent("""
-    import json, os, sys, threading
+    import json, os, sys
     sys.path.insert(0, {here!r})
     import torch
     torch.set_num_threads(1)
     import layerwise
-    from layerwise.hostmem import anon_shmem_bytes, budget_memory_bytes, resident_file_bytes
+    from layerwise.hostmem import MemoryMeter
     from test_disk_tier import Net
-
-    def hwm():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
 
     spill_dir = {spill_dir!r}
     ckpt = {ckpt!r}
@@ -540,30 +535,12 @@ BUDGET_SCRIPT = textwrap.dedent("""
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    before_files = sum(resident_file_bytes(f) for f in files())
-    before, before_hwm = budget_memory_bytes(files()), hwm()
-    peak = {{"total": 0, "files": 0}}
-    stop = threading.Event()
-
-    def sample():  # can miss a peak, never invent one
-        while True:
-            peak["total"] = max(peak["total"], budget_memory_bytes(files()) - before)
-            peak["files"] = max(peak["files"], sum(resident_file_bytes(f) for f in files()) - before_files)
-            if stop.wait(0.005):
-                return
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
     kw = {{"spill_dir": spill_dir}} if spill_dir else {{}}
-    (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget={budget}, **kw)
-    with torch.inference_mode():
-        out = [model(x) for _ in range(3)]
-    stop.set()
-    sampler.join()
-    end_files = sum(resident_file_bytes(f) for f in files())
-    print(json.dumps({{"peak": peak["total"], "end": budget_memory_bytes(files()) - before,
-                      "hwm": hwm() - before_hwm, "files_peak": peak["files"], "files_end": end_files,
-                      "disk_layers": m.stats()["disk"]["layers"],
+    with MemoryMeter(files) as meter:
+        (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget={budget}, **kw)
+        with torch.inference_mode():
+            out = [model(x) for _ in range(3)]
+    print(json.dumps({{**meter.as_dict(), "disk_layers": m.stats()["disk"]["layers"],
                       "equal": all(torch.equal(o, want) for o in out)}}))
 """)
 
@@ -598,10 +575,9 @@ def test_host_budget_is_kept_as_memory_in_a_fresh_process(disk_dir, spill):
     # forward's activations and workspace; measured at about 1 MiB here.
     allowance = 4 << 20
     limit = budget * 1.05 + allowance
-    # Peak: the sampled peak of the whole, and the peak of the anonymous pages (VmHWM:
-    # after the warm-up no code pages are mapped any more) with the files' own peak.
-    worst = max(r["peak"], r["end"], r["hwm"] + r["files_peak"])
-    assert worst <= limit, (r, budget, model_bytes)
+    # worst: the sampled peak of the whole, or the peak of the anonymous pages (VmHWM:
+    # after the warm-up no code pages are mapped any more) with the files' own peak
+    assert r["worst"] <= limit, (r, budget, model_bytes)
     assert r["files_end"] <= 2 << 20, r  # nothing of the files stays cached after the load
 
 
