@@ -324,51 +324,70 @@ class _PageCacheDrop:
     """With a host budget, the checkpoint's pages read while packing must not stay
     in the page cache: they are memory of the process's cgroup as much as the arena
     is (a 512 MiB checkpoint loaded with host_budget=128 MiB stayed cached whole).
-    Read-ahead is turned off (it would cache bytes nobody read yet), reads go in
-    pieces of at most EVERY bytes, and after every EVERY bytes read (and at the
-    end) the cached pages of the files read are dropped, all of them: the page
-    cache may hold a file in folios of up to 2 MiB, and a folio that straddles two
-    tensors is dropped by neither tensor's own range. So the cache holds at most
-    MOST bytes of the checkpoint at any time (layerwise.hostplan counts them)."""
+    Read-ahead is turned off (it would cache bytes nobody read yet), and after every
+    EVERY bytes read (and at the end) the span read since the last drop is dropped,
+    rounded out to 2 MiB: the page cache may hold a file in folios of up to 2 MiB,
+    and a folio that straddles two tensors is dropped by neither tensor's own
+    range. Reads stop at the next drop (`room`), so the cache holds at most
+    most(EVERY) bytes of the checkpoint at any time (layerwise.hostplan counts them)."""
 
-    EVERY = 4 << 20
-    MOST = EVERY + (2 << 20)  # ... and one folio that straddles the last drop
+    _FOLIO = 2 << 20
 
-    def __init__(self, fds):
+    @staticmethod
+    def every_for(managers) -> int:
+        """EVERY for a load: 1 MiB (reads of 1 MiB without read-ahead kept a cold
+        512 MiB load as fast as before), or the largest layer if that is less (a
+        small model's small budget), at least 64 KiB."""
+        largest = max((lp.nbytes for m in managers for lp in m.plan.layers), default=0)
+        return max(64 << 10, min(1 << 20, -(-largest // 4096) * 4096))
+
+    @classmethod
+    def most(cls, every: int) -> int:
+        return every + 4096  # ... and the page a read that does not start on one shares
+
+    def __init__(self, fds, every: int):
+        self.EVERY = every
         self.fds = list(fds)
-        self.read_from: set[int] = set()  # the files read since the last drop
-        self.since = 0  # ... and how many bytes, all of them together
+        self.spans: dict[int, list[int]] = {}  # fd -> [lo, hi) read since the last drop
+        self.since = 0  # bytes read since the last drop, all files together
         for fd in self.fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
-    def read(self, fd: int, nbytes: int) -> None:
-        self.read_from.add(fd)
+    def room(self) -> int:
+        return self.EVERY - self.since
+
+    def read(self, fd: int, start: int, nbytes: int) -> None:
+        span = self.spans.setdefault(fd, [start, start + nbytes])
+        span[0], span[1] = min(span[0], start), max(span[1], start + nbytes)
         self.since += nbytes
         if self.since >= self.EVERY:
             self.drop()
 
-    def drop(self, every_file: bool = False) -> None:
-        for fd in self.fds if every_file else self.read_from:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        self.read_from.clear()
+    def drop(self) -> None:
+        f = self._FOLIO
+        for fd, (lo, hi) in self.spans.items():
+            lo = lo // f * f
+            os.posix_fadvise(fd, lo, -(-hi // f) * f - lo, os.POSIX_FADV_DONTNEED)
+        self.spans.clear()
         self.since = 0
 
     def close(self) -> None:
-        self.drop(every_file=True)
+        self.drop()
 
 
 def _pread_exact(stored: _Stored, view: memoryview, start: int) -> None:
     """Read len(view) bytes of the stored tensor's file at `start` into `view` (in
     pieces the page-cache drop can follow, with one)."""
-    piece = _PageCacheDrop.EVERY if stored.evict is not None else len(view)
+    drop = stored.evict
     got = 0
     while got < len(view):
+        piece = len(view) - got if drop is None else min(len(view) - got, drop.room())
         n = os.preadv(stored.fd, [view[got:got + piece]], start + got)
         if not n:
             raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {len(view)} bytes read)")
+        if drop is not None:
+            drop.read(stored.fd, start + got, n)
         got += n
-        if stored.evict is not None:
-            stored.evict.read(stored.fd, n)
 
 
 def _read_into(stored: _Stored, out: torch.Tensor) -> None:
@@ -855,7 +874,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
                 mod._buffers[attr] = b.to(want(b))
 
     fds = {path: os.open(path, os.O_RDONLY) for path in files}
-    evict = _PageCacheDrop(fds.values()) if host_budget is not None else None
+    evict = _PageCacheDrop(fds.values(), _PageCacheDrop.every_for(managers)) if host_budget is not None else None
     for st in stored.values():
         st.fd = fds[st.path]
         st.evict = evict
@@ -897,7 +916,7 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
         return None
 
     plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
-                     spill=spill_dir is not None, cache_bytes=_PageCacheDrop.MOST)
+                     spill=spill_dir is not None, cache_bytes=_PageCacheDrop.most(_PageCacheDrop.every_for(managers)))
     for m in managers:
         if m._disk_layers:
             m._disk_store = (spill_store(m, spill_dir) if spill_dir is not None
