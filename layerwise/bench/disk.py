@@ -2,7 +2,7 @@
 O_DIRECT read of the same file, in one run; then a model streamed with
 host_budget at 25% of its size (``disk_stream.py``).
 
-A test file (256 MiB; --quick 64 MiB) is written on a disk-backed file system:
+A test file (256 MiB; --quick 128 MiB) is written on a disk-backed file system:
 ``LAYERWISE_BENCH_DIR`` if set, else the temporary directory, else the working
 directory - the first that is not a memory file system (tmpfs would measure
 memory copies, not a disk) - fsynced, and dropped from the page cache
@@ -47,7 +47,7 @@ from .common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, ra
 
 NAME = "disk"
 
-FILE_MB = {"full": 256, "quick": 64, "tiny": 8}
+FILE_MB = {"full": 256, "quick": 128, "tiny": 8}
 LAYER_MB = {"full": 16, "quick": 16, "tiny": 1}
 REPEATS = {"full": 9, "quick": 7, "tiny": 2}
 SLOTS = 4  # staging slots the baselines read into
