@@ -257,12 +257,13 @@ def _hwm_bytes() -> int:
 class MemoryMeter:
     """What a host budget counts, over a `with` block: growth of budget_memory_bytes()
     from its start, sampled every `interval` seconds on a thread (a sample can miss a
-    peak, never invent one), and the peak RSS growth (VmHWM: exact, but it counts code
-    pages mapped on the way too: warm up first) with the files' own sampled peak.
+    peak, never invent one), and the peak RSS growth (VmHWM: the exact peak of the
+    process's own pages, but it counts code pages mapped on the way too: warm up
+    first; the page cache of the files is only in the samples).
 
     `files()`: the paths whose page cache counts (the checkpoint, the spill files
-    there are at the time). After the block: `.peak`, `.end`, `.hwm`, `.files_peak`,
-    `.files_end` (bytes) and `.worst`, the largest estimate of the peak."""
+    there are at the time). After the block: `.peak` (sampled), `.end`, `.hwm`,
+    `.files_peak`, `.files_end` (bytes) and `.worst`, the larger of peak and hwm."""
 
     def __init__(self, files=lambda: (), interval: float = 0.005):
         self.files, self.interval = files, interval
@@ -300,7 +301,7 @@ class MemoryMeter:
 
     @property
     def worst(self) -> int:
-        return max(self.peak, self.hwm + self.files_peak)
+        return max(self.peak, self.hwm)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("peak", "end", "hwm", "files_peak", "files_end", "worst")}

@@ -325,7 +325,7 @@ class _PageCacheDrop:
     in the page cache: they are memory of the process's cgroup as much as the arena
     is (a 512 MiB checkpoint loaded with host_budget=128 MiB stayed cached whole).
     Read-ahead is turned off (it would cache bytes nobody read yet), and after every
-    EVERY bytes read (and at the end) the span read since the last drop is dropped,
+    EVERY bytes of pages read (and at the end) the span read since the last drop is dropped,
     rounded out to 2 MiB: the page cache may hold a file in folios of up to 2 MiB,
     and a folio that straddles two tensors is dropped by neither tensor's own
     range. Reads stop at the next drop (`room`), so the cache holds at most
@@ -343,23 +343,24 @@ class _PageCacheDrop:
 
     @classmethod
     def most(cls, every: int) -> int:
-        return every + 4096  # ... and the page a read that does not start on one shares
+        return every + 2 * 4096  # ... and the two pages the read that reaches it starts and ends in
 
     def __init__(self, fds, every: int):
         self.EVERY = every
         self.fds = list(fds)
         self.spans: dict[int, list[int]] = {}  # fd -> [lo, hi) read since the last drop
         self.since = 0  # bytes read since the last drop, all files together
-        for fd in self.fds:
+        for fd in self.fds:  # (and what reading the header read ahead goes first)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def room(self) -> int:
-        return self.EVERY - self.since
+        return max(4096, self.EVERY - self.since)
 
     def read(self, fd: int, start: int, nbytes: int) -> None:
         span = self.spans.setdefault(fd, [start, start + nbytes])
         span[0], span[1] = min(span[0], start), max(span[1], start + nbytes)
-        self.since += nbytes
+        self.since += (-(-(start + nbytes) // 4096) - start // 4096) * 4096  # the pages it cached
         if self.since >= self.EVERY:
             self.drop()
 

@@ -172,7 +172,6 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
             [Target(f"<= budget + 5% ({limit / MB:.0f} MiB)", bool(r["worst"] <= limit))],
             short="host memory, disk tier",
             note="layerwise.hostmem.MemoryMeter in a fresh process after a warm-up: the larger of the sampled peak "
-                 "of RssAnon + RssShmem + the checkpoint's resident pages, and VmHWM growth + the checkpoint's "
-                 "sampled peak",
+                 "of RssAnon + RssShmem + the checkpoint's resident pages, and the VmHWM growth",
         ))
     return rows, data
