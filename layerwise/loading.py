@@ -325,19 +325,20 @@ class _PageCacheDrop:
     in the page cache: they are memory of the process's cgroup as much as the arena
     is (a 512 MiB checkpoint loaded with host_budget=128 MiB stayed cached whole).
     Read-ahead is turned off (it would cache bytes nobody read yet), and after every
-    EVERY bytes of pages read (and at the end) the span read since the last drop is dropped,
-    rounded out to 2 MiB: the page cache may hold a file in folios of up to 2 MiB,
-    and a folio that straddles two tensors is dropped by neither tensor's own
-    range. Reads stop at the next drop (`room`), so the cache holds at most
-    most(EVERY) bytes of the checkpoint at any time (layerwise.hostplan counts them)."""
+    EVERY bytes of pages read (and at the end) the span read since the last drop
+    is dropped, rounded out to 2 MiB: the page cache may hold a file in folios of
+    up to 2 MiB, and a folio that straddles two tensors is dropped by neither
+    tensor's own range. Reads stop at the next drop (`room`), so the cache holds
+    at most most(EVERY) bytes of the checkpoint at any time (layerwise.hostplan
+    counts them; tests/test_disk_tier.py measures it)."""
 
     _FOLIO = 2 << 20
 
     @staticmethod
     def every_for(managers) -> int:
-        """EVERY for a load: 1 MiB (reads of 1 MiB without read-ahead kept a cold
-        512 MiB load as fast as before), or the largest layer if that is less (a
-        small model's small budget), at least 64 KiB."""
+        """EVERY for a load: 1 MiB (reads of 256 KiB without read-ahead made a cold
+        load slower; 1 MiB ones did not, within this VM's noise), or the largest
+        layer if that is less (a small model's small budget), at least 64 KiB."""
         largest = max((lp.nbytes for m in managers for lp in m.plan.layers), default=0)
         return max(64 << 10, min(1 << 20, -(-largest // 4096) * 4096))
 
@@ -349,7 +350,7 @@ class _PageCacheDrop:
         self.EVERY = every
         self.fds = list(fds)
         self.spans: dict[int, list[int]] = {}  # fd -> [lo, hi) read since the last drop
-        self.since = 0  # bytes read since the last drop, all files together
+        self.since = 0  # bytes of the pages read since the last drop, all files together
         for fd in self.fds:  # (and what reading the header read ahead goes first)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
