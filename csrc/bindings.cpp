@@ -254,14 +254,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("debug_delay_us", [](const PyEngine& self) { return self.debug_delay_us; });
 
   py::class_<PyReader>(m, "Reader", "Reader threads of the disk tier: file extents -> a host (staging) buffer")
-      .def(py::init([](int num_threads, bool direct, std::optional<int64_t> debug_delay_us, bool refuse_direct) {
+      .def(py::init([](int num_threads, bool direct, std::optional<int64_t> debug_delay_us, bool refuse_direct,
+                       int64_t chunk_bytes) {
              PyReader r;
-             r.impl = make_reader(num_threads, direct, debug_delay(debug_delay_us, "Reader"), refuse_direct);
+             r.impl = make_reader(num_threads, direct, debug_delay(debug_delay_us, "Reader"), refuse_direct,
+                                  chunk_bytes);
              register_engine(r.impl);
              return r;
            }),
            py::arg("num_threads") = 2, py::arg("direct") = true, py::arg("debug_delay_us") = py::none(),
-           py::arg("_refuse_direct") = false)
+           py::arg("_refuse_direct") = false, py::arg("chunk_bytes") = kDefaultChunkBytes)
       .def(
           "read_async",
           [](PyReader& self, py::object file, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& extents,
@@ -323,6 +325,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_threads", [](const PyReader& self) { return self.impl->num_threads(); })
       .def_property_readonly("direct", [](const PyReader& self) { return self.impl->direct(); })
       .def_property_readonly("debug_delay_us", [](const PyReader& self) { return self.impl->debug_delay_us(); })
+      .def_property_readonly("chunk_bytes", [](const PyReader& self) { return self.impl->chunk_bytes(); })
       .def_property_readonly_static("alignment", [](py::object) { return kDirectAlign; },
                                     "O_DIRECT alignment of buffer, file offset and length (bytes)");
 

@@ -88,30 +88,44 @@ std::string expect_mismatch(const struct stat& st, const FileExpect& expect, con
   return s.str();
 }
 
-struct Job {
+struct Failure {
+  std::string what;
+  int err = 0;
+  bool cancelled = false;
+  bool failed() const { return !what.empty(); }
+};
+
+// One read_async(): what its pieces share. Its event completes when the last piece is done.
+struct Read {
   std::string path;  // the file to open (fd < 0), else ""
-  int fd = -1;       // a duplicate of the caller's descriptor, owned by the job
-  std::vector<Extent> extents;                       // sorted by file offset, none empty
+  int fd = -1;       // a duplicate of the caller's descriptor, closed when the last piece is done
   std::vector<std::pair<uint64_t, uint64_t>> wanted;  // [lo, hi) in dst of every extent, sorted
   uint8_t* dst = nullptr;
   size_t dst_bytes = 0;
   EventPtr after;
   std::shared_ptr<CpuEvent> done;
   FileExpect expect;
+  std::atomic<int> left{0};  // pieces not done yet
+  std::mutex m;              // guards failure and started
+  Failure failure;           // the first piece's failure
+  bool started = false;
 };
 
-struct Failure {
-  std::string what;
-  int err = 0;
-  bool failed() const { return !what.empty(); }
+// A piece of a read, run by one reader thread: some of its runs, or a part of one long run.
+struct Job {
+  std::shared_ptr<Read> read;
+  std::vector<Extent> extents;  // sorted by file offset, none empty
 };
 
 class ReaderImpl : public Reader {
  public:
-  ReaderImpl(int num_threads, bool direct, int64_t delay_us, bool refuse_direct)
-      : direct_(direct), refuse_direct_(refuse_direct), delay_us_(delay_us) {
+  ReaderImpl(int num_threads, bool direct, int64_t delay_us, bool refuse_direct, int64_t chunk_bytes)
+      : direct_(direct), refuse_direct_(refuse_direct), delay_us_(delay_us), chunk_bytes_(chunk_bytes) {
     TORCH_CHECK_VALUE(num_threads >= 1 && num_threads <= 64, "Reader: num_threads must lie in [1, 64], got ",
                       num_threads);
+    TORCH_CHECK_VALUE(chunk_bytes == 0 || (chunk_bytes >= kDirectAlign && chunk_bytes % kDirectAlign == 0),
+                      "Reader: chunk_bytes must be 0 (never split a read) or a multiple of ", kDirectAlign,
+                      " bytes, got ", chunk_bytes);
     for (int i = 0; i < num_threads; ++i) threads_.push_back(std::make_unique<std::thread>([this] { loop(); }));
   }
 
@@ -129,41 +143,47 @@ class ReaderImpl : public Reader {
   EventPtr read_async(const std::string& path, int fd, std::vector<Extent> extents, uint8_t* dst, size_t dst_bytes,
                       const EventPtr& after, std::unique_ptr<InFlight> keep, FileExpect expect) override {
     check_usable();
-    Job job;
-    job.dst = dst;
-    job.dst_bytes = dst_bytes;
-    job.expect = expect;
-    prepare_extents(extents, dst_bytes, job);
+    auto read = std::make_shared<Read>();
+    read->dst = dst;
+    read->dst_bytes = dst_bytes;
+    read->expect = expect;
+    prepare_extents(extents, dst_bytes, *read);
+    std::vector<std::vector<Extent>> pieces = split(std::move(extents), chunk_bytes_);
     if (after) {
       auto* a = dynamic_cast<CpuEvent*>(after.get());
       if (a && !a->completed() && a->origin.forked()) a->origin.throw_forked("the event `after` names");
-      job.after = after;
+      read->after = after;
     }
     if (fd >= 0) {
       // Our own descriptor of the same open file: the caller may close theirs
       // (or reuse its number) while the read is queued.
-      job.fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-      if (job.fd < 0) {
+      read->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (read->fd < 0) {
         const int e = errno;
         TORCH_CHECK_VALUE(e != EBADF, "Reader.read_async: ", fd, " is not an open file descriptor");
         TORCH_CHECK(false, "Reader.read_async: duplicating fd ", fd, " failed: ", errno_text(e));
       }
     } else {
       TORCH_CHECK_VALUE(!path.empty(), "Reader.read_async: the file is an empty path");
-      job.path = path;
+      read->path = path;
     }
     auto done = std::make_shared<CpuEvent>();
     done->keepalive = std::move(keep);
-    job.done = done;
+    read->done = done;
+    read->left = static_cast<int>(pieces.size());
     {
       std::lock_guard<std::mutex> l(m_);
       if (stop_) {
-        if (job.fd >= 0) ::close(job.fd);
+        if (read->fd >= 0) ::close(read->fd);
         throw_reader_shut_down();
       }
-      queue_.push_back(std::move(job));
+      for (auto& piece : pieces) queue_.push_back(Job{read, std::move(piece)});
+      n_pieces_ += static_cast<int64_t>(pieces.size());
     }
-    cv_.notify_one();
+    if (pieces.size() > 1)
+      cv_.notify_all();
+    else
+      cv_.notify_one();
     track(done);
     return done;
   }
@@ -226,12 +246,10 @@ class ReaderImpl : public Reader {
     }
     cv_.notify_all();
     stop_cv_.notify_all();
-    for (auto& job : cancelled) {
-      n_cancelled_++;
-      finish(job, Failure{"layerwise.Reader: read cancelled: the reader was shut down (at interpreter exit, or "
-                          "the Reader was destroyed) before this read started",
-                          0});
-    }
+    for (auto& job : cancelled)
+      piece_done(job, Failure{"layerwise.Reader: read cancelled: the reader was shut down (at interpreter exit, or "
+                              "the Reader was destroyed) before this read started",
+                              0, true});
     for (auto& t : threads_)
       if (t->joinable()) t->join();
     {
@@ -259,6 +277,8 @@ class ReaderImpl : public Reader {
         {"direct_refused", n_direct_refused_.load()},
         {"direct_fallbacks", n_direct_fallbacks_.load()},
         {"memory_fs_reads", n_memory_fs_.load()},
+        {"pieces", n_pieces_.load()},                  // pieces the reads were done in (see split)
+        {"max_in_flight", n_max_in_flight_.load()},    // the most pieces read at the same time, so far
         {"cached_files", origin_.forked() ? 0 : static_cast<int64_t>(cache_.size())},
     };
   }
@@ -266,6 +286,7 @@ class ReaderImpl : public Reader {
   int num_threads() const override { return static_cast<int>(threads_.size()); }
   bool direct() const override { return direct_; }
   int64_t debug_delay_us() const override { return delay_us_; }
+  int64_t chunk_bytes() const override { return chunk_bytes_; }
 
  private:
   [[noreturn]] static void throw_reader_shut_down() {
@@ -280,7 +301,7 @@ class ReaderImpl : public Reader {
 
   // Checks the extents against dst (raising ValueError on the caller's thread),
   // drops empty ones, sorts them by file offset.
-  static void prepare_extents(std::vector<Extent>& extents, size_t dst_bytes, Job& job) {
+  static void prepare_extents(std::vector<Extent>& extents, size_t dst_bytes, Read& job) {
     for (size_t k = 0; k < extents.size(); ++k) {
       const Extent& e = extents[k];
       TORCH_CHECK_VALUE(e.file_offset >= 0 && e.length >= 0 && e.dst_offset >= 0, "Reader.read_async: extent ", k,
@@ -304,7 +325,67 @@ class ReaderImpl : public Reader {
                         job.wanted[k].first, ", ", job.wanted[k].second, ")");
     std::stable_sort(extents.begin(), extents.end(),
                      [](const Extent& a, const Extent& b) { return a.file_offset < b.file_offset; });
-    job.extents = std::move(extents);
+  }
+
+  // The pieces a read is done in, each by one reader thread, so that one layer keeps
+  // several requests in flight (a drive serves one request at a time below its
+  // speed: see reader.h). A run (extents contiguous in the file) longer than `chunk`
+  // is cut into about equal parts at file offsets that are multiples of 4096 (so
+  // that each part stays an O_DIRECT read straight into place: dst is congruent
+  // with the file there); runs shorter than that are grouped, in file order, into
+  // pieces of up to `chunk` bytes. chunk 0: one piece.
+  static std::vector<std::vector<Extent>> split(std::vector<Extent> extents, int64_t chunk) {
+    std::vector<std::vector<Extent>> pieces;
+    if (chunk <= 0 || extents.empty()) {
+      pieces.push_back(std::move(extents));
+      return pieces;
+    }
+    int64_t piece_bytes = 0;
+    size_t k = 0;
+    while (k < extents.size()) {
+      size_t end = k + 1;
+      while (end < extents.size() &&
+             extents[end].file_offset == extents[end - 1].file_offset + extents[end - 1].length)
+        ++end;
+      const int64_t off = extents[k].file_offset;
+      const int64_t back = extents[end - 1].file_offset + extents[end - 1].length;
+      const int64_t len = back - off;
+      std::vector<int64_t> cuts;  // file offsets strictly inside (off, back)
+      if (len > chunk) {
+        const int64_t n = (len + chunk - 1) / chunk;
+        for (int64_t i = 1; i < n; ++i) {
+          const int64_t c = (off + len * i / n) / kDirectAlign * kDirectAlign;
+          if (c > off && c < back && (cuts.empty() || c > cuts.back())) cuts.push_back(c);
+        }
+      }
+      if (cuts.empty()) {  // one segment: grouped with its neighbours up to `chunk`
+        if (pieces.empty() || piece_bytes + len > chunk) {
+          pieces.emplace_back();
+          piece_bytes = 0;
+        }
+        pieces.back().insert(pieces.back().end(), extents.begin() + k, extents.begin() + end);
+        piece_bytes += len;
+      } else {  // a long run: each part a piece of its own
+        size_t c = 0;
+        pieces.emplace_back();
+        for (size_t j = k; j < end; ++j) {
+          Extent e = extents[j];
+          while (c < cuts.size() && cuts[c] < e.file_offset + e.length) {
+            if (cuts[c] > e.file_offset) {
+              const int64_t head = cuts[c] - e.file_offset;
+              pieces.back().push_back({e.file_offset, head, e.dst_offset});
+              e = {cuts[c], e.length - head, e.dst_offset + head};
+            }
+            pieces.emplace_back();
+            ++c;
+          }
+          pieces.back().push_back(e);
+        }
+        piece_bytes = chunk;  // nothing is grouped with a part of a long run
+      }
+      k = end;
+    }
+    return pieces;
   }
 
   void track(const std::shared_ptr<CpuEvent>& ev) {
@@ -331,9 +412,14 @@ class ReaderImpl : public Reader {
         queue_.pop_front();
       }
       // An exception must not end the thread (std::terminate): the event completes regardless.
+      Read& read = *job.read;
       Failure f;
+      {
+        std::lock_guard<std::mutex> l(read.m);
+        if (read.failure.failed()) f = {"(another piece of this read failed)", 0};  // not reported: that one is
+      }
       try {
-        if (job.after) job.after->synchronize();
+        if (!f.failed() && read.after) read.after->synchronize();
       } catch (const ReadError& e) {
         f = {std::string("layerwise.Reader: read not done: the event it waited on failed: ") + e.what(), e.err};
       } catch (const std::exception& e) {
@@ -351,13 +437,23 @@ class ReaderImpl : public Reader {
         stopping = stop_;
       }
       if (!f.failed() && stopping) {
-        n_cancelled_++;
         f = {"layerwise.Reader: read cancelled: the reader was shut down (at interpreter exit, or the Reader was "
              "destroyed) before this read started",
-             0};
+             0, true};
       }
-      job.done->started = HostClock::now();
+      {
+        std::lock_guard<std::mutex> l(read.m);
+        if (!read.started) read.done->started = HostClock::now();  // the read's first piece
+        read.started = true;
+      }
       if (!f.failed()) {
+        const int64_t now = ++n_in_flight_;
+        for (int64_t seen = n_max_in_flight_.load(); now > seen && !n_max_in_flight_.compare_exchange_weak(seen, now);) {
+        }
+        struct Leave {
+          std::atomic<int64_t>& n;
+          ~Leave() { --n; }
+        } leave{n_in_flight_};
         try {
           run(job, f);
         } catch (const std::exception& e) {
@@ -366,19 +462,31 @@ class ReaderImpl : public Reader {
           f = {"layerwise.Reader: the read failed", 0};
         }
       }
-      finish(job, std::move(f));
+      piece_done(job, std::move(f));
     }
   }
 
-  void finish(Job& job, Failure f) {
+  // A piece is over; the last one completes the read's event (with the first failure, if any).
+  void piece_done(Job& job, Failure f) {
+    std::shared_ptr<Read> read = std::move(job.read);
+    {
+      std::lock_guard<std::mutex> l(read->m);
+      if (f.failed() && !read->failure.failed()) read->failure = std::move(f);
+    }
+    if (--read->left == 0) finish(*read);
+  }
+
+  void finish(Read& job) {
     if (job.fd >= 0) {
       ::close(job.fd);
       job.fd = -1;
     }
     if (job.done->keepalive) job.done->keepalive->release();  // dst resizable again once the read is over
     n_reads_++;
+    Failure f = std::move(job.failure);
     if (f.failed()) {
       n_failed_++;
+      if (f.cancelled) n_cancelled_++;
       job.done->fail(std::move(f.what), f.err);
     } else {
       job.done->set();
@@ -387,7 +495,8 @@ class ReaderImpl : public Reader {
   }
 
   // ------------------------------------------------------------- one job
-  void run(Job& job, Failure& f) {
+  void run(const Job& piece, Failure& f) {
+    const Read& job = *piece.read;
     UniqueFd opened;
     int fd = job.fd;
     if (fd < 0) {
@@ -420,13 +529,13 @@ class ReaderImpl : public Reader {
     }
     SharedFd direct = direct_fd(fd, st, /*cacheable=*/job.path.empty(), flags);
 
+    const std::vector<Extent>& extents = piece.extents;
     size_t k = 0;
-    while (k < job.extents.size()) {
+    while (k < extents.size()) {
       size_t end = k + 1;
-      while (end < job.extents.size() &&
-             job.extents[end].file_offset == job.extents[end - 1].file_offset + job.extents[end - 1].length)
+      while (end < extents.size() && extents[end].file_offset == extents[end - 1].file_offset + extents[end - 1].length)
         ++end;
-      if (!read_run(job, k, end, plain, direct ? direct->fd : -1, name, f)) return;
+      if (!read_run(job, extents, k, end, plain, direct ? direct->fd : -1, name, f)) return;
       k = end;
     }
     if (job.expect.any()) {
@@ -513,14 +622,15 @@ class ReaderImpl : public Reader {
 
   // Reads the run extents[first, end) (contiguous in the file). False: `f` says why.
   template <class Name>
-  bool read_run(const Job& job, size_t first, size_t end, int plain, int direct, const Name& name, Failure& f) {
-    const int64_t off = job.extents[first].file_offset;
-    const int64_t back = job.extents[end - 1].file_offset + job.extents[end - 1].length;
+  bool read_run(const Read& job, const std::vector<Extent>& extents, size_t first, size_t end, int plain, int direct,
+                const Name& name, Failure& f) {
+    const int64_t off = extents[first].file_offset;
+    const int64_t back = extents[end - 1].file_offset + extents[end - 1].length;
     const uint64_t len = static_cast<uint64_t>(back - off);
     // (dst offset, length) per extent in file order, neighbours in memory merged.
     std::vector<std::pair<uint64_t, uint64_t>> pieces;
     for (size_t k = first; k < end; ++k) {
-      const uint64_t o = job.extents[k].dst_offset, n = job.extents[k].length;
+      const uint64_t o = extents[k].dst_offset, n = extents[k].length;
       if (!pieces.empty() && pieces.back().first + pieces.back().second == o)
         pieces.back().second += n;
       else
@@ -565,7 +675,7 @@ class ReaderImpl : public Reader {
     return true;
   }
 
-  static bool covers_wanted(const Job& job, uint64_t lo, uint64_t hi) {
+  static bool covers_wanted(const Read& job, uint64_t lo, uint64_t hi) {
     if (lo >= hi) return false;
     auto it = std::upper_bound(job.wanted.begin(), job.wanted.end(), std::make_pair(lo, UINT64_MAX));
     if (it != job.wanted.begin() && std::prev(it)->second > lo) return true;
@@ -634,6 +744,7 @@ class ReaderImpl : public Reader {
   const bool direct_;
   const bool refuse_direct_;
   const int64_t delay_us_;
+  const int64_t chunk_bytes_;
 
   // The queue and what its threads wait on. In a forked child it is leaked with
   // the threads: destroying a condition variable that the parent's threads were
@@ -666,13 +777,14 @@ class ReaderImpl : public Reader {
 
   std::atomic<int64_t> n_reads_{0}, n_failed_{0}, n_cancelled_{0}, n_runs_direct_{0}, n_runs_buffered_{0},
       n_runs_unaligned_{0}, n_bytes_direct_{0}, n_bytes_buffered_{0}, n_bytes_padding_{0}, n_syscalls_{0},
-      n_direct_refused_{0}, n_direct_fallbacks_{0}, n_memory_fs_{0};
+      n_direct_refused_{0}, n_direct_fallbacks_{0}, n_memory_fs_{0}, n_pieces_{0}, n_in_flight_{0},
+      n_max_in_flight_{0};
 };
 
 }  // namespace
 
-ReaderPtr make_reader(int num_threads, bool direct, int64_t debug_delay_us, bool refuse_direct) {
-  return std::make_shared<ReaderImpl>(num_threads, direct, debug_delay_us, refuse_direct);
+ReaderPtr make_reader(int num_threads, bool direct, int64_t debug_delay_us, bool refuse_direct, int64_t chunk_bytes) {
+  return std::make_shared<ReaderImpl>(num_threads, direct, debug_delay_us, refuse_direct, chunk_bytes);
 }
 
 }  // namespace layerwise

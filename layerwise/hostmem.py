@@ -3,7 +3,8 @@
 ancestors), RLIMIT_MEMLOCK (unless the process has CAP_IPC_LOCK), and the
 host's available memory, each less a reserve. psutil alone reports the
 machine's RAM, not a container's limit. Used by the pipelines' pin budget and
-(later) the disk tier's host budget."""
+the disk tier's host budget; `budget_memory_bytes` measures what a host budget
+promises (the bench and the tests check the promise with it)."""
 from __future__ import annotations
 
 import os
@@ -194,3 +195,113 @@ def pinnable_host_bytes(held_bytes: int = 0, cgroup_root: str | None = None,
     limits = host_limits(held_bytes, cgroup_root, proc_self, lock=True)
     return PinBudget(min(lim.budget for lim in limits), limits, auto=True)
 
+
+
+# ------------------------------------------------------------ what a host budget measures
+# A host budget is a promise about the process's memory (DESIGN.md, "Pitfalls"): the
+# anonymous and shared-memory pages it holds (RssAnon + RssShmem of /proc/self/status:
+# smaps_rollup's Shared_* would count a forked child's copy-on-write pages twice) and
+# the page cache of the files it streams from (checkpoint, spill files), which a
+# cgroup charges to it too. Code pages of libraries are not weights and do not count.
+
+def anon_shmem_bytes(proc_self: str | None = None) -> int:
+    """RssAnon + RssShmem of the process, in bytes."""
+    status = _proc_status(PROC_SELF if proc_self is None else proc_self)
+    return sum(int(status.get(key, "0 kB").split()[0]) * 1024 for key in ("RssAnon", "RssShmem"))
+
+
+def resident_file_bytes(path) -> int:
+    """The bytes of `path` in the page cache: mincore over a mapping of the file that
+    is never touched, so it adds nothing; 0 for a file that is gone or empty."""
+    import ctypes
+    import mmap
+
+    try:
+        fd = os.open(os.fsdecode(path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            vec = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            import numpy
+
+            return int((numpy.frombuffer(vec.raw, numpy.uint8) & 1).sum()) * mmap.PAGESIZE  # (bit 0: resident)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def budget_memory_bytes(files=()) -> int:
+    """What a host budget counts: anon_shmem_bytes() + resident_file_bytes(f) for each file."""
+    return anon_shmem_bytes() + sum(resident_file_bytes(f) for f in files)
+
+
+def _hwm_bytes() -> int:
+    return int(_proc_status(PROC_SELF).get("VmHWM", "0 kB").split()[0]) * 1024
+
+
+class MemoryMeter:
+    """What a host budget counts, over a `with` block: growth of budget_memory_bytes()
+    from its start, sampled every `interval` seconds on a thread (a sample can miss a
+    peak, never invent one), and the peak RSS growth (VmHWM: the exact peak of the
+    process's own pages, but it counts code pages mapped on the way too: warm up
+    first; the page cache of the files is only in the samples).
+
+    `files()`: the paths whose page cache counts (the checkpoint, the spill files
+    there are at the time). After the block: `.peak` (sampled), `.end`, `.hwm`,
+    `.files_peak`, `.files_end` (bytes) and `.worst`, the larger of peak and hwm."""
+
+    def __init__(self, files=lambda: (), interval: float = 0.005):
+        self.files, self.interval = files, interval
+        self.peak = self.end = self.hwm = self.files_peak = self.files_end = 0
+
+    def _files(self) -> int:
+        return sum(resident_file_bytes(f) for f in self.files())
+
+    def _sample(self) -> None:
+        while True:
+            files = self._files()
+            self.files_peak = max(self.files_peak, files - self._files0)
+            self.peak = max(self.peak, anon_shmem_bytes() + files - self._base)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> MemoryMeter:
+        import threading
+
+        self._files0 = self._files()
+        self._base = anon_shmem_bytes() + self._files0
+        self._hwm0 = _hwm_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="layerwise-memory-meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.files_end = self._files()
+        self.end = anon_shmem_bytes() + self.files_end - self._base
+        self.hwm = _hwm_bytes() - self._hwm0
+        self.peak = max(self.peak, self.end)
+
+    @property
+    def worst(self) -> int:
+        return max(self.peak, self.hwm)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("peak", "end", "hwm", "files_peak", "files_end", "worst")}

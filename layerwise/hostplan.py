@@ -3,9 +3,13 @@ stay on disk (the disk tier, stages/disk.py) so that host memory fits
 `host_budget`.
 
 What counts against the budget: the arenas of the layers kept in memory, the
-disk tier's staging slots, the scratch block a layer is packed through, and on
-a CPU device (where the "device" is host memory) the non-layer weights, the
-slot rings and the resident layers. The layers kept in memory are spread
+disk tier's staging slots, the scratch block a layer is packed through, the
+page cache a checkpoint's reads may hold while packing (load_offloaded drops it
+as it goes: `cache_bytes`), and on a CPU device (where the "device" is host
+memory) the non-layer weights, the slot rings and the resident layers. The
+promise is about the process's memory as measured (layerwise.hostmem.
+budget_memory_bytes: anonymous + shared-memory pages + the resident pages of
+the checkpoint and spill files), not about the sum of what layerwise allocates. The layers kept in memory are spread
 evenly over each group (every k-th layer, by bytes), so that the reads of the
 disk layers are spread over the step and overlap the compute of the others.
 Resident layers never go to disk.
@@ -120,9 +124,12 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
 
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
-                     why_not_disk=None, spill: bool = True) -> dict:
+                     why_not_disk=None, spill: bool = True, cache_bytes: int = 0) -> dict:
     """Choose each manager's disk layers (sets `m._disk_layers`) so that
     host memory fits the budget; returns the plan (also logged).
+
+    `cache_bytes`: the most page cache of the files read while packing that the
+    process may hold at once (counted with the packing scratch).
 
     `why_not_disk(manager, index) -> str | None`: a reason a layer cannot stay
     on disk (then it must be in the arena)."""
@@ -130,6 +137,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     enabled = [m for m in managers if m.enabled]
     streamed = {m: [lp.index for lp in m.plan.layers if lp.index not in set(m.resident)] for m in enabled}
     fixed = max((lp.nbytes for m in enabled for lp in m.plan.layers), default=0)  # the packing scratch
+    fixed += cache_bytes
     on_host_device = device.type == "cpu"
     if on_host_device:  # (`model`: a module, or the modules of a pipeline)
         models = model if isinstance(model, (list, tuple)) else [model]
@@ -176,7 +184,8 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: even with every streamed layer on disk, host "
             f"memory needs {fmt_bytes(need)} ({need} bytes: {fmt_bytes(staging(worst))} of staging slots, "
-            f"{fmt_bytes(fixed)} for the packing scratch" + (" and, on a CPU device, the non-layer weights, slot "
+            f"{fmt_bytes(fixed)} for the packing scratch" + (" and the page cache of the reads" if cache_bytes
+                                                             else "") + (" and, on a CPU device, the non-layer weights, slot "
                                                              "rings and resident layers" if on_host_device else "")
             + (f", {fmt_bytes(forced_bytes)} of layers that cannot stay on disk" if forced_bytes else "")
             + "). Raise host_budget, or lower disk_prefetch_depth / prefetch_depth."

@@ -75,6 +75,7 @@ class _Stored:
     dtype: torch.dtype | str
     shape: tuple
     fd: int = -1  # the file, open for the duration of a load
+    evict: _PageCacheDrop | None = None  # a host_budget load: what drops the bytes read from the page cache
 
 
 class _DuplicateKey(Exception):
@@ -326,16 +327,82 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
+class _PageCacheDrop:
+    """With a host budget, the checkpoint's pages read while packing must not stay
+    in the page cache: they are memory of the process's cgroup as much as the arena
+    is (a 512 MiB checkpoint loaded with host_budget=128 MiB stayed cached whole).
+    Read-ahead is turned off (it would cache bytes nobody read yet), and after every
+    EVERY bytes of pages read (and at the end) the span read since the last drop
+    is dropped, rounded out to 2 MiB: the page cache may hold a file in folios of
+    up to 2 MiB, and a folio that straddles two tensors is dropped by neither
+    tensor's own range. Reads stop at the next drop (`room`), so the cache holds
+    at most most(EVERY) bytes of the checkpoint at any time (layerwise.hostplan
+    counts them; tests/test_disk_tier.py measures it)."""
+
+    _FOLIO = 2 << 20
+
+    @staticmethod
+    def every_for(managers) -> int:
+        """EVERY for a load: 1 MiB (reads of 256 KiB without read-ahead made a cold
+        load slower; 1 MiB ones did not, within this VM's noise), or the largest
+        layer if that is less (a small model's small budget), at least 64 KiB."""
+        largest = max((lp.nbytes for m in managers for lp in m.plan.layers), default=0)
+        return max(64 << 10, min(1 << 20, -(-largest // 4096) * 4096))
+
+    @classmethod
+    def most(cls, every: int) -> int:
+        return every + 2 * 4096  # ... and the two pages the read that reaches it starts and ends in
+
+    def __init__(self, fds, every: int):
+        self.EVERY = every
+        self.fds = list(fds)
+        self.spans: dict[int, list[int]] = {}  # fd -> [lo, hi) read since the last drop
+        self.since = 0  # bytes of the pages read since the last drop, all files together
+        for fd in self.fds:  # (and what reading the header read ahead goes first)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def room(self) -> int:
+        return max(4096, self.EVERY - self.since)
+
+    def read(self, fd: int, start: int, nbytes: int) -> None:
+        span = self.spans.setdefault(fd, [start, start + nbytes])
+        span[0], span[1] = min(span[0], start), max(span[1], start + nbytes)
+        self.since += (-(-(start + nbytes) // 4096) - start // 4096) * 4096  # the pages it cached
+        if self.since >= self.EVERY:
+            self.drop()
+
+    def drop(self) -> None:
+        f = self._FOLIO
+        for fd, (lo, hi) in self.spans.items():
+            lo = lo // f * f
+            os.posix_fadvise(fd, lo, -(-hi // f) * f - lo, os.POSIX_FADV_DONTNEED)
+        self.spans.clear()
+        self.since = 0
+
+    def close(self) -> None:
+        self.drop()
+
+
+def _pread_exact(stored: _Stored, view: memoryview, start: int) -> None:
+    """Read len(view) bytes of the stored tensor's file at `start` into `view` (in
+    pieces the page-cache drop can follow, with one)."""
+    drop = stored.evict
+    got = 0
+    while got < len(view):
+        piece = len(view) - got if drop is None else min(len(view) - got, drop.room())
+        n = os.preadv(stored.fd, [view[got:got + piece]], start + got)
+        if not n:
+            raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {len(view)} bytes read)")
+        if drop is not None:
+            drop.read(stored.fd, start + got, n)
+        got += n
+
+
 def _read_into(stored: _Stored, out: torch.Tensor) -> None:
     """Read a stored tensor's bytes into the contiguous tensor `out` (host, of the
     stored dtype), with positioned reads on the file's open descriptor."""
-    view = _bytes_of(out)
-    got = 0
-    while got < stored.nbytes:
-        n = os.preadv(stored.fd, [view[got:]], stored.start + got)
-        if not n:
-            raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {stored.nbytes} bytes read)")
-        got += n
+    _pread_exact(stored, _bytes_of(out)[: stored.nbytes], stored.start)
 
 
 def _host_tensor(stored: _Stored, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -865,13 +932,19 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
                 mod._buffers[attr] = b.to(want(b))
 
     fds = {path: os.open(path, os.O_RDONLY) for path in files}
+    evict = _PageCacheDrop(fds.values(), _PageCacheDrop.every_for(managers)) if host_budget is not None else None
     for st in stored.values():
         st.fd = fds[st.path]
+        st.evict = evict
     try:
         return _build(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        try:
+            if evict is not None:
+                evict.close()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         if bar is not None:
             bar.close()
 
@@ -901,7 +974,8 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
         return None
 
     plan = plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
-                            spill=spill_dir is not None)
+                            spill=spill_dir is not None,
+                            cache_bytes=_PageCacheDrop.most(_PageCacheDrop.every_for(managers)))
     record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:
         if m._disk_layers:
@@ -1022,14 +1096,7 @@ def _read_share(stored: _Stored, e, block: torch.Tensor, lo: int, hi: int) -> No
     isz = e.dtype.itemsize
     first, last = (a - e.offset) // isz, -(-(b - e.offset) // isz)  # elements covering [a, b)
     src = torch.empty(last - first, dtype=stored.dtype)
-    view = _bytes_of(src)
-    start = stored.start + first * stored.dtype.itemsize
-    got = 0
-    while got < len(view):
-        n = os.preadv(stored.fd, [view[got:]], start + got)
-        if not n:
-            raise ValueError(f"{stored.path}: file ends inside a tensor")
-        got += n
+    _pread_exact(stored, _bytes_of(src), stored.start + first * stored.dtype.itemsize)
     out = src if stored.dtype == e.dtype else src.to(e.dtype)
     at = e.offset + first * isz
     block[at : at + out.numel() * isz].copy_(out.view(torch.uint8))

@@ -1,7 +1,10 @@
 """disk (streaming part): a model streamed with host_budget at 25% of its size
 from a checkpoint on a disk file system, against the same model streamed from
-the host arena, in one run; and the peak RSS growth of such a load in a fresh
-process (VmHWM), against the budget.
+the host arena, in one run; and the host memory of such a load in a fresh
+process, against the budget: what a budget promises (layerwise.hostmem.
+MemoryMeter: anonymous + shared-memory pages, and the checkpoint's pages in the
+page cache; the peak over the load and 3 steps), after a warm-up on a small
+model (one-time imports, e.g. torch._dynamo's ~76 MiB, are not the load's).
 
 Model: DiTStack (bf16; quick 48 blocks of hidden 512 = 192 MiB; full 48 of
 1024 = 768 MiB; tiny 12 of 128), saved with safetensors under the disk suite's
@@ -14,9 +17,8 @@ interleaved, medians of the step time:
   disk tier    load_offloaded(..., host_budget=B): most layers read from the
                checkpoint (O_DIRECT into pinned staging) at every step
 
-The read floor of a step is its disk bytes / the plain one-thread O_DIRECT
-sequential bandwidth measured by the disk suite in the same run (the reader
-keeps several reads in flight, which a disk may serve faster).
+The read floor of a step is its disk bytes / the best plain O_DIRECT bandwidth
+(1, 2 or 4 threads) measured by the disk suite in the same run.
 """
 from __future__ import annotations
 
@@ -35,16 +37,13 @@ SHAPES = {"full": (1024, 48, 256), "quick": (512, 48, 64), "tiny": (128, 12, 8)}
 REPEATS = {"full": 7, "quick": 5, "tiny": 2}
 
 RSS_SCRIPT = textwrap.dedent("""
-    import json, sys, torch
+    import json, os, sys, torch
     import layerwise
     from layerwise.bench.models import DiTStack
+    from layerwise.hostmem import MemoryMeter
     torch.set_num_threads({threads})
     hidden, layers, tokens = {shape}
-
-    def hwm():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
+    ckpt = {ckpt!r}
 
     x = torch.randn(1, tokens, hidden).to(torch.bfloat16)
     # the same code paths once on a small model: one-time imports and kernels' own memory are not the load's
@@ -55,14 +54,17 @@ RSS_SCRIPT = textwrap.dedent("""
     del small
     with torch.device("meta"):
         model = DiTStack(hidden, layers).to(torch.bfloat16)
-    before = hwm()
+    fd = os.open(ckpt, os.O_RDONLY)  # written by the bench: its page cache is not the load's
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
     kw = {{"host_budget": {budget}}} if {budget} else {{}}
-    (m,) = layerwise.load_offloaded(model, {ckpt!r}, "blocks", device="cpu", **kw)
-    with torch.inference_mode():
-        for _ in range(3):
-            model(x)
+    with MemoryMeter(lambda: [ckpt]) as meter:
+        (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", **kw)
+        with torch.inference_mode():
+            for _ in range(3):
+                model(x)
     disk = m.stats()["disk"]
-    print(json.dumps({{"growth": hwm() - before, "staging": disk["staging_bytes"] if disk else 0}}))
+    print(json.dumps({{**meter.as_dict(), "staging": disk["staging_bytes"] if disk else 0}}))
 """)
 
 
@@ -92,7 +94,10 @@ def smallest_budget(hidden: int, layers: int, ckpt: str, device) -> int:
 
 def peak_rss(ckpt: str, shape, budget: int) -> dict:
     script = RSS_SCRIPT.format(threads=torch.get_num_threads(), shape=tuple(shape), ckpt=ckpt, budget=budget)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    import layerwise
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(layerwise.__file__)))  # this layerwise, not another
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise RuntimeError(f"peak RSS subprocess failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -153,18 +158,20 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
         {"/in memory": ratio(times["disk tier"], times["in memory"]),
          **({"/read floor": ratio(times["disk tier"], floor)} if floor else {})},
         [], short=f"step, host_budget {pct:.0f}%",
-        note="read floor: the step's disk bytes at the plain one-thread O_DIRECT bandwidth of this run (the reader's "
-             "threads keep several reads in flight and can beat it); no target",
+        note="read floor: the step's disk bytes at the best plain O_DIRECT bandwidth of this run (1, 2 or 4 threads); "
+             "no target",
     )]
     if rss["disk tier"] is not None:
         r = rss["disk tier"]
-        limit = budget + r["staging"] + 0.05 * model_bytes
+        limit = budget * 1.05
         rows.append(Row(
-            "disk", f"peak RSS growth (VmHWM) of load + 3 steps, host_budget {budget / MB:.0f} MiB "
-                    f"({pct:.0f}% of {model_bytes / MB:.0f} MiB)", "MiB", r["growth"] / MB,
-            {"budget": budget / MB, "model": model_bytes / MB},
-            {"/budget": r["growth"] / budget},
-            [Target(f"<= budget + staging + 5% model ({limit / MB:.0f} MiB)", bool(r["growth"] <= limit))],
-            short="peak RSS growth, disk tier",
+            "disk", f"host memory of load + 3 steps (anonymous + shared pages + the checkpoint's page cache, peak), "
+                    f"host_budget {budget / MB:.0f} MiB ({pct:.0f}% of {model_bytes / MB:.0f} MiB)", "MiB",
+            r["worst"] / MB, {"budget": budget / MB, "model": model_bytes / MB},
+            {"/budget": r["worst"] / budget},
+            [Target(f"<= budget + 5% ({limit / MB:.0f} MiB)", bool(r["worst"] <= limit))],
+            short="host memory, disk tier",
+            note="layerwise.hostmem.MemoryMeter in a fresh process after a warm-up: the larger of the sampled peak "
+                 "of RssAnon + RssShmem + the checkpoint's resident pages, and the VmHWM growth",
         ))
     return rows, data

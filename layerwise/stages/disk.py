@@ -49,7 +49,8 @@ import zlib
 
 import torch
 
-from .read import PAGE, OpenFile, ReadError, Reader, _round_up, aligned_staging, read_layer
+from .read import (PAGE, READ_CHUNK_BYTES, READER_THREADS, OpenFile, ReadError, Reader, _round_up, aligned_staging,
+                   read_layer)
 
 log = logging.getLogger("layerwise")
 
@@ -312,11 +313,11 @@ class _Slot:
 class DiskTier:
     """A manager's reader, staging slots and the reads in flight."""
 
-    def __init__(self, engine, num_slots: int, slot_bytes: int, device, pinned: bool, reader_threads: int = 2,
-                 debug_read_delay_us: int | None = None, direct: bool = True):
+    def __init__(self, engine, num_slots: int, slot_bytes: int, device, pinned: bool,
+                 reader_threads: int = READER_THREADS, debug_read_delay_us: int | None = None, direct: bool = True):
         cuda = device.type == "cuda"
         self.engine = engine
-        self.reader = Reader(num_threads=reader_threads, direct=direct,
+        self.reader = Reader(num_threads=reader_threads, direct=direct, chunk_bytes=READ_CHUNK_BYTES,
                              debug_delay_us=-1 if debug_read_delay_us is None else debug_read_delay_us)
         self.slots = [_Slot(aligned_staging(slot_bytes, pinned=pinned, device=device.index if cuda else -1))
                       for _ in range(max(1, num_slots))]

@@ -6,8 +6,10 @@ the API it is built on.
 A layer is a list of extents ``(file_offset, length, dst_offset)``: where each
 of its tensors lies in the file and where it goes in the staging buffer.
 ``Reader.read_async`` reads one layer with one vectored read (``preadv``, one
-iovec per tensor) per run of extents contiguous in the file, on one of its
-threads, and returns an ``Event`` of the CPU copy engine's kind:
+iovec per tensor) per run of extents contiguous in the file, a run longer than
+``chunk_bytes`` (default 4 MiB) cut into pieces that its threads read side by
+side (a drive needs several requests in flight), and returns an ``Event`` of
+the CPU copy engine's kind:
 ``CopyEngine("cpu").copy_async(dst, staging, after=event)`` waits on it, and a
 read can wait on a copy (``after=``; any event, a CUDA one included: the reader
 thread waits for it on the host) - which is how a staging slot is reused only
@@ -57,8 +59,14 @@ import torch
 from .._native import HostArena, ReadError, Reader
 
 PAGE = Reader.alignment  # 4096
+# The disk tier's reader: enough requests in flight for the drive. A layer's read is
+# cut into pieces of READ_CHUNK_BYTES read side by side by READER_THREADS threads
+# (csrc/reader.h). On a 2-core VM's virtio disk one O_DIRECT reader got 1.1 GB/s and
+# 2-4 got 1.5 GB/s (`python -m layerwise.bench disk --quick`, BENCHMARKS.md).
+READER_THREADS = 4
+READ_CHUNK_BYTES = 4 << 20
 
-__all__ = ["PAGE", "OpenFile", "Read", "ReadError", "Reader", "aligned_staging", "filesystem_type", "read_layer",
+__all__ = ["PAGE", "READER_THREADS", "READ_CHUNK_BYTES", "OpenFile", "Read", "ReadError", "Reader", "aligned_staging", "filesystem_type", "read_layer",
            "staging_layout"]
 
 
