@@ -76,6 +76,7 @@ class ModelLock:
         self._cond = threading.Condition(threading.Lock())
         self._owner = None
         self._holds: list = []  # per hold: the id of the module-call frame that took it, or None
+        self._waiting = 0  # threads in acquire() or wait(): only then does a release notify
         self.on_take_over = None
         self.taken_over = 0
 
@@ -88,12 +89,17 @@ class ModelLock:
         me = threading.get_ident()
         taken = False
         with self._cond:
-            while self._owner not in (None, me):
-                if self._stale():
-                    self._owner, self._holds, taken = None, [], True
-                    self.taken_over += 1
-                    break
-                self._cond.wait(0.05)
+            if self._owner is not None and self._owner != me:
+                self._waiting += 1
+                try:
+                    while self._owner is not None:
+                        if self._stale():
+                            self._owner, self._holds, taken = None, [], True
+                            self.taken_over += 1
+                            break
+                        self._cond.wait(0.05)
+                finally:
+                    self._waiting -= 1
             self._owner = me
             self._holds.append(frame)
         if taken and self.on_take_over is not None:
@@ -107,7 +113,8 @@ class ModelLock:
             self._holds.pop()
             if not self._holds:
                 self._owner = None
-                self._cond.notify_all()
+                if self._waiting:
+                    self._cond.notify_all()
 
     def _is_owned(self) -> bool:
         return self._owner == threading.get_ident()
@@ -127,20 +134,25 @@ class ModelLock:
         with self._cond:
             saved, self._owner, self._holds = self._holds, None, []
             self._cond.notify_all()
-            self._cond.wait(timeout)
-            while self._owner is not None:
-                if self._stale():
-                    taken = True
-                    self.taken_over += 1
-                    break
-                self._cond.wait(0.05)
+            self._waiting += 1
+            try:
+                self._cond.wait(timeout)
+                while self._owner is not None:
+                    if self._stale():
+                        taken = True
+                        self.taken_over += 1
+                        break
+                    self._cond.wait(0.05)
+            finally:
+                self._waiting -= 1
             self._owner, self._holds = me, saved
         if taken and self.on_take_over is not None:
             self.on_take_over()
 
     def notify_all(self) -> None:
         with self._cond:
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
 
 def _on_stack(ident, frame_ids: set) -> bool:
@@ -160,13 +172,13 @@ def module_call_frame() -> int | None:
     for _ in range(8):
         if frame is None:
             return None
-        if frame.f_code.co_name == "_call_impl" and frame.f_code.co_filename.endswith(_MODULE_PY):
+        if frame.f_code is _CALL_IMPL:
             return id(frame)
         frame = frame.f_back
     return None
 
 
-_MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def model_lock(model: nn.Module) -> ModelLock:
