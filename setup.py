@@ -81,7 +81,7 @@ def extension():
 
 
 setup(
-    packages=["layerwise", "layerwise.bench", "layerwise.stages", "layerwise.triton_kernels"],
+    packages=["layerwise", "layerwise.bench", "layerwise.formats", "layerwise.stages", "layerwise.triton_kernels"],
     package_dir={"layerwise.triton_kernels": "triton_kernels"},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -3,7 +3,8 @@ accelerator, one block ahead of the compute that needs it."""
 from ._native import CopyEngine, Event, HostArena, build_info
 from .configure import configure_layerwise_offload, remove_layerwise_offload
 from .detect import detect_layer_groups
-from .loading import empty_model, load_offloaded
+from .empty import empty_model
+from .loading import load_offloaded
 from .manager import LayerwiseOffloadManager
 from .pipelines import offload_pipeline, remove_pipeline_offload, report, report_pipeline
 from .scatter import build_scatter_table, scatter_segment

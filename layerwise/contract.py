@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -60,64 +61,82 @@ def managers_of(model: nn.Module) -> list:
 
 
 class ModelLock:
-    """One model's reentrant lock, shared by all its groups (prefetch crosses groups),
-    with the wait / notify_all of a condition on it.
+    """One model's reentrant lock, shared by all its groups (prefetch crosses groups).
 
     A forward holds it from a layer's pre-hook to its post-hook. torch runs
     always_call forward hooks when an Exception leaves a module, not a
     KeyboardInterrupt or SystemExit: such a forward leaves its hold behind. A hold
     is *stale* once its thread has died or has left the module call that took it
     (that call's frame is no longer on the thread's stack); a thread waiting for the
-    lock then takes it over (and `on_take_over` forgets the layers the abandoned
-    forward left marked as computing) instead of waiting for that thread to call
-    the model again. Holds taken by `with` blocks are released by Python, never stale."""
+    lock then takes it over (`on_take_over` forgets the layers the abandoned forward
+    left marked as computing) instead of waiting for that thread to call the model
+    again. Holds taken by `with` blocks are released by Python, never stale.
+
+    Mutual exclusion is a C RLock (`threading.RLock`), whose acquire and release a
+    signal cannot split; taking over replaces it with a fresh one (the abandoned
+    hold keeps the old one, which nobody waits on any more). The bookkeeping next to
+    it (owner, holds) is Python and may be cut short by a KeyboardInterrupt: a lock
+    held with no bookkeeping is taken over too, once it has stayed so for a while.
+    `wait` / `notify_all` stand in for a condition on the lock (the removal waits
+    for forwards with them), by polling."""
+
+    _POLL = 0.05  # s between looks at a held lock's owner
+    _UNKNOWN_S = 1.0  # a lock held with no owner on record for this long is taken over
 
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
+        self._rl = threading.RLock()
+        self._swap = threading.Lock()  # one take-over at a time
         self._owner = None
-        self._holds: list = []  # per hold: the id of the module-call frame that took it, or None
-        self._waiting = 0  # threads in acquire() or wait(): only then does a release notify
+        self._holds: list = []  # the owner's holds: (module-call frame id or None, the RLock it holds)
+        self._reset_pending = False
         self.on_take_over = None
         self.taken_over = 0
 
-    def _stale(self) -> bool:
-        if not self._holds or any(f is None for f in self._holds):
+    def _stale(self, unknown_since: float | None) -> bool:
+        owner, holds = self._owner, list(self._holds)
+        if owner is None or not holds:  # held, with nothing on record (a hold cut short)
+            return unknown_since is not None and time.monotonic() - unknown_since > self._UNKNOWN_S
+        if any(f is None for f, _ in holds):
             return False
-        return not _on_stack(self._owner, set(self._holds))
+        return not _on_stack(owner, {f for f, _ in holds})
 
     def acquire(self, frame: int | None = None) -> bool:
         me = threading.get_ident()
-        taken = False
-        with self._cond:
-            if self._owner is not None and self._owner != me:
-                self._waiting += 1
-                try:
-                    while self._owner is not None:
-                        if self._stale():
-                            self._owner, self._holds, taken = None, [], True
-                            self.taken_over += 1
-                            break
-                        self._cond.wait(0.05)
-                finally:
-                    self._waiting -= 1
-            self._owner = me
-            self._holds.append(frame)
-        if taken and self.on_take_over is not None:
-            self.on_take_over()
-        return True
+        unknown_since = None
+        while True:
+            rl = self._rl
+            if rl.acquire(timeout=self._POLL):
+                if rl is not self._rl:  # taken over meanwhile: the current one is the lock
+                    rl.release()
+                    continue
+                if self._owner != me:
+                    self._owner, self._holds = me, []
+                self._holds.append((frame, rl))
+                if self._reset_pending:
+                    self._reset_pending = False
+                    if self.on_take_over is not None:
+                        self.on_take_over()
+                return True
+            known = self._owner is not None and bool(self._holds)
+            unknown_since = None if known else (unknown_since or time.monotonic())
+            if self._stale(unknown_since):
+                with self._swap:
+                    if self._rl is rl:
+                        self._rl = threading.RLock()
+                        self._owner, self._holds, self._reset_pending = None, [], True
+                        self.taken_over += 1
 
     def release(self) -> None:
-        with self._cond:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("layerwise: internal: the model lock is released by a thread that does not hold it")
-            self._holds.pop()
-            if not self._holds:
-                self._owner = None
-                if self._waiting:
-                    self._cond.notify_all()
+        """Release this thread's last hold (nothing, where it holds none on record)."""
+        if self._owner != threading.get_ident() or not self._holds:
+            return
+        _, rl = self._holds.pop()
+        if not self._holds:
+            self._owner = None
+        rl.release()
 
     def _is_owned(self) -> bool:
-        return self._owner == threading.get_ident()
+        return self._owner == threading.get_ident() and bool(self._holds)
 
     def __enter__(self):
         self.acquire()
@@ -127,32 +146,27 @@ class ModelLock:
         self.release()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Release every hold of this thread, wait for a notify_all (or the timeout),
+        """Release every hold of this thread, sleep a little (at most `timeout`),
         and hold the lock again as before."""
         me = threading.get_ident()
-        taken = False
-        with self._cond:
-            saved, self._owner, self._holds = self._holds, None, []
-            self._cond.notify_all()
-            self._waiting += 1
-            try:
-                self._cond.wait(timeout)
-                while self._owner is not None:
-                    if self._stale():
-                        taken = True
-                        self.taken_over += 1
-                        break
-                    self._cond.wait(0.05)
-            finally:
-                self._waiting -= 1
-            self._owner, self._holds = me, saved
-        if taken and self.on_take_over is not None:
-            self.on_take_over()
+        saved = list(self._holds) if self._owner == me else []
+        if saved:
+            self._owner, self._holds = None, []
+            for _, rl in reversed(saved):
+                rl.release()
+        again = 0
+        try:
+            time.sleep(min(0.01, timeout) if timeout is not None else 0.01)
+            for frame, _ in saved:
+                self.acquire(frame)
+                again += 1
+        except BaseException:
+            for _ in range(again):  # interrupted: hold nothing rather than part
+                self.release()
+            raise
 
     def notify_all(self) -> None:
-        with self._cond:
-            if self._waiting:
-                self._cond.notify_all()
+        """(The waiters poll.)"""
 
 
 def _on_stack(ident, frame_ids: set) -> bool:

@@ -16,21 +16,17 @@ while reading, as `model.to(dtype)` would.
 
 Everything (keys, shapes, dtypes, buffers the checkpoint cannot supply) is
 checked before the model changes; a failure half way puts it back.
+
+The file format is layerwise.formats.safetensors (headers, index, positioned
+reads), models built without weights are layerwise.empty; this module is the
+orchestration, plus the disk tier's checkpoint store and the split-fetch share
+reads that load_offloaded sets up.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import inspect
-import json
 import logging
 import os
-import stat
-import struct
-import threading
-import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,377 +36,11 @@ from .budget import record_host_budget
 from .hostplan import check_disk_options, plan_host_budget
 from .configure import _build, _prepare, attach_split_fetch
 from .options import validate_compress
+from .empty import recompute_buffers, retype, tie_declared, warn_unlike_from_pretrained
+from .formats import safetensors as sft
+from .formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
 
 log = logging.getLogger("layerwise")
-
-# https://github.com/huggingface/safetensors#format: dtype names of the header,
-# and the bits one element takes (safetensors' Dtype::bitsize). _DTYPES maps the
-# names to torch dtypes where torch has one; the others parse but cannot be loaded.
-_DTYPE_BITS = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-    "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
-}
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "C64": torch.complex64,
-}
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu"),
-                     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-                     ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
-    if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
-
-_MAX_HEADER = 100_000_000  # bytes: the safetensors library's own limit
-_U64 = 1 << 64  # offsets and sizes are u64 in the format
-_REWRITE = "re-download the file or save it again with safetensors"
-
-
-@dataclass
-class _Stored:
-    path: str
-    start: int  # absolute byte offset in the file
-    nbytes: int
-    dtype: torch.dtype | str
-    shape: tuple
-    fd: int = -1  # the file, open for the duration of a load
-    evict: _PageCacheDrop | None = None  # a host_budget load: what drops the bytes read from the page cache
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _no_duplicates(pairs):
-    """json object_pairs_hook: a key twice in one object is refused (json keeps the last silently)."""
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
-def _parse_json(raw: bytes, path: str, what: str, subject: str, hint: str):
-    """`raw` as a JSON value; every way it can fail is a ValueError naming `path`:
-    "<path>: <what> (<subject> is ...): <hint>"."""
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except UnicodeDecodeError as e:
-        problem = f"is not UTF-8 text (byte {e.start})"
-    except json.JSONDecodeError as e:
-        problem = f"is not valid JSON: {e}"
-    except RecursionError:
-        problem = "is JSON nested too deeply to parse"
-    except _DuplicateKey as e:
-        problem = f"has the key {e.args[0]!r} twice"
-    raise ValueError(f"{path}: {what} ({subject} {problem}): {hint}")
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return kind
-    return "not a regular file"
-
-
-class CheckpointFileNotFound(FileNotFoundError, ValueError):
-    """A checkpoint file that does not exist: a FileNotFoundError (errno ENOENT, the
-    path in .filename), and a ValueError as every other refused checkpoint is."""
-
-
-def _check_regular(path: str, what: str) -> None:
-    """`path` must be an existing regular file. Checked with stat, never by opening it
-    (opening a FIFO blocks until someone writes to it)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointFileNotFound(errno.ENOENT, f"{what}: no such file", path) from None
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
-        raise ValueError(f"{what}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{what}: is {_file_kind(st.st_mode)}, not a regular file: name a .safetensors file "
-                         "(or an index JSON) instead")
-
-
-def _open_regular(path: str, what: str):
-    """Open `path` for reading, refusing anything but a regular file. O_NONBLOCK makes
-    opening a FIFO return at once (the check after the open then refuses it), and the
-    check is on the descriptor itself, so the file cannot be swapped in between."""
-    _check_regular(path, what)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{what}: is {_file_kind(st.st_mode)}, not a regular file")
-        return os.fdopen(fd, "rb"), st.st_size
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _u64(v) -> bool:
-    return type(v) is int and 0 <= v < _U64  # bool is an int subclass: refused by `type(...) is int`
-
-
-def _read_header(path: str) -> dict[str, _Stored]:
-    """The tensors of the .safetensors file `path`, read from its header only, which is
-    checked as strictly as the safetensors library checks it (and a little more: no key
-    twice). Each error is a ValueError naming the file and, where there is one, the tensor."""
-    path = os.fspath(path)
-
-    def bad(what, key=None):
-        where = f"{path}: tensor {key!r}" if key is not None else path
-        return ValueError(f"{where}: not a safetensors file ({what}): {_REWRITE}")
-
-    f, size = _open_regular(path, path)
-    with f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length): {_REWRITE}")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER:
-            raise bad(f"header length {n} is over the {_MAX_HEADER}-byte limit of the format")
-        if 8 + n > size:
-            raise bad(f"header length {n} is past the end of the file, which has {size} bytes")
-        raw = f.read(n)
-        if len(raw) != n:
-            raise bad(f"the file ends inside its {n}-byte header")
-    header = _parse_json(raw, path, "not a safetensors file", "the header", _REWRITE)
-    if not isinstance(header, dict):
-        raise bad(f"the header is a JSON {type(header).__name__}, not an object")
-    data_size = size - 8 - n
-
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise bad("'__metadata__' must be an object of strings to strings")
-
-    spans = []  # (begin, end, key)
-    out = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            raise bad(f"its entry is a JSON {type(info).__name__}, not an object with dtype, shape and "
-                      "data_offsets", key)
-        for field in ("dtype", "shape", "data_offsets"):
-            if field not in info:
-                raise bad(f"its entry has no {field!r}", key)
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
-            raise bad(f"unknown dtype {dtype!r} (the format knows {', '.join(_DTYPE_BITS)})", key)
-        if not isinstance(shape, list) or not all(_u64(d) for d in shape):
-            raise bad(f"shape {shape!r} is not a list of non-negative integers", key)
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_u64(o) for o in offsets):
-            raise bad(f"data_offsets {offsets!r} is not a pair [begin, end] of non-negative integers below 2**64",
-                      key)
-        begin, end = offsets
-        if begin > end:
-            raise bad(f"data_offsets [{begin}, {end}] end before they begin", key)
-        if end > data_size:
-            raise bad(f"data_offsets [{begin}, {end}] end past the data section, which has {data_size} bytes "
-                      "(a truncated file?)", key)
-        numel = 1
-        for d in shape:  # folded left with the 64-bit bound, as the safetensors library does
-            numel *= d
-            if numel >= _U64:
-                raise bad(f"shape {shape} has more elements than 64 bits count", key)
-        bits = numel * _DTYPE_BITS[dtype]
-        if bits % 8:
-            raise bad(f"shape {shape} of {dtype} is not a whole number of bytes", key)
-        if end - begin != bits // 8:
-            raise bad(f"data_offsets [{begin}, {end}] hold {end - begin} bytes but shape {shape} of {dtype} "
-                      f"needs {bits // 8}", key)
-        spans.append((begin, end, key))
-        out[key] = _Stored(path, 8 + n + begin, end - begin, _DTYPES.get(dtype, dtype), tuple(shape))
-
-    # Sorted by offsets, the tensors tile the data section exactly: from 0, no gap,
-    # no overlap (two tensors on the same bytes included), nothing after the last.
-    at, prev = 0, None
-    for begin, end, key in sorted(spans):
-        if begin > at:
-            raise bad(f"bytes [{at}, {begin}) of the data section belong to no tensor: it starts at {begin}, "
-                      + (f"after tensor {prev!r} ends at {at}" if prev is not None else "not at 0"), key)
-        if begin < at:
-            raise bad(f"data_offsets [{begin}, {end}] overlap tensor {prev!r}, which ends at {at}", key)
-        at, prev = end, key
-    if at != data_size:
-        raise bad(f"the data section has {data_size} bytes but the tensors cover {at}: "
-                  f"{data_size - at} trailing bytes belong to no tensor")
-    return out
-
-
-def _index_shards(index: str) -> list[str]:
-    """The shard files named by the index JSON `index`, each confined to the index's
-    folder and checked to be a regular file (without opening it)."""
-    f, _ = _open_regular(index, f"{index} (index JSON)")
-    with f:
-        raw = f.read()
-    hint = "an index JSON is an object with a 'weight_map' of tensor names to shard file names"
-    data = _parse_json(raw, index, "not an index JSON", "its text", hint)
-    if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
-        what = "has no 'weight_map' object" if isinstance(data, dict) else f"is a JSON {type(data).__name__}"
-        raise ValueError(f"{index}: an index JSON needs a 'weight_map': it {what}; {hint}")
-    weight_map = data["weight_map"]
-    if not weight_map:
-        raise ValueError(f"{index}: the 'weight_map' is empty: it names no shard")
-    base = os.path.dirname(index)
-    # Where a shard may resolve: the index's folder, or the folder the index itself
-    # really lives in (a hub cache links snapshots/<rev>/* to ../../blobs/*).
-    folder = os.path.realpath(base or ".")
-    roots = {folder, os.path.dirname(os.path.realpath(index))}
-    shards = {}
-    for key, name in weight_map.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{index}: tensor {key!r} maps to {name!r}, not a shard file name; {hint}")
-        if name in shards:
-            continue
-        what = f"{index}: shard {name!r} (of tensor {key!r})"
-        parts = name.replace("\\", "/").split("/")
-        if os.path.isabs(name) or name.startswith(("/", "\\")):
-            raise ValueError(f"{what} is an absolute path: an index may only name files in its own folder")
-        if ".." in parts:
-            raise ValueError(f"{what} has a '..' component: an index may only name files in its own folder")
-        if "\0" in name:
-            raise ValueError(f"{what} has a NUL character in its name")
-        full = os.path.join(base, name)
-        real = os.path.realpath(full)
-        if not any(os.path.commonpath([root, real]) == root for root in roots):
-            raise ValueError(f"{what} resolves to {real}, outside the index's folder {folder} "
-                             "(a symbolic link out of it): copy the shard into the folder")
-        _check_regular(full, what)
-        shards[name] = full
-    return sorted(set(shards.values()))
-
-
-def _checkpoint_files(checkpoint) -> list[str]:
-    """The .safetensors files of `checkpoint` (a folder, a file, an index JSON, or a
-    list of files), each an existing regular file. A folder (what save_pretrained
-    writes) holds one `*.safetensors.index.json`, or else one `*.safetensors` file."""
-    if isinstance(checkpoint, (str, os.PathLike)):
-        path = os.fspath(checkpoint)
-        if os.path.isdir(path):
-            names = sorted(os.listdir(path))
-            indexes = [n for n in names if n.endswith(".safetensors.index.json")]
-            files = [n for n in names if n.endswith(".safetensors")]
-            if len(indexes) == 1:
-                return _index_shards(os.path.join(path, indexes[0]))
-            if not indexes and len(files) == 1:
-                only = os.path.join(path, files[0])
-                _check_regular(only, only)
-                return [only]
-            raise ValueError(
-                f"checkpoint folder {path}: expected one *.safetensors.index.json or else one *.safetensors file, "
-                f"found {len(indexes)} index file(s) {indexes[:4]} and {len(files)} .safetensors file(s) "
-                f"{files[:4]}; pass the index JSON or the list of files")
-        if path.endswith(".json"):
-            return _index_shards(path)
-        _check_regular(path, path)
-        return [path]
-    try:
-        files = [os.fspath(c) for c in checkpoint]
-    except TypeError:
-        raise TypeError(f"checkpoint: expected a .safetensors path, an index JSON path or a list of .safetensors "
-                        f"paths, got {checkpoint!r}") from None
-    if not files:
-        raise ValueError("checkpoint: no files given")
-    for path in files:
-        _check_regular(path, path)
-    return files
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of the contiguous host tensor `t`, writable, whatever its shape (0-dim
-    and empty included: a 0-dim tensor cannot be viewed as bytes directly)."""
-    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
-
-
-class _PageCacheDrop:
-    """With a host budget, the checkpoint's pages read while packing must not stay
-    in the page cache: they are memory of the process's cgroup as much as the arena
-    is (a 512 MiB checkpoint loaded with host_budget=128 MiB stayed cached whole).
-    Read-ahead is turned off (it would cache bytes nobody read yet), and after every
-    EVERY bytes of pages read (and at the end) the span read since the last drop
-    is dropped, rounded out to 2 MiB: the page cache may hold a file in folios of
-    up to 2 MiB, and a folio that straddles two tensors is dropped by neither
-    tensor's own range. Reads stop at the next drop (`room`), so the cache holds
-    at most most(EVERY) bytes of the checkpoint at any time (layerwise.hostplan
-    counts them; tests/test_disk_tier.py measures it)."""
-
-    _FOLIO = 2 << 20
-
-    @staticmethod
-    def every_for(managers) -> int:
-        """EVERY for a load: 1 MiB (reads of 256 KiB without read-ahead made a cold
-        load slower; 1 MiB ones did not, within this VM's noise), or the largest
-        layer if that is less (a small model's small budget), at least 64 KiB."""
-        largest = max((lp.nbytes for m in managers for lp in m.plan.layers), default=0)
-        return max(64 << 10, min(1 << 20, -(-largest // 4096) * 4096))
-
-    @classmethod
-    def most(cls, every: int) -> int:
-        return every + 2 * 4096  # ... and the two pages the read that reaches it starts and ends in
-
-    def __init__(self, fds, every: int):
-        self.EVERY = every
-        self.fds = list(fds)
-        self.spans: dict[int, list[int]] = {}  # fd -> [lo, hi) read since the last drop
-        self.since = 0  # bytes of the pages read since the last drop, all files together
-        for fd in self.fds:  # (and what reading the header read ahead goes first)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-    def room(self) -> int:
-        return max(4096, self.EVERY - self.since)
-
-    def read(self, fd: int, start: int, nbytes: int) -> None:
-        span = self.spans.setdefault(fd, [start, start + nbytes])
-        span[0], span[1] = min(span[0], start), max(span[1], start + nbytes)
-        self.since += (-(-(start + nbytes) // 4096) - start // 4096) * 4096  # the pages it cached
-        if self.since >= self.EVERY:
-            self.drop()
-
-    def drop(self) -> None:
-        f = self._FOLIO
-        for fd, (lo, hi) in self.spans.items():
-            lo = lo // f * f
-            os.posix_fadvise(fd, lo, -(-hi // f) * f - lo, os.POSIX_FADV_DONTNEED)
-        self.spans.clear()
-        self.since = 0
-
-    def close(self) -> None:
-        self.drop()
-
-
-def _pread_exact(stored: _Stored, view: memoryview, start: int) -> None:
-    """Read len(view) bytes of the stored tensor's file at `start` into `view` (in
-    pieces the page-cache drop can follow, with one)."""
-    drop = stored.evict
-    got = 0
-    while got < len(view):
-        piece = len(view) - got if drop is None else min(len(view) - got, drop.room())
-        n = os.preadv(stored.fd, [view[got:got + piece]], start + got)
-        if not n:
-            raise ValueError(f"{stored.path}: file ends inside a tensor ({got} of {len(view)} bytes read)")
-        if drop is not None:
-            drop.read(stored.fd, start + got, n)
-        got += n
-
-
-def _read_into(stored: _Stored, out: torch.Tensor) -> None:
-    """Read a stored tensor's bytes into the contiguous tensor `out` (host, of the
-    stored dtype), with positioned reads on the file's open descriptor."""
-    _pread_exact(stored, _bytes_of(out)[: stored.nbytes], stored.start)
-
-
-def _host_tensor(stored: _Stored, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The stored tensor on the host, cast to `dtype` (exactly as `.to(dtype)`) if given."""
-    t = torch.empty(stored.shape, dtype=stored.dtype)  # torch's allocator: 64-byte aligned
-    _read_into(stored, t)
-    return t if dtype is None or dtype == t.dtype else t.to(dtype)
-
 
 def _names(items, what: str) -> str:
     items = list(items)
@@ -419,265 +49,6 @@ def _names(items, what: str) -> str:
 
 
 # ------------------------------------------------------------ empty models
-_EMPTY = threading.local()  # per thread: {id(host param): (weak ref, meta twin)} while empty_model runs
-_EMPTY_LOCK = threading.Lock()
-_EMPTY_USERS = [0, None]  # threads inside empty_model, the original register_parameter
-
-
-def _register_parameter(module, name, param):
-    _EMPTY_USERS[1](module, name, param)
-    made = getattr(_EMPTY, "made", None)
-    if made is None:  # another thread, not building an empty model: untouched
-        return
-    p = module._parameters.get(name)
-    if p is None or p.is_meta:  # a meta one registered again (a tie): kept, so the tie holds
-        return
-    ref, meta = made.get(id(p), (None, None))
-    if ref is None or ref() is not p:  # (a dead one's id may have been reused)
-        meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-        meta.__dict__.update(p.__dict__)
-        made[id(p)] = (weakref.ref(p), meta)
-    module._parameters[name] = meta
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """While active in this thread, every parameter a module registers moves to the
-    meta device (the same Python object under every name it is registered by, so
-    weights tied in __init__ stay tied); buffers are left where their code puts
-    them. Other threads building modules meanwhile are not affected: the patched
-    register_parameter acts only in a thread that is inside empty_model."""
-    with _EMPTY_LOCK:
-        if _EMPTY_USERS[0] == 0:
-            _EMPTY_USERS[1] = nn.Module.register_parameter
-            nn.Module.register_parameter = _register_parameter
-        _EMPTY_USERS[0] += 1
-    outer = getattr(_EMPTY, "made", None)
-    _EMPTY.made = outer if outer is not None else {}
-    try:
-        yield
-    finally:
-        _EMPTY.made = outer
-        with _EMPTY_LOCK:
-            _EMPTY_USERS[0] -= 1
-            if _EMPTY_USERS[0] == 0:
-                nn.Module.register_parameter = _EMPTY_USERS[1]
-
-
-def empty_model(factory, *args, **kwargs):
-    """`factory(*args, **kwargs)` (a model class, a `from_config`, any callable) with
-    every parameter on the meta device and every buffer computed for real: what
-    `load_offloaded` needs for a model whose buffers (RoPE tables, say) are computed
-    in `__init__` and not saved in checkpoints. Like
-    `accelerate.init_empty_weights()`, but weights tied in `__init__` stay tied."""
-    with _parameters_on_meta():
-        return factory(*args, **kwargs)
-
-
-def _config_factory(mod: nn.Module):
-    """A way to build a fresh `mod` from its config, or None: a diffusers model
-    (`from_config`) or a module whose only required argument is `config`
-    (transformers models, and their rotary embeddings)."""
-    config = getattr(mod, "config", None)
-    if config is None or isinstance(config, (int, float, str, bool)):
-        return None
-    cls = type(mod)
-    if callable(getattr(cls, "from_config", None)) and hasattr(cls, "register_to_config"):  # diffusers
-        return lambda: cls.from_config(config)
-    try:
-        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return None
-    rest_optional = all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params[1:])
-    if params and params[0].name == "config" and rest_optional:
-        return lambda: cls(config)
-    return None
-
-
-def _settings(mod: nn.Module) -> dict:
-    """A module's plain settings (numbers, strings, flags and tuples of them): what
-    its constructor arguments left behind."""
-    plain = (int, float, str, bool, type(None))
-    return {k: v for k, v in vars(mod).items() if not k.startswith("_") and k != "training"
-            and (isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v)))}
-
-
-def _built_differently(mod: nn.Module, twin: nn.Module, rel: str) -> str | None:
-    """The first setting in which `twin` (rebuilt from the config) differs from `mod`,
-    on the rebuilt module or the module that owns buffer `rel`, else None."""
-    owner = rel.rpartition(".")[0]
-    pairs = [(type(mod).__name__, mod, twin)]
-    if owner:
-        pairs.append((owner, mod.get_submodule(owner), twin.get_submodule(owner)))
-    for where, a, b in pairs:
-        sa, sb = _settings(a), _settings(b)
-        for k in sorted(set(sa) | set(sb)):
-            if sa.get(k) != sb.get(k):
-                return f"{where}.{k} ({sa.get(k)!r} vs {sb.get(k)!r})"
-    return None
-
-
-def _recompute_buffers(model: nn.Module, wanted: dict) -> tuple[dict, dict]:
-    """Values for meta buffers no checkpoint holds ({full name: meta buffer}): each is
-    taken from a fresh copy of the nearest module on its path that can be rebuilt
-    from its config (built with parameters on meta, so it costs no weights).
-    Returns ({name: host tensor}, {name: why it could not be recomputed})."""
-    modules = dict(model.named_modules())
-    twins: dict[str, object] = {}
-    values, why = {}, {}
-    for full, meta in wanted.items():
-        prefix = full.rpartition(".")[0]
-        reasons = []
-        while True:
-            mod = modules[prefix]
-            make = _config_factory(mod)
-            if make is not None:
-                if prefix not in twins:
-                    try:
-                        with torch.device("cpu"):
-                            twins[prefix] = empty_model(make)
-                    except Exception as e:  # noqa: BLE001  (any failure: the buffer is unrecoverable)
-                        twins[prefix] = e
-                twin = twins[prefix]
-                rel = full[len(prefix) + 1:] if prefix else full
-                what = f"{type(mod).__name__}(config)"
-                if isinstance(twin, Exception):
-                    reasons.append(f"building {what} failed: {type(twin).__name__}: {twin}")
-                else:
-                    try:
-                        t = twin.get_buffer(rel)
-                    except AttributeError:
-                        t = None
-                    if t is None or t.is_meta:
-                        reasons.append(f"{what} has no buffer {rel!r} with values")
-                    elif tuple(t.shape) != tuple(meta.shape):
-                        reasons.append(f"{what} computes {rel!r} with shape {list(t.shape)}, not "
-                                       f"{list(meta.shape)}")
-                    elif (diff := _built_differently(mod, twin, rel)) is not None:
-                        reasons.append(f"the model's {diff} differs from what {what} gives, so it was built with "
-                                       "other arguments and the value would be a guess")
-                    else:
-                        values[full] = (t.to(meta.dtype), what)
-                        break
-            if not prefix:
-                break
-            prefix = prefix.rpartition(".")[0]
-        if full not in values:
-            owner = type(modules[full.rpartition(".")[0]]).__name__
-            why[full] = "; ".join(reasons) or f"neither {owner} nor a module above it has a config to rebuild it from"
-    return values, why
-
-
-# ------------------------------------------------------------ tied weights
-def _declared_ties(model: nn.Module) -> list[tuple[str, str]]:
-    """(target, source) parameter names that the model says share one tensor: the
-    tied weights of a transformers model, as its config has them now."""
-    expand = getattr(model, "get_expanded_tied_weights_keys", None)  # transformers >= 5
-    if callable(expand):
-        try:
-            return list(expand(all_submodels=True).items())
-        except Exception:  # noqa: BLE001  (a mapping it cannot expand: fall back on what post_init found)
-            ties = getattr(model, "all_tied_weights_keys", None)
-            return list(ties.items()) if isinstance(ties, dict) else []
-    config = getattr(model, "config", None)  # transformers 4: word embeddings, when the config ties them
-    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
-    if not getattr(config, "tie_word_embeddings", False) or not callable(get_out) or not callable(get_in):
-        return []
-    try:
-        out, inp = get_out(), get_in()
-    except Exception:  # noqa: BLE001
-        return []
-    where = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    if out is None or inp is None or id(out) not in where or id(inp) not in where:
-        return []
-    return [(f"{where[id(out)]}.weight".lstrip("."), f"{where[id(inp)]}.weight".lstrip("."))]
-
-
-def _tie_declared(model: nn.Module) -> bool:
-    """Tie the weights the model declares tied but holds as separate parameters (as a
-    model built under accelerate.init_empty_weights does): model.tie_weights(), then
-    by hand whatever that left. True if anything changed."""
-    def param(name):
-        try:
-            return model.get_parameter(name)
-        except AttributeError:
-            return None
-
-    loose = [(t, s) for t, s in _declared_ties(model)
-             if param(t) is not None and param(s) is not None and param(t) is not param(s)]
-    if not loose:
-        return False
-    tie = getattr(model, "tie_weights", None)
-    if callable(tie):
-        tie()
-    for target, source in loose:
-        if param(target) is not param(source):
-            mod_name, _, attr = target.rpartition(".")
-            model.get_submodule(mod_name)._parameters[attr] = param(source)
-    log.info("layerwise: %s declares tied weights that are separate parameters (%s): tied them%s before loading",
-             type(model).__name__, ", ".join(f"{t} -> {s}" for t, s in loose),
-             " with model.tie_weights()" if callable(tie) else "")
-    return True
-
-
-def _retype(model: nn.Module, dtype: torch.dtype) -> bool:
-    """Give every floating-point parameter of another dtype a fresh meta parameter of
-    `dtype` (same shape and strides), under every name it has. True if any changed."""
-    new: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for attr, p in mod._parameters.items():
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype, device="meta"),
-                                          requires_grad=p.requires_grad)
-            mod._parameters[attr] = new[id(p)]
-    return bool(new)
-
-
-def _unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """What `dtype=` casts that `from_pretrained(dtype=...)` keeps in fp32: the
-    modules named by a `_keep_in_fp32_modules` (transformers, diffusers) and the
-    non-persistent floating buffers the model computed (RoPE `inv_freq`)."""
-    if dtype == torch.float32:
-        return [], []
-    keep = []
-    for prefix, owner in model.named_modules():
-        names = set(getattr(owner, "_keep_in_fp32_modules", None) or ())
-        names |= set(getattr(owner, "_keep_in_fp32_modules_strict", None) or ())
-        if not names:
-            continue
-        for name, sub in owner.named_modules(prefix=prefix):
-            if sub is not owner and names & set(name.split(".")) and any(
-                    p.is_floating_point() and p.dtype != dtype for p in sub.parameters(recurse=False)):
-                keep.append(name)
-    buffers = [f"{n}.{attr}" if n else attr for n, mod in model.named_modules()
-               for attr, b in mod._buffers.items()
-               if b is not None and attr in mod._non_persistent_buffers_set and b.is_floating_point()
-               and b.dtype == torch.float32]
-    return keep, buffers
-
-
-def _warn_unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
-    keep, buffers = _unlike_from_pretrained(model, dtype)
-    if not keep and not buffers:
-        return
-
-    def listed(items):
-        return ", ".join(items[:8]) + (f" (and {len(items) - 8} more)" if len(items) > 8 else "")
-
-    what = []
-    if keep:
-        what.append(f"the {len(keep)} module(s) of _keep_in_fp32_modules ({listed(keep)})")
-    if buffers:
-        what.append(f"the fp32 buffers the model computes ({listed(buffers)})")
-    log.warning(
-        "layerwise: load_offloaded(dtype=%s) casts like model.to(%s), so the model differs from "
-        "from_pretrained(dtype=%s), which keeps %s in fp32; outputs will differ. To match from_pretrained, build "
-        "the model in that dtype (transformers: from_config(config, dtype=%s)) from a checkpoint stored in it, and "
-        "leave dtype= out (README, 'Loading a checkpoint')", dtype, dtype, dtype, " and ".join(what), dtype)
-
-
 def _parameter_entries(model: nn.Module):
     """[(module, attr, parameter)] for every registration of a parameter."""
     return [(mod, attr, p) for mod in model.modules(remove_duplicate=False)
@@ -718,10 +89,10 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True (a checkpoint tensor the model does not have is an error) or False "
                         f"(such tensors are ignored), got {strict!r}")
-    files = _checkpoint_files(checkpoint)
-    stored: dict[str, _Stored] = {}
+    files = checkpoint_files(checkpoint)
+    stored: dict[str, Stored] = {}
     for path in files:
-        for key, s in _read_header(path).items():
+        for key, s in read_header(path).items():
             if key in stored:
                 raise ValueError(f"checkpoint: tensor {key!r} is in both {stored[key].path} and {path}")
             stored[key] = s
@@ -742,14 +113,14 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
     managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
     if dtype is not None:
-        _warn_unlike_from_pretrained(model, dtype)
+        warn_unlike_from_pretrained(model, dtype)
     # Ties and dtype change which parameter objects the model holds (and so the
     # plan): done now, put back if anything later fails.
     registered = _parameter_entries(model)
     try:
-        changed = _tie_declared(model)
+        changed = tie_declared(model)
         if dtype is not None:
-            changed = _retype(model, dtype) or changed
+            changed = retype(model, dtype) or changed
         if changed:
             managers, dev = prepare()
         return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
@@ -804,7 +175,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
         hint = " (strict=False ignores unexpected tensors)" if strict and unexpected and not missing else ""
         raise KeyError(f"checkpoint does not match the model: {'; '.join(problems)}{hint}")
 
-    def check(name, s: _Stored, shape, expected: torch.dtype):
+    def check(name, s: Stored, shape, expected: torch.dtype):
         if not isinstance(s.dtype, torch.dtype):
             raise TypeError(f"checkpoint tensor {name!r} has dtype {s.dtype}, which layerwise cannot read")
         castable = dtype is not None and expected.is_floating_point and s.dtype.is_floating_point
@@ -834,7 +205,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
             meta_buffers[full] = b
     recomputed = {}
     if meta_buffers:
-        recomputed, why = _recompute_buffers(model, meta_buffers)
+        recomputed, why = recompute_buffers(model, meta_buffers)
         if why:
             full, reason = next(iter(why.items()))
             others = [n for n in why if n != full]
@@ -902,9 +273,9 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
         if id(e) in share_of and dst.is_contiguous():
             _read_share(s, e, block, *share_of[id(e)])
         elif dst.is_contiguous() and s.dtype == e.dtype:
-            _read_into(s, dst)
+            sft.read_into(s, dst)
         else:  # strided, or cast while reading: copy_ rounds exactly as .to(dtype) does
-            dst.copy_(_host_tensor(s).view(e.shape))
+            dst.copy_(sft.host_tensor(s).view(e.shape))
         if bar is not None:
             bar.update(s.nbytes)
 
@@ -914,7 +285,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
                 continue
             p = params[pid]
             s = stored[source_key(names)]
-            t = _host_tensor(s, p.dtype).to(dev)
+            t = sft.host_tensor(s, p.dtype).to(dev)
             if p.is_meta:
                 swap(pid, nn.Parameter(t, requires_grad=p.requires_grad))
             else:
@@ -925,14 +296,14 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
         for mod, attr, full, persistent in buffers:
             b = mod._buffers[attr]
             if persistent and full in stored:
-                mod._buffers[attr] = _host_tensor(stored[full], want(b)).to(dev)
+                mod._buffers[attr] = sft.host_tensor(stored[full], want(b)).to(dev)
             elif full in recomputed:
                 mod._buffers[attr] = recomputed[full][0].to(want(b)).to(dev)
             elif want(b) != b.dtype:
                 mod._buffers[attr] = b.to(want(b))
 
     fds = {path: os.open(path, os.O_RDONLY) for path in files}
-    evict = _PageCacheDrop(fds.values(), _PageCacheDrop.every_for(managers)) if host_budget is not None else None
+    evict = PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers)) if host_budget is not None else None
     for st in stored.values():
         st.fd = fds[st.path]
         st.evict = evict
@@ -949,7 +320,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
             bar.close()
 
 
-def _streams_from_file(e, s: _Stored) -> str | None:
+def _streams_from_file(e, s: Stored) -> str | None:
     """Why parameter entry `e` cannot be read from its checkpoint bytes as they are
     (None: it can)."""
     if s.dtype != e.dtype:
@@ -975,7 +346,7 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
 
     plan = plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
                             spill=spill_dir is not None,
-                            cache_bytes=_PageCacheDrop.most(_PageCacheDrop.every_for(managers)))
+                            cache_bytes=PageCacheDrop.most(PageCacheDrop.every_for(managers)))
     record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:
         if m._disk_layers:
@@ -987,7 +358,7 @@ def _same_layout(path: str, expected: dict):
     """A DiskFile's layout check: the reopened checkpoint must hold the tensors it
     held, at the same places."""
     def check(of):
-        now = _read_header(path)
+        now = read_header(path)
         for key, s in expected.items():
             t = now.get(key)
             if t is None or (t.start, t.nbytes, t.dtype, t.shape) != (s.start, s.nbytes, s.dtype, s.shape):
@@ -1085,7 +456,7 @@ def _share_ranges(managers) -> dict:
     return out
 
 
-def _read_share(stored: _Stored, e, block: torch.Tensor, lo: int, hi: int) -> None:
+def _read_share(stored: Stored, e, block: torch.Tensor, lo: int, hi: int) -> None:
     """Write into `block` the bytes of the contiguous parameter `e` that fall in
     [lo, hi) (this rank's share), reading only the elements that cover them (cast
     to e.dtype exactly as .to(dtype) does where the dtypes differ). Bytes outside
@@ -1096,18 +467,18 @@ def _read_share(stored: _Stored, e, block: torch.Tensor, lo: int, hi: int) -> No
     isz = e.dtype.itemsize
     first, last = (a - e.offset) // isz, -(-(b - e.offset) // isz)  # elements covering [a, b)
     src = torch.empty(last - first, dtype=stored.dtype)
-    _pread_exact(stored, _bytes_of(src), stored.start + first * stored.dtype.itemsize)
+    sft.pread_exact(stored, bytes_of(src), stored.start + first * stored.dtype.itemsize)
     out = src if stored.dtype == e.dtype else src.to(e.dtype)
     at = e.offset + first * isz
     block[at : at + out.numel() * isz].copy_(out.view(torch.uint8))
 
 
-def _same_values(stored: dict[str, _Stored], names: list[str]) -> None:
+def _same_values(stored: dict[str, Stored], names: list[str]) -> None:
     """The checkpoint tensors `names`, which all fill one (tied) parameter, must be equal."""
-    def read(s: _Stored) -> torch.Tensor:
+    def read(s: Stored) -> torch.Tensor:
         fd = os.open(s.path, os.O_RDONLY)
         try:
-            return _host_tensor(dataclasses.replace(s, fd=fd)).reshape(-1).view(torch.uint8)
+            return sft.host_tensor(dataclasses.replace(s, fd=fd)).reshape(-1).view(torch.uint8)
         finally:
             os.close(fd)
 

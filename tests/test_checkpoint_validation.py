@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import layerwise
-from layerwise.loading import _checkpoint_files, _read_header
+from layerwise.formats.safetensors import checkpoint_files as _checkpoint_files, read_header as _read_header
 from models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]

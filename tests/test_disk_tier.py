@@ -579,7 +579,7 @@ def test_host_budget_is_kept_as_memory_in_a_fresh_process(disk_dir, spill):
     # (VmHWM: after the warm-up no code pages are mapped any more)
     assert r["worst"] <= limit, (r, budget, model_bytes)
     # the checkpoint's page cache: never more than the planner counted, nothing after the load
-    from layerwise.loading import _PageCacheDrop
+    from layerwise.formats.safetensors import PageCacheDrop as _PageCacheDrop
 
     assert r["files_peak"] <= _PageCacheDrop.most(1 << 20), r  # layers of 2 MiB: drops every 1 MiB
     assert r["files_end"] == 0, r

@@ -131,10 +131,10 @@ def test_failure_while_packing_restores_the_meta_model(saved, monkeypatch):
     _, _, path = saved
     model = empty_model()
     before = {n: id(p) for n, p in model.named_parameters()}
-    import layerwise.loading as L
+    import layerwise.formats.safetensors as L
 
     calls = []
-    real = L._read_into
+    real = L.read_into
 
     def flaky(stored, out):
         calls.append(1)
@@ -142,7 +142,7 @@ def test_failure_while_packing_restores_the_meta_model(saved, monkeypatch):
             raise OSError("simulated read error")
         return real(stored, out)
 
-    monkeypatch.setattr(L, "_read_into", flaky)
+    monkeypatch.setattr(L, "read_into", flaky)
     with pytest.raises(OSError, match="simulated"):
         layerwise.load_offloaded(model, path, GROUPS, device="cpu")
     assert {n: id(p) for n, p in model.named_parameters()} == before

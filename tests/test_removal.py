@@ -73,43 +73,41 @@ def _still_streaming_exactly(model, expect, sd_ref):
         assert torch.equal(sd[k], v), k
 
 
-def _count_materialized(model, mode, tmp_path):
-    calls = [0]
+def _fail_materialize_at(monkeypatch, k, exc=RuntimeError) -> list:
+    """The (k+1)-th parameter a removal builds raises exc (k None: none does); the
+    list returned counts the calls."""
     orig = manager_mod.LayerwiseOffloadManager._materialize
+    calls = [0]
 
-    def counting(e, block, device):
+    def failing(e, block, device):
         calls[0] += 1
+        if calls[0] == (-1 if k is None else k + 1):
+            raise exc(f"injected at parameter {k}")
         return orig(e, block, device)
 
+    monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_materialize", staticmethod(failing))
+    return calls
+
+
+def _count_materialized(monkeypatch, mode, tmp_path):
     probe = _configure(make(), mode, tmp_path)
-    manager_mod.LayerwiseOffloadManager._materialize = staticmethod(counting)
-    try:
-        layerwise.remove_layerwise_offload(probe)
-    finally:
-        manager_mod.LayerwiseOffloadManager._materialize = staticmethod(orig)
+    calls = _fail_materialize_at(monkeypatch, None)
+    layerwise.remove_layerwise_offload(probe)
+    monkeypatch.undo()
     return calls[0]
 
 
 @pytest.mark.parametrize("mode", ["plain", "resident", "compress", "spill"])
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_a_failure_at_every_parameter_of_a_removal_leaves_the_model_streaming(monkeypatch, tmp_path, mode, exc):
-    total = _count_materialized(make(), mode, tmp_path)
+    total = _count_materialized(monkeypatch, mode, tmp_path)
     assert total > 10
     ref = make()
     expect = run(ref, inputs())
     sd_ref = {k: v.clone() for k, v in ref.state_dict().items()}
-    orig = manager_mod.LayerwiseOffloadManager._materialize
     for k in range(total):
         model = _configure(make(), mode, tmp_path)
-        calls = [0]
-
-        def failing(e, block, device):
-            calls[0] += 1
-            if calls[0] == k + 1:
-                raise exc(f"injected at parameter {k}")
-            return orig(e, block, device)
-
-        monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_materialize", staticmethod(failing))
+        _fail_materialize_at(monkeypatch, k, exc)
         with pytest.raises(exc, match=f"injected at parameter {k}$"):
             layerwise.remove_layerwise_offload(model)
         monkeypatch.undo()
@@ -251,16 +249,9 @@ def test_a_failure_during_remove_pipeline_offload_leaves_every_component_streami
     reference = generate(tiny_flux_pipeline(size), size)
     names = ("vae", "text_encoder", "text_encoder_2", "transformer")
     before = {n: {k: v.clone() for k, v in getattr(tiny_flux_pipeline(size), n).state_dict().items()} for n in names}
-    orig = manager_mod.LayerwiseOffloadManager._materialize
-    calls = [0]
-
-    def counting(e, block, device):
-        calls[0] += 1
-        return orig(e, block, device)
-
     pipe = tiny_flux_pipeline(size)
     layerwise.offload_pipeline(pipe, device="cpu", resident_layers=1)
-    monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_materialize", staticmethod(counting))
+    calls = _fail_materialize_at(monkeypatch, None)
     layerwise.remove_pipeline_offload(pipe)
     monkeypatch.undo()
     total = calls[0]
@@ -270,15 +261,7 @@ def test_a_failure_during_remove_pipeline_offload_leaves_every_component_streami
     for k in sorted({0, 1, total - 1, *range(2, total - 1, max(1, total // 9))}):
         pipe = tiny_flux_pipeline(size)
         layerwise.offload_pipeline(pipe, device="cpu", resident_layers=1)
-        calls[0] = 0
-
-        def failing(e, block, device, k=k):
-            calls[0] += 1
-            if calls[0] == k + 1:
-                raise exc(f"injected at parameter {k}")
-            return orig(e, block, device)
-
-        monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_materialize", staticmethod(failing))
+        _fail_materialize_at(monkeypatch, k, exc)
         with pytest.raises(exc, match=f"injected at parameter {k}$"):
             layerwise.remove_pipeline_offload(pipe)
         monkeypatch.undo()

@@ -1,0 +1,1 @@
+"""File formats layerwise reads and writes (safetensors checkpoints)."""
