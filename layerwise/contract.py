@@ -293,17 +293,34 @@ def _snapshot_devices(model: nn.Module) -> list:
     return snap
 
 
-def _restore_devices(snap: list) -> None:
+def device_moves(snap: list, skip=frozenset()) -> list:
+    """[(snapshot item, its tensor on the device it had)] for the parameters (ids
+    not in `skip`) and buffers that are not where the snapshot saw them; nothing
+    changes until `apply_moves`."""
+    out = []
     for item in snap:
         if len(item) == 2:
             p, dev = item
-            if p.device != dev:
-                p.data = p.data.to(dev)
+            if id(p) not in skip and p.device != dev:
+                out.append((item, p.data.to(dev)))
         else:
             m, name, dev = item
             b = m._buffers.get(name)
             if b is not None and b.device != dev:
-                m._buffers[name] = b.to(dev)
+                out.append((item, b.to(dev)))
+    return out
+
+
+def apply_moves(moves: list) -> None:
+    for item, t in moves:
+        if len(item) == 2:
+            item[0].data = t
+        else:
+            item[0]._buffers[item[1]] = t
+
+
+def _restore_devices(snap: list) -> None:
+    apply_moves(device_moves(snap))
 
 
 @contextlib.contextmanager

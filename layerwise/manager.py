@@ -569,7 +569,6 @@ class LayerwiseOffloadManager:
             if owner == me:
                 ctx.__exit__(None, None, None)
         self._grad_hooks = [(o, c) for o, c in self._grad_hooks if o != me]
-        self._dirty = True
 
     def _prefetch_after(self, i: int) -> None:
         """Issue copies of the next prefetch_depth streamed layers after layer i,

@@ -631,36 +631,16 @@ def _remove_components(components, finish=None) -> None:
 
     def prepare():  # with every component held: a load_state_dict on another thread is not lost
         with torch.no_grad():
-            moves.extend(_device_moves(c.devices, managed) for c in components)
+            moves.extend(contract.device_moves(c.devices, managed) for c in components)
 
     def commit():
         for c, todo in zip(components, moves):
-            for item, t in todo:
-                if len(item) == 2:
-                    item[0].data = t
-                else:
-                    item[0]._buffers[item[1]] = t
+            contract.apply_moves(todo)
             c.managers, c.devices = [], []
         if finish is not None:
             finish()
 
     contract.remove_models(parts, original_devices=True, finish=commit, prepare=prepare)
-
-
-def _device_moves(snap, managed) -> list:
-    """[(snapshot item, the tensor on its old device)] for the weights not where they were."""
-    out = []
-    for item in snap:
-        if len(item) == 2:
-            p, dev = item
-            if id(p) not in managed and p.device != dev:
-                out.append((item, p.data.to(dev)))
-        else:
-            m, name, dev = item
-            b = m._buffers.get(name)
-            if b is not None and b.device != dev:
-                out.append((item, b.to(dev)))
-    return out
 
 
 def _restore_component(c: Component) -> None:

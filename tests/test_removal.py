@@ -313,13 +313,20 @@ def _in_thread(fn, timeout=60):
     return out[0]
 
 
-def test_a_removal_on_another_thread_after_a_forward_interrupted_inside_a_layer(tmp_path):
+def _interrupted_model(tmp_path):
+    """(reference, input, its output, a streamed model whose last forward a
+    KeyboardInterrupt abandoned inside a layer)."""
     ref = make()
     x = inputs(1)[0]
     with torch.no_grad():
         want = ref(x)
     model = _configure(make(), "plain", tmp_path)
     _interrupt_inside_a_layer(model, x)
+    return ref, x, want, model
+
+
+def test_a_removal_on_another_thread_after_a_forward_interrupted_inside_a_layer(tmp_path):
+    ref, x, want, model = _interrupted_model(tmp_path)
     _in_thread(lambda: layerwise.remove_layerwise_offload(model))  # the abandoned hold is taken over
     assert no_trace_of_layerwise(model)
     with torch.no_grad():
@@ -328,12 +335,7 @@ def test_a_removal_on_another_thread_after_a_forward_interrupted_inside_a_layer(
 
 
 def test_a_forward_waiting_on_another_thread_after_an_interrupted_one_runs(tmp_path):
-    ref = make()
-    x = inputs(1)[0]
-    with torch.no_grad():
-        want = ref(x)
-    model = _configure(make(), "plain", tmp_path)
-    _interrupt_inside_a_layer(model, x)
+    _, x, want, model = _interrupted_model(tmp_path)
     with torch.no_grad():
         assert torch.equal(_in_thread(lambda: model(x)), want)  # still offloaded, exact
         assert torch.equal(model(x), want)  # and the interrupted thread goes on too
