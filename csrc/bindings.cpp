@@ -109,6 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Event, EventPtr>(m, "Event")
       .def("query", &Event::query, "True once the event has completed")
+      // A stage's result is an event or a deferred one (layerwise/stages/result.py): both answer
+      // resolve() with the event to wait on, so the manager treats every result alike.
+      .def("resolve", [](py::object self) { return self; }, "The event itself (a stage result, resolved)")
       .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>(),
            "Block the calling thread until the event has completed")
       .def("elapsed_ms", [](Event& self, Event& end) {

@@ -62,6 +62,22 @@ def warn_unpinned(arena, what: str) -> bool:
     return True
 
 
+def check_pinned(arena, pin_memory, what: str, warn: bool = True) -> None:
+    """The pinning policy, for every host buffer a group copies from (its arena,
+    encoded blocks, shares, disk staging): with pin_memory=True a buffer that could
+    not be pinned is an error naming the way out; with "auto" it stays pageable
+    with a warning (warn_unpinned); with False nothing was asked."""
+    if not arena.pin_error:
+        return
+    if pin_memory is True:
+        raise RuntimeError(
+            f"layerwise: pin_memory=True, but the host memory of {what} could not be pinned: {arena.pin_error}. "
+            "Raise the locked-memory limit or grant CAP_IPC_LOCK, or pass pin_memory='auto' (pinned where "
+            "possible, else pageable with a warning) or pin_memory=False.")
+    if pin_memory == "auto" and warn:
+        warn_unpinned(arena, what)
+
+
 def build_info() -> dict:
     """What this build of layerwise is: CUDA or CPU only, and the versions involved."""
     info = dict(_C.build_info())

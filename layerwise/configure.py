@@ -99,11 +99,11 @@ def configure_layerwise_offload(
 
         apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
                             resident_layers)
+    attach_split_fetch(managers, split_fetch, dev)  # first: the host budget counts this rank's shares
     if host_budget is not None:
         held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
         plan = plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth, held)
         record_host_budget(managers, host_budget, plan["budget"])
-    attach_split_fetch(managers, split_fetch, dev)
     return _build(model, managers, dev)
 
 

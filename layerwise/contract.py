@@ -599,7 +599,7 @@ def _split_load_guards(manager) -> list:
     model when it is loaded as part of something larger), before anything changed:
     one collective compares them (stages/gather.py, ShareStore.check_load). The
     per-layer check in the source's write() stays the last word."""
-    store = manager._split
+    store = manager.split_store
     if store is None:
         return []
     split = {id(e.param) for i in manager._streamed if i in store.spans for e in manager.plan.layers[i].params}
@@ -617,7 +617,7 @@ def _check_split_load(manager, mod, inner):
             return  # inside a load that started above: checked there
         named = [(prefix + rel, state_dict[prefix + rel]) for rel in inner
                  if isinstance(state_dict.get(prefix + rel), torch.Tensor)]
-        manager._split.check_load(named)
+        manager.split_store.check_load(named)
 
     return hook
 
@@ -787,12 +787,7 @@ def editing(manager, i: int):
         if s >= 0:
             if manager._dirty:
                 manager._resync()
-            manager._load(i, prefetch=False)
-            ev = manager._copy_event[i]
-            if type(ev) is stages.Deferred:
-                manager._dirty = True
-                ev = ev.resolve()
-                manager._dirty = False
+            ev = manager._ready(i, s)
             if ev is not None:
                 try:
                     ev.synchronize()

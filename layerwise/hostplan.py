@@ -20,6 +20,8 @@ counted as free.
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import math
 import numbers
@@ -110,7 +112,7 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
     from .stages.disk import spill_store
 
     plan = plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes)
-    on_disk = sum(len(m._disk_layers) for m in managers)
+    on_disk = sum(len(m.disk_layers) for m in managers)
     if on_disk and spill_dir is None:
         raise ValueError(
             f"host_budget={host_budget!r} leaves {on_disk} layer(s) out of host memory, and an in-memory model "
@@ -118,23 +120,30 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
             "there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
         )
     for m in managers:
-        if m._disk_layers:
-            m._disk_store = spill_store(m, spill_dir)
+        if m.disk_layers:
+            m.keep_on_disk(m.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
     return plan
 
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
                      why_not_disk=None, spill: bool = True, cache_bytes: int = 0) -> dict:
-    """Choose each manager's disk layers (sets `m._disk_layers`) so that
-    host memory fits the budget; returns the plan (also logged).
+    """Choose each manager's disk layers (`m.keep_on_disk`) so that host memory
+    fits the budget, each layer that stays in memory counted at the size its
+    route gives it (layerwise.tierplan: encoded, this rank's share); returns the
+    plan (also logged).
 
     `cache_bytes`: the most page cache of the files read while packing that the
     process may hold at once (counted with the packing scratch).
 
     `why_not_disk(manager, index) -> str | None`: a reason a layer cannot stay
     on disk (then it must be in the arena)."""
+    from .tierplan import layer_host_bytes
+
     budget, how = resolve_host_budget(host_budget, held_bytes)
     enabled = [m for m in managers if m.enabled]
+    for m in enabled:
+        m.keep_on_disk(())
+    mem = {m: layer_host_bytes(m) for m in enabled}  # each layer's host bytes where it stays in memory
     streamed = {m: [lp.index for lp in m.plan.layers if lp.index not in set(m.resident)] for m in enabled}
     fixed = max((lp.nbytes for m in enabled for lp in m.plan.layers), default=0)  # the packing scratch
     fixed += cache_bytes
@@ -155,10 +164,8 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
         return sum(staging_slots(m, disk_prefetch_depth) * staging_slot_bytes(m, d, spill)
                    for m, d in disk_sets.items() if d)
 
-    every = sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for m in enabled for i in streamed[m])
+    every = sum(mem[m][i] for m in enabled for i in streamed[m])
     if fixed + every <= budget:
-        for m in enabled:
-            m._disk_layers = frozenset()
         log.info("layerwise: host_budget %s (%s): every layer fits in host memory (%s of layers, %s else)",
                  fmt_bytes(budget), how, fmt_bytes(every), fmt_bytes(fixed))
         return {"budget": budget, "disk_layers": 0, "disk_bytes": 0, "arena_bytes": every, "staging_bytes": 0}
@@ -167,7 +174,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     # does costs its staging slots). Staging is counted as if every layer of those groups not
     # forced into the arena went to disk: the most it can be.
     def arena_of(m, layers):
-        return sum(round_up(m.plan.layers[i].nbytes, BLOCK_ALIGN) for i in layers)
+        return sum(mem[m][i] for i in layers)
 
     order = sorted(enabled, key=lambda m: -arena_of(m, streamed[m]))
     for k in range(1, len(order) + 1):
@@ -205,14 +212,14 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
                 if i in forced[m]:
                     continue
                 credit += fraction * nb
-                size = round_up(nb, BLOCK_ALIGN)
+                size = mem[m][i]
                 if credit >= size and kept_bytes + size <= room:
                     credit -= size
                     kept_bytes += size
                 else:
                     d.append(i)
         disk[m] = d
-        m._disk_layers = frozenset(d)
+        m.keep_on_disk(d)
     kept_bytes += sum(arena_of(m, streamed[m]) for m in rest)
     disk_bytes = sum(m.plan.layers[i].nbytes for m in enabled for i in disk[m])
     per_group = "; ".join(

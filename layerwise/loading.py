@@ -24,6 +24,8 @@ reads that load_offloaded sets up.
 """
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import logging
 import os
@@ -226,9 +228,9 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
     entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
     host_budget, spill_dir, disk_prefetch_depth = disk
-    if host_budget is not None:
-        _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth)
     attach_split_fetch(managers, split_fetch, dev, values=_sampled_values(stored, entry_key))
+    if host_budget is not None:  # (after split fetch: the budget counts this rank's shares)
+        _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth)
     share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes
     total = sum(s.nbytes for s in stored.values())
     bar = None
@@ -349,9 +351,11 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
                             cache_bytes=PageCacheDrop.most(PageCacheDrop.every_for(managers)))
     record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:
-        if m._disk_layers:
-            m._disk_store = (spill_store(m, spill_dir) if spill_dir is not None
-                             else _checkpoint_store(m, stored, entry_key))
+        if m.disk_layers:
+            if spill_dir is not None:
+                m.keep_on_disk(m.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
+            else:
+                m.keep_on_disk(m.disk_layers, "checkpoint", functools.partial(_checkpoint_store, stored, entry_key))
 
 
 def _same_layout(path: str, expected: dict):
@@ -367,27 +371,31 @@ def _same_layout(path: str, expected: dict):
     return check
 
 
-def _checkpoint_store(manager, stored: dict, entry_key: dict):
-    """The manager's `_store` for layers that stay in the checkpoint: a DiskSource
-    that reads each file's tensors of the layer with one vectored read per run."""
+def _checkpoint_store(stored: dict, entry_key: dict, files: list):
+    """A file store (stages/chain.py) for layers that stay in the checkpoint: a
+    DiskSource that reads each file's tensors of the layer (or of this rank's
+    share of it: `span` (lo, hi) of its plan layout) with one vectored read per
+    run. `files` receives the files opened (closed by remove())."""
     from .stages.disk import DiskFile, DiskSource, crc_of
     from .stages.read import staging_layout
 
-    files: dict = {}  # this manager's own descriptors (a reader caches per descriptor)
+    opened: dict = {}  # this group's own descriptors (a reader caches per descriptor)
 
     def disk_file(path):
-        if path not in files:
+        if path not in opened:
             expected = {k: s for k, s in stored.items() if s.path == path}
-            files[path] = DiskFile(path, check_layout=_same_layout(path, expected))
-            manager._disk_files.append(files[path])
-        return files[path]
+            opened[path] = DiskFile(path, check_layout=_same_layout(path, expected))
+            files.append(opened[path])
+        return opened[path]
 
-    def store(lp, block):
+    def store(lp, payload, span, what):
+        lo, hi = span if span is not None else (0, lp.nbytes)
         by_file: dict = {}
         for e in lp.params:
             s = stored[entry_key[id(e)]]
-            if s.nbytes:
-                by_file.setdefault(s.path, []).append((s.start, s.nbytes, e.offset))
+            a, b = max(e.offset, lo), min(e.offset + s.nbytes, hi)  # (contiguous, as stored: why_not_disk)
+            if a < b:
+                by_file.setdefault(s.path, []).append((s.start + a - e.offset, b - a, a - lo))
         parts, copies, base = [], [], 0
         for path, items in by_file.items():
             extents, size = staging_layout([(a, n) for a, n, _ in items], base)
@@ -400,8 +408,7 @@ def _checkpoint_store(manager, stored: dict, entry_key: dict):
                 merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + c[2])
             else:
                 merged.append(c)
-        return DiskSource(lp.index, lp.nbytes, parts, merged, crc_of(block),
-                          what=f"layer {manager.layer_name}[{lp.index}]")
+        return DiskSource(lp.index, hi - lo, parts, merged, crc_of(payload), what=what)
 
     return store
 
@@ -447,7 +454,7 @@ def _share_ranges(managers) -> dict:
     """id(param entry) -> (lo, hi): the bytes of its layer block this rank keeps (split fetch)."""
     out = {}
     for m in managers:
-        split = getattr(m, "_split", None)
+        split = m.split_store
         if split is None:
             continue
         for i, (_, lo, hi) in split.spans.items():

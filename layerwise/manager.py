@@ -30,8 +30,8 @@ layer; an in-place write into a slot view is discarded and reported.
 """
 from __future__ import annotations
 
-import bisect
 import collections
+import contextlib
 import functools
 import logging
 import sys
@@ -108,9 +108,11 @@ class LayerwiseOffloadManager:
         self.measure_stalls = measure_stalls
         self.disk_prefetch_depth = disk_prefetch_depth
         self.debug_read_delay_us = debug_read_delay_us
-        self._disk = None  # the disk tier (stages/disk.py), when some layers stay in files
-        self._disk_files: list = []  # files its layers are read from (closed by remove)
         self.split_fetch = split_fetch  # a ProcessGroup: ranks share the fetch (stages/gather.py), or None
+        # The inputs of the tier plan (layerwise.tierplan), set by the planners before packing:
+        self._share_store = None  # split fetch: this rank's ShareStore (use_split)
+        self._disk_plan = (frozenset(), "spill", None)  # (layers kept in files, where, make_store) (keep_on_disk)
+        self._chain = None  # the group's stages (stages/chain.py), from packing on
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
         self._packed = False
@@ -118,7 +120,7 @@ class LayerwiseOffloadManager:
         self._arena = None
         self._host_blocks: list[torch.Tensor | None] = []  # arena blocks (None: the layer lives elsewhere)
         self._src: list = []  # each layer's source of truth (stages/source.py)
-        self._tiers: list = []  # tiers that keep layers outside the arena (stages/decode.py: CodecTier)
+        self._routes: list | None = None  # the tier plan packed by
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
@@ -145,47 +147,50 @@ class LayerwiseOffloadManager:
         _, slots = assign_slots(len(streamed), depth)
         return slots * max(streamed, default=0) + sum(self.plan.layers[i].nbytes for i in resident)
 
+    # ------------------------------------------------------------- tier plan
+    def use_split(self, store) -> None:
+        """Split fetch (stages/gather.attach): `store` keeps this rank's shares."""
+        self._check_unpacked()
+        self._share_store = store
+
+    def keep_on_disk(self, layers, where: str = "spill", make_store=None) -> None:
+        """The host budget's planners (layerwise.hostplan, loading): `layers` stay in
+        files (`where`: "spill" or "checkpoint"); `make_store(files)` gives the file
+        store (stages/chain.py) that keeps them, its files appended to `files`."""
+        self._check_unpacked()
+        self._disk_plan = (frozenset(layers), where, make_store)
+
+    @property
+    def split_store(self):
+        """Split fetch: this rank's ShareStore (stages/gather.py), or None."""
+        return self._share_store
+
+    @property
+    def disk_layers(self) -> frozenset:
+        """The layers the tier plan keeps in files."""
+        return self._disk_plan[0]
+
+    def _check_unpacked(self) -> None:
+        if self._packed:
+            raise RuntimeError(f"{self.layer_name}: the tier plan is fixed once packed")
+
+    def tier_plan(self, sizes: bool = True) -> list:
+        """Each layer's route (layerwise.tierplan.Route): where its bytes live and what
+        happens on the way to its slot. Fixed once packed; before, from the options
+        and the planners' choices so far."""
+        if self._routes is not None:
+            return self._routes
+        from .tierplan import plan_routes
+
+        store = self._share_store
+        layers, where, _ = self._disk_plan
+        return plan_routes(self.plan, self.resident, self.compress, store.spans if store is not None else None,
+                           layers, where, sizes)
+
     # ------------------------------------------------------------------ pack
-    # Layers whose truth lives elsewhere than a plain arena block (the disk tier, ...):
-    # `_store(lp, scratch) -> source` takes the layer's plan-layout bytes, packed into a
-    # host scratch block, and keeps them its way. None: every layer in the arena.
-    _store = None
-    _stored_elsewhere: frozenset = frozenset()  # their indices (no arena block of their own)
-    _disk_layers: frozenset = frozenset()  # those the disk tier keeps (layerwise.hostplan)
-    _disk_store = None  # its `_store`
-    _split = None  # split fetch: this rank's ShareStore (stages/gather.py), which keeps its split layers
-
-    def _choose_tiers(self) -> None:
-        """Which layers a tier keeps instead of the arena, decided per layer from the
-        plan and the final residency (right before packing): the disk tier's layers
-        (chosen by layerwise.hostplan: `_disk_layers`, kept by `_disk_store`) stay in
-        files as they are; with split_fetch (`_split`) this rank keeps its share of
-        each split layer; with compress="lossless" the codec keeps the other
-        streamed layers encoded (split and disk layers travel raw)."""
-        self._tiers = []
-        disk = self._disk_layers
-        split = frozenset(self._split.spans) if self._split is not None else frozenset()
-        codec: frozenset = frozenset()
-        tier = None
-        if self.compress == "lossless":
-            tier = stages.CodecTier(self.layer_name, self.device, self.pin_memory)
-            self._tiers.append(tier)
-            codec = frozenset(tier.select(self.plan, self.resident)) - disk - split
-        self._stored_elsewhere = disk | split | codec
-        disk_store, split_store = self._disk_store, self._split
-
-        def store(lp, scratch):
-            if lp.index in disk:
-                return disk_store(lp, scratch)
-            if lp.index in split:
-                return split_store.keep(lp, scratch)
-            return tier.store(lp, scratch)
-
-        self._store = store
-
     def _arena_capacity(self) -> int:
-        elsewhere = self._stored_elsewhere | self._disk_layers
-        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp in self.plan.layers if lp.index not in elsewhere)
+        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp, r in zip(self.plan.layers, self.tier_plan(sizes=False))
+                   if r.plain or r.where == "device")
 
     def _initialize_layer_weights(self, fill=None) -> None:
         """Pack every layer into the host arena; managed parameters become (1,) placeholders.
@@ -206,7 +211,14 @@ class LayerwiseOffloadManager:
             self._pack(fill)
 
     def _pack(self, fill) -> None:
-        self._choose_tiers()
+        self._routes = None
+        routes = self.tier_plan(sizes=False)
+        layers, _, make_store = self._disk_plan
+        self._chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress,
+                                   self._share_store, disk_prefetch_depth=self.disk_prefetch_depth,
+                                   debug_read_delay_us=self.debug_read_delay_us)
+        if layers:
+            self._chain.file_store = make_store(self._chain.files)
         total = self._arena_capacity()
         cuda = self.device.type == "cuda"
         self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
@@ -221,11 +233,12 @@ class LayerwiseOffloadManager:
             bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"layerwise: packing {self.layer_name}")
         scratch = None
         try:
-            for lp in self.plan.layers:
-                elsewhere = lp.index in self._stored_elsewhere
-                if elsewhere:  # packed into scratch, then kept by the tier's store
+            for lp, route in zip(self.plan.layers, routes):
+                elsewhere = not (route.plain or route.where == "device")
+                if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
                     if scratch is None:
-                        size = max(self.plan.layers[i].nbytes for i in self._stored_elsewhere)
+                        size = max(self.plan.layers[r.index].nbytes for r in routes
+                                   if not (r.plain or r.where == "device"))
                         scratch = stages.read.aligned_staging(size, pinned=False)
                     block = scratch[: lp.nbytes]
                     block.zero_()  # alignment gaps included: the layer's bytes (and CRC) are deterministic
@@ -234,7 +247,7 @@ class LayerwiseOffloadManager:
                     block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
                     self._host_blocks.append(block)
                 # (for a layer stored elsewhere: what a failure restores from, until stored)
-                self._src.append(stages.ArenaSource(block))
+                self._src.append(stages.ArenaSource(block, None if elsewhere else self._arena))
                 for e in lp.params:
                     if fill is not None:
                         fill(e, block)
@@ -250,7 +263,7 @@ class LayerwiseOffloadManager:
                     e.packed = True
                     e.param.data = e.wrap(self._placeholder(e.dtype))
                 if elsewhere:
-                    self._src[-1] = self._store(lp, block)
+                    self._src[-1] = self._chain.keep(lp, route, block)
                 if bar is not None:
                     bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
         except BaseException:
@@ -261,17 +274,11 @@ class LayerwiseOffloadManager:
             if bar is not None:
                 bar.close()
         self._packed = True
+        self._routes = routes
         self.plan.module_list._layerwise_manager = self
-        if self.pin_memory is True and self._arena.pin_error:
-            # Asked for explicitly: pageable memory would silently cost the overlap. The
-            # caller's rollback gives every parameter back.
-            raise RuntimeError(
-                f"layerwise: pin_memory=True, but the host memory of layer group {self.layer_name!r} could not be "
-                f"pinned: {self._arena.pin_error}. Raise the locked-memory limit or grant CAP_IPC_LOCK, or pass "
-                "pin_memory='auto' (pinned where possible, else pageable with a warning) or pin_memory=False."
-            )
-        if self.pin_memory == "auto":
-            _native.warn_unpinned(self._arena, f"layer group {self.layer_name!r}")
+        # pin_memory=True: pageable memory would silently cost the overlap, an error (the
+        # caller's rollback gives every parameter back); "auto": a warning.
+        _native.check_pinned(self._arena, self.pin_memory, f"layer group {self.layer_name!r}")
 
     @staticmethod
     def _bind_to_slot(e, view: torch.Tensor) -> None:
@@ -369,24 +376,13 @@ class LayerwiseOffloadManager:
                 for e in layers[i].params:
                     self._bind_to_slot(e, e.view_in(self._ring[self._slot_of[i]]))
             self._ring_version = [r._version for r in self._ring]
-            # Where a layer's host block spans two pinned registrations (a block too large
-            # to register at once), its copy is split there: normally none.
-            base = self._arena.data_ptr if self._arena is not None else 0
-            self._splits = [self._arena.split_points(self._host_blocks[i].data_ptr() - base, layers[i].nbytes)
-                            if i in self._streamed and self._host_blocks[i] is not None else []
-                            for i in range(self.num_layers)]
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
-            # each source knows its own; arena layers go through the copy engine.
-            transfer = stages.Transfer(self._engine, self._host_blocks, self._splits)
-            for src in self._src:
-                if src.fetch is None:
-                    src.fetch = transfer.fetch
-            for tier in self._tiers:  # their own stages (staging buffers on the device)
-                tier.start(self._engine, self.device)
+            # each source knows its own; the stages get their buffers, reader and queues.
+            from .hostplan import staging_slots
+
+            self._chain.start(self._engine, self._src, self._streamed, staging_slots(self, self.disk_prefetch_depth),
+                              start)
             self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
-            self._disk_order = [i for i in self._streamed if self._src[i].kind == "disk"]
-            if self._disk_order:
-                self._start_disk_tier()
             for i in self._streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -404,23 +400,6 @@ class LayerwiseOffloadManager:
                 self._hooks.extend(contract.install_layer_hooks(self))
         self._finalized = True
         self._reset_stats()
-
-    def _start_disk_tier(self) -> None:
-        from .hostplan import staging_slots
-
-        srcs = [self._src[i] for i in self._disk_order]
-        self._disk = stages.DiskTier(
-            self._engine, staging_slots(self, self.disk_prefetch_depth), max(src.staging_size for src in srcs),
-            self.device, pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
-        for src in srcs:
-            src.tier = self._disk
-        # The disk layers streamed after layer i, in order (wrapping around), as many as
-        # there are staging slots: what the hooks read ahead, fixed once here.
-        n = min(len(self._disk.slots), len(srcs))
-        self._upcoming_disk = []
-        for i in range(self.num_layers):
-            k = bisect.bisect_right(self._disk_order, i)
-            self._upcoming_disk.append([srcs[(k + j) % len(srcs)] for j in range(n)])
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
@@ -456,10 +435,10 @@ class LayerwiseOffloadManager:
             )
         self._dirty = True  # until the records below match what the engine has queued
         after = self._slot_event[s]
-        if type(after) is stages.Deferred:  # the slot's last copy, out of disk staging
+        if after is not None:
             try:
-                after = after.resolve()
-            except Exception:  # that layer's read failed: nothing was copied, its error stays with it
+                after = after.resolve()  # the slot's last fetch (a deferred one is issued now)
+            except Exception:  # that fetch failed: nothing was written, its error stays with it
                 self._engine.synchronize()
                 after = None
         if self._engine.is_cuda:
@@ -511,6 +490,8 @@ class LayerwiseOffloadManager:
                 block = block.clone()
             edit(block)
             self._dirty = self._finalized  # a disk source waits for its reads and rewrites its file
+            if self._finalized:
+                self._chain.flush()  # nothing queued still reads what the write replaces
             with contract.defer_interrupts():  # the layer's bytes, CRC and version change together
                 src.write(block)
             self._dirty = False
@@ -521,19 +502,19 @@ class LayerwiseOffloadManager:
     def _resync(self) -> None:
         """After an interrupt between a queued copy and its record: wait for every
         copy and forget what the slots hold; the next uses reload."""
-        if self._disk is not None:
-            self._disk.forget()
+        self._chain.forget()
         try:
             self._engine.synchronize()
         except Exception:  # noqa: BLE001 - a failed copy (after a failed split gather, say): the engine stops
             # at it, so wait for each slot's last copy instead; failed ones are finished too. Their layers
             # reload below (nothing computes with their bytes) and fail again, raising, if the cause stays.
             for ev in self._slot_event:
-                if ev is not None and type(ev) is not stages.Deferred:
-                    try:
+                try:
+                    ev = ev.resolve() if ev is not None else None  # (one the chain forgot raises: never queued)
+                    if ev is not None:
                         ev.synchronize()
-                    except Exception:  # noqa: BLE001 - as above
-                        pass
+                except Exception:  # noqa: BLE001 - as above
+                    pass
         start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
         self._slot_event = [start] * self.num_slots
         self._slot_holder = [-1] * self.num_slots
@@ -587,10 +568,34 @@ class LayerwiseOffloadManager:
             if want <= 0:
                 break
             mgr, pos = mgr.next_manager, 0
-        if self._disk is not None:
-            self._dirty = True  # reads queued and not recorded yet: an interrupt makes the next hook resync
-            self._disk.read_ahead(self._upcoming_disk[i])
-            self._dirty = False
+        with self._queueing():  # reads queued and not recorded yet: an interrupt makes the next hook resync
+            self._chain.read_ahead(i)
+
+    @contextlib.contextmanager
+    def _queueing(self):
+        """Around a call that queues work the records do not show yet: an exception or
+        an interrupt inside leaves the group marked dirty (the next hook resyncs)."""
+        self._dirty = True
+        yield
+        self._dirty = False
+
+    def _ready(self, i: int, s: int, load: bool = True):
+        """Make streamed layer i ready in its slot s: queue its fetch if the slot does
+        not hold it (`load`), issue what it waits on (a deferred stage: a disk read, a
+        gather); returns the event the compute must wait on, or None."""
+        if load:
+            self._load(i, prefetch=False)
+        ev = self._copy_event[i]
+        if ev is None:
+            return None
+        try:
+            with self._queueing():
+                self._chain.settle()  # collectives queued before this layer's, in order
+                return ev.resolve()
+        except BaseException:
+            self._slot_holder[s] = -1  # the next call of the layer fetches it again
+            self._copy_event[i] = None
+            raise
 
     def _check_slot_writes(self, s: int) -> None:
         """Our copies do not bump version counters: a change means someone wrote
@@ -640,26 +645,15 @@ class LayerwiseOffloadManager:
             self._resync()
         if i == 0 and not self._root_driven:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
-        if self._disk is not None:
-            self._dirty = True
-            self._disk.pump()
-            self._dirty = False
+        with self._queueing():
+            self._chain.pump()
         s = self._slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
             self._load(i, prefetch=False)
             self._busy[s] += 1
             self._entered.append(i)
-            ev = self._copy_event[i]
-            if type(ev) is stages.Deferred:  # read from disk: its copy is issued once the read is done
-                self._dirty = True
-                try:
-                    ev = ev.resolve()
-                except BaseException:
-                    self._slot_holder[s] = -1  # the next call of the layer reads it again
-                    self._copy_event[i] = None
-                    raise
-                self._dirty = False
+            ev = self._ready(i, s, load=False)
             if ev is not None:
                 stream = self._stream()
                 try:
@@ -693,6 +687,9 @@ class LayerwiseOffloadManager:
             return  # this thread's pre-hook never ran (an earlier hook raised)
         replaced = None
         try:
+            if self._finalized and not self._dirty:  # (dirty: what is queued is stale; the next hook resyncs)
+                with self._queueing():  # collectives for the layers prefetched: after this layer's forward
+                    self._chain.settle()
             if self._slot_of[i] >= 0:
                 replaced = self._own_output(output)
             if i in self._entered:
@@ -805,30 +802,8 @@ class LayerwiseOffloadManager:
         self._recent.append(last)
 
     def _disk_counts(self) -> tuple:
-        d = getattr(self, "_disk", None)
-        return (d.bytes_read, d.read_wait_s) if d is not None else (0, 0.0)
-
-    def _disk_stats(self) -> dict | None:
-        d = self._disk
-        if d is None:
-            return None
-        r = d.reader.stats()
-        srcs = [self._src[i] for i in self._disk_order]
-        return {
-            "layers": len(srcs),
-            "layer_bytes": sum(src.nbytes for src in srcs),
-            "files": sorted({p.file.path for src in srcs for p in src.parts}),
-            "spill": any(src.spill is not None for src in srcs),
-            "staging_bytes": d.staging_bytes,
-            "staging_slots": len(d.slots),
-            "bytes_read": d.bytes_read,
-            "reads": d.reads,
-            "read_wait_s": d.read_wait_s,
-            "read_gbps": d.timed_bytes / d.read_s / 1e9 if d.read_s else None,
-            "bytes_direct": r.get("bytes_direct", 0),
-            "bytes_buffered": r.get("bytes_buffered", 0),
-            "read_failures": r.get("failed", 0),
-        }
+        chain = getattr(self, "_chain", None)
+        return chain.counts() if chain is not None else (0, 0.0)
 
     def stats(self, sync: bool = False) -> dict:
         """Bytes copied, copies, synchronous loads and compute-stream stall time,
@@ -836,12 +811,9 @@ class LayerwiseOffloadManager:
         Never waits for the device unless `sync=True` (then every copy and the
         compute stream are drained first, so every figure is final)."""
         if sync and self.enabled and self._finalized:
-            if self._disk is not None:
-                with self._lock:
-                    self._dirty = True
-                    self._disk.flush()
-                    self._disk.synchronize()
-                    self._dirty = False
+            if not self._chain.idle():
+                with self._lock, self._queueing():
+                    self._chain.flush()
             self._engine.synchronize()
             if self._engine.is_cuda:
                 torch.cuda.synchronize(self.device)
@@ -858,10 +830,12 @@ class LayerwiseOffloadManager:
         arena = self._arena
         # Layers a tier keeps (encoded, ...) are host memory of this group too.
         tier_bytes = sum(src.stored_bytes for src, blk in zip(self._src, self._host_blocks) if blk is None)
-        tier_stats = [t.stats() for t in self._tiers]
+        chain = self._chain if self._packed else None
+        stage_pinned, stage_pin_error = chain.pinned() if chain is not None else (True, None)
         pinned = bool(arena.pinned) if arena is not None else False
-        if tier_stats and arena is not None:  # an arena left empty by a tier does not count
-            pinned = (pinned or not arena.capacity) and all(t["pinned"] for t in tier_stats)
+        if chain is not None and chain.codec is not None and arena is not None:  # an empty arena does not count
+            pinned = (pinned or not arena.capacity) and stage_pinned
+        stage_stats = chain.stats() if chain is not None else {"compress": None, "disk": None}
         out = {
             "group": self.layer_name,
             "device": str(self.device),
@@ -874,7 +848,7 @@ class LayerwiseOffloadManager:
             "arena_bytes": (arena.capacity if arena is not None else 0) + tier_bytes,
             "arena_pinned": pinned,
             "arena_pin_error": ((getattr(arena, "pin_error", None) or None) if arena is not None else None)
-            or next((t["pin_error"] for t in tier_stats if t["pin_error"]), None),
+            or stage_pin_error,
             "managed_bytes": self._managed_parameter_bytes(),
             "steps": self._steps,
             "bytes_copied": self._bytes,  # bytes that crossed the bus (encoded where a layer travels so)
@@ -883,13 +857,14 @@ class LayerwiseOffloadManager:
             "sync_loads": self._sync_loads,
             "stall_s": self._stall_s,
             "copy_s": self._copy_s,
-            "disk": self._disk_stats() if self._finalized else None,
+            "disk": stage_stats.pop("disk") if self._finalized else None,
             "last_step": dict(last) if last is not None else None,
             "recent_steps": [dict(r) for r in self._recent],  # up to RECENT_STEPS, oldest first
-            "compress": tier_stats[0] if tier_stats else None,
+            "compress": stage_stats.pop("compress"),
+            "tier_plan": [r.describe() for r in self._routes] if self._routes is not None else None,
         }
-        if self._split is not None:  # split fetch: its own figures (stages/gather.py)
-            out.update(self._split.stats())
+        stage_stats.pop("disk", None)
+        out.update(stage_stats)  # split fetch: its own figures (stages/gather.py)
         return out
 
     # --------------------------------------------------------------- remove
@@ -902,11 +877,8 @@ class LayerwiseOffloadManager:
         """Wait for every read and copy in flight (they write into staging and the ring)."""
         if not self._finalized:
             return
-        if self._disk is not None:
-            self._dirty = True  # an interrupt in here: the next hook resynchronises
-            self._disk.flush()
-            self._disk.synchronize()
-            self._dirty = False
+        with self._queueing():  # an interrupt in here: the next hook resynchronises
+            self._chain.flush()
         self._engine.synchronize()
         self._resolve_stalls()
 
@@ -987,20 +959,14 @@ class LayerwiseOffloadManager:
 
         for src in self._src:
             attempt("closing a layer source", src.close)
-        for tier in self._tiers:
-            attempt("closing a tier", tier.close)
-        self._tiers = []
+        if self._chain is not None:
+            self._chain.close(attempt)
+        self._chain = None
+        self._routes = None
         self._host_blocks = []
         self._src = []
         self._arena = None
         self._packed = False
-        reader = self._disk.reader if self._disk is not None else None
-        for f in self._disk_files:
-            attempt(f"closing {getattr(f, 'path', 'a file')}", f.close, reader)
-        self._disk_files = []
-        if self._disk is not None:
-            attempt("closing the disk tier", self._disk.close)
-            self._disk = None
 
     def _restore_parameters(self, original_devices: bool = False) -> None:
         """Give every packed parameter an ordinary tensor again with its true bytes

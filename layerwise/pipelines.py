@@ -431,12 +431,13 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
                         resident_layers)
     streamed_managers = [m for c in parts for m in c.managers]
+    # split_fetch: one collective over every group of every component (configure.attach_split_fetch);
+    # first, so that the host budget counts this rank's shares
+    attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
     if host_budget is not None and spill_dir is not None:
         plan = plan_spill([c.module for c in parts], streamed_managers, dev, host_budget, spill_dir,
                           disk_prefetch_depth, _held_bytes(parts))
         record_host_budget(streamed_managers, host_budget, plan["budget"])
-    # split_fetch: one collective over every group of every component (configure.attach_split_fetch)
-    attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
     for c in parts:
         for m in c.managers:
             if not m.enabled:

@@ -1,26 +1,30 @@
-"""Host bytes of a group at the size its tiers will keep each layer, known
-before packing (DESIGN.md, "Tiers and stages": budgets count layers at the
-size they will have).
+"""The tier plan: for each layer of a group, where its true bytes live and what
+happens to them on the way to its slot, decided once, before packing, from
+the options and the budgets (DESIGN.md, "Tiers and stages"). The manager
+packs by it (stages/chain.py builds each layer's source from its route), the
+host and pin budgets count each layer at the size its route gives it, and
+report() shows it.
 
-The manager decides its tiers right before packing (`_choose_tiers`); the
-budgets of offload_pipeline are computed before that, so this module makes
-the same per-layer choice from the same inputs:
+A route (`Route`) says, per layer:
 
-disk      layers the disk tier keeps (`_disk_layers`): no host bytes
-split     this rank's share of each split layer (split_fetch), page-rounded as
-          the ShareStore's arena allocates it
-encoded   compress="lossless": the streamed layers with a bf16/fp16 segment
-          (stages/decode.select_layers), at their **exact** encoded size: the
-          codec's choice per segment (code width, stored or coded) depends only
-          on the histogram of the segment's symbols (exponents), which is
-          computed here from the parameters' bytes without encoding; a layer
-          whose encoding saves too little (decode.MIN_SAVING) counts raw
-arena     every other layer, raw
+where     "device" (resident; its arena block stays), "arena" (host memory), "spill" (this process's
+          spill file) or "checkpoint" (the checkpoint file, read-only)
+encoded   compress="lossless" and the layer has a bf16/fp16 segment: its payload
+          is encoded (stages/decode.py; at pack time a layer whose encoding saves
+          too little travels raw). A layer in the checkpoint travels raw (the
+          file holds it as it is)
+split     split_fetch: (share, lo, hi), the bytes of the layer this rank keeps
+          and copies; the others come from the other ranks (stages/gather.py)
 
-Every figure is rounded up to a page (BLOCK_ALIGN): each layer block is
-allocated page-aligned, in the arena or in a block of its own.
+and the host bytes it takes: 0 on disk, else its payload page-rounded. An
+encoded layer counts at its **exact** encoded size: the codec's choice per
+segment (code width, stored or coded) depends only on the histogram of the
+segment's symbols (exponents), which is computed here from the parameters'
+bytes without encoding (a share of one: in proportion).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -98,29 +102,65 @@ def encoded_layer_bytes(lp) -> int | None:
     return total
 
 
-def layer_host_bytes(manager) -> dict[int, int]:
-    """{layer index: host bytes it will take} for the manager's tier choice
-    (as _choose_tiers will make it), each page-rounded."""
-    from .stages.decode import MIN_SAVING, select_layers
+@dataclass(frozen=True)
+class Route:
+    index: int
+    where: str  # "device", "arena", "spill" or "checkpoint"
+    encoded: bool
+    split: tuple | None  # (share, lo, hi) or None
+    raw_bytes: int
+    host_bytes: int
 
-    disk = manager._disk_layers
-    split = manager._split.spans if manager._split is not None else {}
-    codec = set(select_layers(manager.plan, manager.resident)) if manager.compress == "lossless" else set()
-    out = {}
-    for lp in manager.plan.layers:
+    @property
+    def plain(self) -> bool:
+        """Packed into the group's arena as it is, copied to its slot as it is."""
+        return self.where == "arena" and not self.encoded and self.split is None
+
+    def describe(self) -> str:
+        parts = [self.where]
+        if self.encoded:
+            parts.append("encoded")
+        if self.split is not None:
+            parts.append(f"share [{self.split[1]}, {self.split[2]})")
+        return ", ".join(parts)
+
+
+def plan_routes(plan, resident, compress, spans=None, disk_layers=frozenset(), disk_where: str = "spill",
+                sizes: bool = True) -> list[Route]:
+    """Every layer's route (module doc). `spans`: {layer: (share, lo, hi)} of split
+    fetch; `disk_layers` kept in files (`disk_where`: "spill" or "checkpoint").
+    `sizes`: compute encoded sizes (histograms of the weights; else raw)."""
+    from .stages.decode import MIN_SAVING
+
+    resident = set(resident)
+    spans = spans or {}
+    out = []
+    for lp in plan.layers:
         i = lp.index
-        if i in disk:
-            out[i] = 0
-        elif i in split:
-            _, lo, hi = split[i]
-            out[i] = round_up(hi - lo, BLOCK_ALIGN)
-        elif i in codec:
-            enc = encoded_layer_bytes(lp)
-            size = lp.nbytes if enc is None or enc > MIN_SAVING * lp.nbytes else enc
-            out[i] = round_up(max(size, 1), BLOCK_ALIGN)
-        else:
-            out[i] = round_up(lp.nbytes, BLOCK_ALIGN)
+        if i in resident:
+            out.append(Route(i, "device", False, None, lp.nbytes, round_up(lp.nbytes, BLOCK_ALIGN)))
+            continue
+        where = disk_where if i in disk_layers else "arena"
+        split = spans.get(i)
+        encoded = (compress == "lossless" and where != "checkpoint"
+                   and any(dt in _codec.CODED_DTYPES for dt in lp.segments))
+        payload = lp.nbytes if split is None else split[2] - split[1]
+        host = 0
+        if where == "arena":
+            size = payload
+            if encoded and sizes:
+                enc = encoded_layer_bytes(lp)
+                if enc is not None and enc <= MIN_SAVING * lp.nbytes:
+                    size = -(-enc * payload // max(lp.nbytes, 1))
+            host = round_up(max(size, 1), BLOCK_ALIGN) if payload else 0
+        out.append(Route(i, where, encoded, split, lp.nbytes, host))
     return out
+
+
+def layer_host_bytes(manager) -> dict[int, int]:
+    """{layer index: host bytes it will take} for the manager's tier plan, each
+    page-rounded (a resident layer's arena block stays: its truth while it is resident)."""
+    return {r.index: r.host_bytes for r in manager.tier_plan()}
 
 
 def planned_host_bytes(manager) -> int:

@@ -350,15 +350,15 @@ def test_configure_failing_half_way_through_encoding_gives_exact_weights_back(mo
     model = TwoGroupModel()
     sd = clone_state(model)
     calls = []
-    orig = decode_mod.CodecTier.store
+    orig = decode_mod.CodecTier.keep  # encodes each layer's payload as it is packed
 
-    def failing(self, lp, scratch):
-        calls.append(lp.index)
+    def failing(self, segments, block):
+        calls.append(block.numel())
         if len(calls) == 3:
             raise exc("injected")
-        return orig(self, lp, scratch)
+        return orig(self, segments, block)
 
-    monkeypatch.setattr(decode_mod.CodecTier, "store", failing)
+    monkeypatch.setattr(decode_mod.CodecTier, "keep", failing)
     with pytest.raises(exc):
         layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", compress="lossless")
     monkeypatch.undo()

@@ -75,15 +75,19 @@ def test_per_step_figures_after_the_first_forward_and_gbps_over_copy_time():
         assert row["gbps"] == pytest.approx(last["bytes_copied"] / last["copy_s"] / 1e9)
 
 
+@pytest.mark.parametrize("compress", [None, "lossless"])
 @pytest.mark.parametrize("cuts", [[256], [4096, 8192], [1]])
-def test_copies_split_at_registration_boundaries_stay_exact(cuts):
+def test_copies_split_at_registration_boundaries_stay_exact(cuts, compress):
     # A layer block larger than one cudaHostRegister can take is registered in pieces
-    # (HostArena.split_points); its copy is then one copy per piece, chained.
-    model, ref = configured(debug_copy_delay_us=300, prefetch_depth=2)
+    # (HostArena.split_points); its copy is then one copy per piece, chained. The
+    # transfer stage is the only caller of copy_async, so an encoded layer's block
+    # (and disk staging, a share) is split the same way.
+    model, ref = configured(debug_copy_delay_us=300, prefetch_depth=2, compress=compress)
     for m in managers_of(model):
         for i in m._streamed:
-            n = m.plan.layers[i].nbytes
-            m._splits[i] = [c for c in cuts if 0 < c < n]
+            for h in m._src[i].holders():
+                if hasattr(h, "cuts"):
+                    h.cuts = tuple(c for c in cuts if 0 < c < h.block.numel())
         for s in range(m.num_slots):
             m._slot_holder[s] = -1  # reload everything through the split path
     for _ in range(3):

@@ -19,7 +19,7 @@ import torch
 
 import layerwise
 from layerwise._native import CopyEngine, Reader, ReadError
-from layerwise.stages.read import (PAGE, OpenFile, Read, aligned_staging, filesystem_type, read_layer,
+from layerwise.stages.read import (PAGE, OpenFile, aligned_staging, filesystem_type, read_layer,
                                    staging_layout)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -573,16 +573,15 @@ def test_events_time_the_read(disk_dir):
     assert a.query() and a.copy_ms >= 0 and a.elapsed_ms(b) >= 0
 
 
-def test_read_stage_fetch(disk_dir):
+def test_read_layer_through_an_open_file(disk_dir):
     path = os.path.join(disk_dir, "stage.bin")
     data = write_file(path, 1 << 20)
     reader = Reader()
     with OpenFile.open(path) as f:
         layers = {i: (f, staging_layout([(i * 100_000 + 3, 90_000)])[0]) for i in range(4)}
-        stage = Read(reader, layers)
         staging = aligned_staging(100_000 + 2 * PAGE)
         for i in range(4):
-            stage.fetch(i, staging, None, False).synchronize()
+            read_layer(reader, *layers[i], staging).synchronize()
             check_extents(staging, data, layers[i][1])
         f.close(reader)
     assert reader.stats()["cached_files"] == 0

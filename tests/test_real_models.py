@@ -550,3 +550,63 @@ def test_real_architectures_load_from_safetensors_bitwise(name, tmp_path):
             assert torch.equal(run(arch, model, s), r), (name, s)
     layerwise.remove_layerwise_offload(model)
     assert_state_equal(model, clone_state(ref))
+
+
+# ------------------------------------- tiers composed (issue 22): disk + compress
+def _smallest_host_budget(offload, start=32 << 10, step=16 << 10):
+    """The smallest host_budget `offload(budget)` accepts (most layers on disk)."""
+    budget = start
+    while True:
+        try:
+            return budget, offload(budget)
+        except ValueError as e:
+            assert "too small" in str(e), e
+            budget += step
+
+
+@pytest.mark.parametrize("depth,resident", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("name", ["flux", "llama"])
+def test_real_architectures_disk_and_compress_compose_bitwise(name, depth, resident, tmp_path):
+    """A bf16 model with compress="lossless" and a host budget that sends most layers
+    to spill files: those are stored encoded there (fewer bytes read and copied), the
+    others encoded in memory; bitwise with random copy and read delays, through
+    state_dict, load_state_dict and remove."""
+    arch = ARCHS[name]
+    ref = build(arch).to(torch.bfloat16)
+    sd = clone_state(ref)
+    other = build(arch, seed=5).to(torch.bfloat16)
+
+    def offload(budget):
+        model = copy.deepcopy(ref)
+        layerwise.configure_layerwise_offload(model, arch.groups, device="cpu", prefetch_depth=depth,
+                                              resident_layers=resident, compress="lossless", host_budget=budget,
+                                              spill_dir=str(tmp_path), debug_copy_delay_us=150,
+                                              debug_read_delay_us=150)
+        return model
+
+    def run(arch, model, seed):  # bf16 inputs for a bf16 model
+        args, kwargs = arch.inputs(seed)
+        cast = lambda v: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        with torch.no_grad():
+            return arch.output(model(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()}))
+
+    _, model = _smallest_host_budget(offload)
+    managers = managers_of(model)
+    plan = [r for m in managers for r in m.stats()["tier_plan"]]
+    assert any(r == "spill, encoded" for r in plan), plan
+    refs = [run(arch, ref, s) for s in SEEDS[:2]]
+    for _ in range(2):
+        for s, r in zip(SEEDS, refs):
+            assert torch.equal(run(arch, model, s), r), (name, s)
+    moved = [m.stats(sync=True)["last_step"] for m in managers]
+    assert sum(last["bytes_read"] for last in moved) > 0, moved  # some layers streamed from their spill file
+    for last in moved:
+        if last["bytes_raw"]:  # (a group whose layers each have a slot copies nothing after the first step)
+            assert last["bytes_copied"] < last["bytes_raw"], last  # encoded on the way (random weights: < 1x)
+    assert_state_equal(model, sd)
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(run(arch, model, SEEDS[0]), run(arch, other, SEEDS[0]))
+    model.load_state_dict(sd)
+    layerwise.remove_layerwise_offload(model)
+    assert_state_equal(model, sd)
+    assert not list(tmp_path.iterdir())

@@ -71,6 +71,15 @@ def test_split_rank_out_of_lockstep_raises_on_every_rank(world, tmp_path):
 
 
 @needs_gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_composes_with_compression_and_the_disk_tier(world, tmp_path):
+    """Issue 22: split + compress, disk (spill or checkpoint) + split, and all three:
+    bitwise on every rank, depth 1 and 2, a resident layer, copy delays; each rank reads
+    and copies only its share (encoded: <= 0.80x); state_dict, load_state_dict, remove."""
+    run_ranks(world, tmp_path, "tiers")
+
+
+@needs_gloo
 def test_split_ranks_with_different_weights_are_refused(tmp_path):
     """Issue 21, item 5: configure / offload_pipeline compare the streamed layers' bytes."""
     run_ranks(2, tmp_path, "seeds")

@@ -1,32 +1,31 @@
 """Stages of a layer's way to its ring slot (DESIGN.md, "Tiers and stages").
 
-The manager asks one question, "make layer i ready in slot s", and gets one
-event back; it does not know how a stage works. A stage object has
+The manager asks one question, "make layer i ready in slot s", of the layer's
+source and gets one result back (result.py: an event, or a deferred one; both
+answer resolve()); it names no tier. A source is a short chain, innermost
+first (source.py): where the payload lives, then what happens on the way.
+A compressed, split layer read from disk is ShareSource(CodecSource(
+DiskSource)): read -> transfer -> decode -> gather. Each stage is a small
+module of this package:
 
-    fetch(i, dst, after, timing) -> Event
-
-which queues whatever makes layer i's bytes land in `dst` (the front of its
-slot, a uint8 tensor on the device) once `after` has completed, and returns the
-event that completes when they have. Stages compose by holding the next one:
-a compressed layer read from disk is read -> transfer -> decode. Each stage is
-a small module of this package:
-
-    source.py     where a layer's true bytes live (ArenaSource: the host arena), and
-                  the interface the manager and the state contract use for them
-    read.py       file extents -> pinned host staging (the disk tier's reader threads)
-    disk.py       the disk tier: layers in files (checkpoint or spill), read -> transfer
-    transfer.py   host arena -> device slot (the copy engine)
-    decode.py     layers kept encoded (compress="lossless"): copy to device staging,
-                  then decode into the slot (CodecTier, CodecSource)
-    gather.py     split fetch: this rank's share of a layer -> its part of the
-                  slot, then an all-gather over the ranks completes the slot
+    result.py     the one result type: Deferred, then(), a group's Pending queue
+    source.py     the Source protocol; ArenaSource (a payload in a host block)
+    transfer.py   host -> device: the only caller of copy_async (registration splits)
+    read.py       file extents -> pinned host staging (the reader threads)
+    disk.py       DiskSource (a payload in a file: checkpoint or spill) and its
+                  staging (DiskTier): read -> transfer
+    decode.py     CodecSource: the payload is encoded -> decode into the slot
+    gather.py     ShareSource: the payload is this rank's share -> all-gather
+    chain.py      one group's stages: builds each layer's source from its route
+                  (layerwise.tierplan), starts them, runs their work at the hooks
 """
 from . import gather
+from .chain import Chain
 from .decode import CodecSource, CodecTier
-from .disk import Deferred, DiskSource, DiskTier, SpillFile
-from .read import Read
-from .source import ArenaSource
+from .disk import DiskSource, DiskTier, ReadCopy, SpillFile
+from .result import Deferred, Pending, is_deferred, then
+from .source import ArenaSource, Source
 from .transfer import Transfer
 
-__all__ = ["ArenaSource", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "Read", "SpillFile",
-           "Transfer", "gather"]
+__all__ = ["ArenaSource", "Chain", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "Pending",
+           "ReadCopy", "Source", "SpillFile", "Transfer", "gather", "is_deferred", "then"]

@@ -48,6 +48,7 @@ import torch
 from .. import _native
 from .. import codec as _codec
 from ..plan import BLOCK_ALIGN
+from .result import then
 
 log = logging.getLogger("layerwise")
 
@@ -65,6 +66,19 @@ def select_layers(plan, resident) -> set[int]:
             if lp.index not in resident and any(dt in _codec.CODED_DTYPES for dt in lp.segments)}
 
 
+def segments_of(lp, lo: int = 0, hi: int | None = None) -> tuple:
+    """((dtype, offset, nbytes), ...) of the layer's dtype segments that fall in
+    bytes [lo, hi) of its plan layout, offsets relative to lo (a split-fetch share
+    is encoded on its own: its segments are the layer's, cut at its ends)."""
+    hi = lp.nbytes if hi is None else hi
+    out = []
+    for dtype, (off, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0]):
+        a, b = max(off, lo), min(off + n, hi)
+        if a < b:
+            out.append((dtype, a - lo, b - a))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Piece:
     """One segment of a layer: encoded bytes [enc_off, +enc_n) decode to [dst_off, +dst_n)."""
@@ -76,24 +90,15 @@ class Piece:
     header: object = None  # SegmentHeader for the Triton launcher (CUDA), parsed on the host once
 
 
-@dataclass(frozen=True)
-class _State:
-    """What an encoded layer's source holds; replaced whole by write()."""
-    block: torch.Tensor  # host uint8: the encoded pieces, or the raw layer (pieces None)
-    pieces: tuple | None
-    version: int
-    spans: tuple = ()  # (enc_off, enc_n, dst_off, dst_n) per piece, as the CPU decode job takes them
-
-
 def _round16(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def encode_layer(block: torch.Tensor, lp, threads: int = 0) -> tuple[torch.Tensor, list[Piece]]:
-    """The layer's plan-layout bytes `block` encoded: one pageable uint8 tensor
-    holding every segment (in offset order, 16-byte aligned), and its pieces."""
+def encode_segments(block: torch.Tensor, segments, threads: int = 0) -> tuple[torch.Tensor, list[Piece]]:
+    """`block`'s segments encoded: one pageable uint8 tensor holding every segment
+    (in offset order, 16-byte aligned), and its pieces."""
     parts, pieces, at = [], [], 0
-    for dtype, (off, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0]):
+    for dtype, off, n in segments:
         enc = _codec.encode(block[off : off + n], dtype=dtype, threads=threads)
         pieces.append(Piece(at, enc.numel(), off, n, dtype))
         parts.append(enc)
@@ -104,66 +109,91 @@ def encode_layer(block: torch.Tensor, lp, threads: int = 0) -> tuple[torch.Tenso
     return out, pieces
 
 
+def encode_layer(block: torch.Tensor, lp, threads: int = 0) -> tuple[torch.Tensor, list[Piece]]:
+    """The layer's plan-layout bytes `block` encoded (encode_segments of all of it)."""
+    return encode_segments(block, segments_of(lp), threads)
+
+
 class CodecSource:
-    """A layer kept encoded (or raw, where encoding did not pay) in a host block
-    of its own (stages/source.py has the interface)."""
+    """A payload kept encoded (or raw, where encoding did not pay) by the source
+    it wraps (`inner`: a host block, or a file): stages/source.py has the chain.
+    `nbytes` is what it decodes to: the layer, or this rank's share of it."""
 
     kind = "lossless"
     host = None  # the truth is encoded: read() decodes a copy
-    writable = True  # write() re-encodes
 
-    def __init__(self, tier: "CodecTier", lp, state: _State):
+    def __init__(self, tier: "CodecTier", index: int, segments, nbytes: int, inner, pieces):
         self.tier = tier
-        self.index = lp.index
-        self.lp = lp
-        self.nbytes = lp.nbytes
-        self._state = state
+        self.index = index
+        self.segments = segments
+        self.nbytes = self.slot_bytes = nbytes
+        self.inner = inner
+        self._set_pieces(pieces)
+        tier.sources.append(self)
+
+    def _set_pieces(self, pieces) -> None:
+        self.pieces = None if pieces is None else tuple(pieces)
+        self.spans = () if pieces is None else tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces)
 
     @property
     def encoded(self) -> bool:
-        return self._state.pieces is not None
+        return self.pieces is not None
 
     @property
     def stored_bytes(self) -> int:
-        return self._state.block.numel()
+        return self.inner.stored_bytes
 
     @property
     def transfer_bytes(self) -> int:
-        return self._state.block.numel()
+        return self.inner.transfer_bytes
+
+    @property
+    def writable(self) -> bool:
+        return self.inner.writable
+
+    def refuse_write(self) -> None:
+        self.inner.refuse_write()
 
     def version(self) -> int:
-        return self._state.version
+        return self.inner.version()
 
     def read(self) -> torch.Tensor:
-        st = self._state
-        if st.pieces is None:
-            return st.block.clone()
+        payload = self.inner.read()
+        if self.pieces is None:
+            return payload.clone() if payload is self.inner.host else payload
         out = torch.zeros(self.nbytes, dtype=torch.uint8)
-        for p in st.pieces:
-            _codec.decode(st.block[p.enc_off : p.enc_off + p.enc_n], out[p.dst_off : p.dst_off + p.dst_n])
+        for p in self.pieces:
+            _codec.decode(payload[p.enc_off : p.enc_off + p.enc_n], out[p.dst_off : p.dst_off + p.dst_n])
         return out
 
     def write(self, block: torch.Tensor) -> None:
         if block.numel() != self.nbytes:
-            raise ValueError(f"layerwise: layer {self.tier.group}[{self.index}] has {self.nbytes} bytes, "
+            raise ValueError(f"layerwise: layer {self.tier.group}[{self.index}] has {self.nbytes} bytes here, "
                              f"got a block of {block.numel()}")
         was = self.encoded
-        state = self.tier.keep(self.lp, block, self._state.version + 1)
-        self._state = state  # one assignment: an interrupt leaves the old state or the new one
+        payload, pieces = self.tier.keep(self.segments, block)
+        self.inner.write(payload)  # (the callers hold Ctrl-C back: payload and pieces change together)
+        self._set_pieces(pieces)
         if was != self.encoded:
             log.info("layerwise: %s[%d] now travels %s after a write", self.tier.group, self.index,
                      "encoded" if self.encoded else "raw (its new weights do not compress)")
 
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
-        return self.tier.fetch(self._state, dst, after, timing)
+        if self.pieces is None:
+            return self.inner.fetch(i, dst, after, timing)
+        return self.tier.fetch(self, i, dst, after, timing)
 
     def close(self) -> None:
-        self._state = _State(torch.empty(0, dtype=torch.uint8), None, self._state.version + 1)
+        self.inner.close()
+
+    def holders(self):
+        yield self
+        yield from self.inner.holders()
 
 
 class CodecTier:
-    """The codec tier of one layer group: stores layers encoded at pack time,
-    owns the device staging buffers and the decode figures."""
+    """The codec stage of one layer group: encodes payloads (at pack time and on
+    writes), owns the device staging buffers and the decode figures."""
 
     def __init__(self, group: str, device: torch.device, pin_memory, threads: int = 0):
         self.group = group
@@ -174,9 +204,9 @@ class CodecTier:
         self.encode_s = 0.0
         self.encoded_input = 0  # raw bytes that went through the encoder at pack time
         self.pin_error = None
-        self.engine = None
+        self.engine = self.pending = None
         self._staging: list[torch.Tensor] = []
-        self._staging_event: list = []
+        self._last: list = []  # per staging buffer: the last result that uses it (a decode, or its start)
         self._next = 0
         self._timed: list = []  # (start event or None, decode event) of timed fetches
         self.decode_s = 0.0
@@ -185,89 +215,91 @@ class CodecTier:
     select = staticmethod(select_layers)
 
     # ------------------------------------------------------------ pack time
-    def _host_block(self, src: torch.Tensor):
-        """A copy of `src` in an exact-size host block, pinned as pin_memory says."""
+    def host_block(self, n: int):
+        """An exact-size host block of its own (block, arena), pinned as pin_memory says."""
         cuda = self.device.type == "cuda"
-        arena = _native.HostArena(max(src.numel(), 1), pinned=self.pin_memory is not False, cuda=cuda,
+        arena = _native.HostArena(max(n, 1), pinned=self.pin_memory is not False, cuda=cuda,
                                   device=self.device.index if cuda else -1)
         if arena.pin_error:
-            if self.pin_memory is True:
-                raise RuntimeError(
-                    f"layerwise: pin_memory=True, but the host memory of layer group {self.group!r} (its encoded "
-                    f"layers) could not be pinned: {arena.pin_error}. Raise the locked-memory limit or grant "
-                    "CAP_IPC_LOCK, or pass pin_memory='auto' (pinned where possible, else pageable with a warning) "
-                    "or pin_memory=False.")
-            if self.pin_error is None:
-                self.pin_error = arena.pin_error
-                if self.pin_memory == "auto":
-                    _native.warn_unpinned(arena, f"layer group {self.group!r} (encoded layers)")
-        block = arena.allocate(max(src.numel(), 1), alignment=BLOCK_ALIGN)[: src.numel()]
-        block.copy_(src)
-        return block  # (it keeps its arena's mapping alive)
+            _native.check_pinned(arena, self.pin_memory, f"layer group {self.group!r} (its encoded layers)",
+                                 warn=self.pin_error is None)
+            self.pin_error = self.pin_error or arena.pin_error
+        return arena.allocate(max(n, 1), alignment=BLOCK_ALIGN)[:n], arena
 
-    def keep(self, lp, block: torch.Tensor, version: int) -> _State:
-        """Encode the layer's plan-layout bytes `block` and keep the result (or the
-        raw bytes, where encoding saves too little) in a host block of its own."""
+    def keep(self, segments, block: torch.Tensor):
+        """(payload, pieces): `block` (its `segments`) encoded, or `block` itself and
+        None where encoding saves too little (MIN_SAVING)."""
         t0 = time.perf_counter()
-        enc, pieces = encode_layer(block, lp, self.threads)
+        enc, pieces = encode_segments(block, segments, self.threads)
         self.encode_s += time.perf_counter() - t0
         self.encoded_input += block.numel()
         if enc.numel() > MIN_SAVING * block.numel():
-            enc, pieces = block, None
-        if self.device.type == "cuda" and pieces is not None:
+            return block, None
+        if self.device.type == "cuda":
             from ..triton_kernels.decode import parse_header
 
             pieces = [Piece(p.enc_off, p.enc_n, p.dst_off, p.dst_n, p.dtype,
                             parse_header(enc[p.enc_off : p.enc_off + p.enc_n], p.enc_n)) for p in pieces]
-        host = self._host_block(enc)
-        if pieces is None:
-            return _State(host, None, version)
-        return _State(host, tuple(pieces), version, tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces))
-
-    def store(self, lp, scratch: torch.Tensor) -> CodecSource:
-        """The manager's `_store` hook: layer `lp`, packed into `scratch`, kept encoded."""
-        src = CodecSource(self, lp, self.keep(lp, scratch, 0))
-        self.sources.append(src)
-        return src
+        return enc, pieces
 
     # ------------------------------------------------------------ run time
-    def start(self, engine, device: torch.device) -> None:
-        """Staging buffers on the device (each the largest encoded layer), once packed."""
-        self.engine = engine
+    def start(self, engine, transfer, pending, compute_ready) -> None:
+        """Staging buffers on the device (each the largest encoded payload), once packed.
+        `compute_ready`: an event on the compute stream after they were allocated
+        (CUDA; None on CPU): the first copy into each waits on it."""
+        self.engine, self.transfer, self.pending = engine, transfer, pending
         biggest = max((s.transfer_bytes for s in self.sources if s.encoded), default=0)
         n = STAGING_BUFFERS  # (empty where no layer is encoded: a write may make one so, fetch grows them)
-        self._staging = [torch.empty(_round16(biggest), dtype=torch.uint8, device=device) for _ in range(n)]
-        self._staging_event = [None] * n
+        self._staging = [torch.empty(_round16(biggest), dtype=torch.uint8, device=self.device) for _ in range(n)]
+        self._last = [compute_ready] * n
         self._stream = None
         if engine.is_cuda:
-            self._stream = torch.cuda.ExternalStream(engine.stream_handle(0), device=device)
+            self._stream = torch.cuda.ExternalStream(engine.stream_handle(0), device=self.device)
         self.log_summary()
 
-    def fetch(self, state: _State, dst: torch.Tensor, after, timing: bool):
-        engine = self.engine
-        if state.pieces is None:  # travels raw
-            return engine.copy_async(dst, state.block, after, timing)
+    def _staging_for(self, k: int, need: int, prev):
+        """Staging k, at least `need` bytes, and what a copy into it waits for. A write
+        may have made an encoding larger than any at start(): staging k then grows
+        once its last decode has finished (rare; the host waits only then), and the
+        new memory's first write waits on the compute stream (the caching allocator
+        may hand out memory the compute stream still uses)."""
+        if need <= self._staging[k].numel():
+            return self._staging[k], prev
+        if prev is not None:
+            prev.synchronize()
+        self._staging[k] = torch.empty(_round16(need), dtype=torch.uint8, device=self.device)
+        ready = None
+        if self.engine.is_cuda:
+            ready = self.engine.record(_native.current_stream_handle(self.device), False)
+        return self._staging[k], ready
+
+    def fetch(self, src: CodecSource, i: int, dst: torch.Tensor, after, timing: bool):
+        """copy (the inner source's fetch) payload -> staging k, after the last decode
+        out of staging k; then decode staging k -> dst, after the copy and `after`."""
         k = self._next
         self._next = (k + 1) % len(self._staging)
-        prev = self._staging_event[k]
-        need = state.block.numel()
-        if need > self._staging[k].numel():
-            # A write made this layer's encoding larger than any at start(): grow staging k
-            # once its last decode has finished (rare; the host waits here only then).
-            if prev is not None:
-                prev[0].synchronize()
-            self._staging[k] = torch.empty(_round16(need), dtype=torch.uint8, device=self._staging[k].device)
-        staging = self._staging[k][:need]
-        # The copy into staging k waits for the last decode out of it.
-        copy_ev = engine.copy_async(staging, state.block, prev[0] if prev else None)
+
+        def issue(prev):
+            # What the source holds when the copy is issued (a write in between changes
+            # payload and pieces together; the manager then reloads the slot anyway).
+            pieces, spans, need = src.pieces, src.spans, src.transfer_bytes
+            if pieces is None:
+                return src.inner.fetch(i, dst, after, timing)
+            staging, ready = self._staging_for(k, need, prev)
+            staging = staging[:need]
+            copied = src.inner.fetch(i, staging, ready, timing=False)
+            return then(copied, lambda copy_ev: self._decode(staging, dst, pieces, spans, copy_ev, after, timing),
+                        self.pending)
+
+        res = self._last[k] = then(self._last[k], issue, self.pending)
+        return res
+
+    def _decode(self, staging, dst, pieces, spans, copy_ev, after, timing):
+        engine = self.engine
         if engine.is_cuda:
-            ev, start = self._decode_cuda(staging, dst, state.pieces, copy_ev, after, timing)
+            ev, start = self._decode_cuda(staging, dst, pieces, copy_ev, after, timing)
         else:
-            ev = engine.decode_async(dst, staging, state.spans, copy_ev, after, timing)
-            start = None
-        # The copy's event is held until staging k is reused: it keeps the host block
-        # it reads alive (a write() may replace the block while the copy is in flight).
-        self._staging_event[k] = (ev, copy_ev)
+            ev, start = engine.decode_async(dst, staging, spans, copy_ev, after, timing), None
         if timing:
             if len(self._timed) >= _PENDING_MAX:
                 self._resolve()
@@ -280,7 +312,8 @@ class CodecTier:
         from ..triton_kernels.decode import decode_segment
 
         engine, h = self.engine, self._stream.cuda_stream
-        engine.wait(copy_ev, h)
+        if copy_ev is not None:
+            engine.wait(copy_ev, h)
         if after is not None:
             engine.wait(after, h)
         start = engine.record(h, True) if timing else None
@@ -311,13 +344,12 @@ class CodecTier:
         raw_layers = []
         raw = moved = 0
         for s in self.sources:
-            st = s._state
             raw += s.nbytes
-            moved += st.block.numel()
-            if st.pieces is None:
+            moved += s.transfer_bytes
+            if s.pieces is None:
                 raw_layers.append(s.index)
                 continue
-            for p in st.pieces:
+            for p in s.pieces:
                 d = per.setdefault(_codec.dtype_name(p.dtype), {"raw_bytes": 0, "encoded_bytes": 0})
                 d["raw_bytes"] += p.dst_n
                 d["encoded_bytes"] += p.enc_n
@@ -351,5 +383,5 @@ class CodecTier:
             f"{st['layers_raw']}" if st["layers_raw"] else "all travel encoded")
 
     def close(self) -> None:
-        self._staging, self._staging_event, self._timed = [], [], []
-        self.engine = self._stream = None
+        self._staging, self._last, self._timed = [], [], []
+        self.engine = self._stream = self.transfer = self.pending = None

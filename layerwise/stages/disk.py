@@ -6,9 +6,9 @@ device slot (DESIGN.md, "Tiers and stages").
 
 The read's event is a host event, which a CUDA stream cannot wait on. So the
 copy out of staging is *deferred*: `DiskSource.fetch` queues the read and
-returns a `Deferred`, which issues the copy once the read has completed. The
+returns a `ReadCopy` (a deferred result, stages/result.py), which issues the copy once the read has completed. The
 manager's hooks `pump()` the tier (copies of finished reads are issued without
-blocking) and `resolve()` a layer's Deferred where the layer is needed: the
+blocking) and `resolve()` a layer's ReadCopy where the layer is needed: the
 host blocks only there, and only if the read is not done yet. The same logic
 runs on the CPU backend, so CI exercises it.
 
@@ -37,7 +37,6 @@ collected without a remove, and at exit (by the process that made them).
 """
 from __future__ import annotations
 
-import copy
 import errno
 import logging
 import os
@@ -50,11 +49,13 @@ import zlib
 import torch
 
 from .read import (PAGE, READ_CHUNK_BYTES, READER_THREADS, OpenFile, ReadError, Reader, _round_up, aligned_staging,
-                   read_layer)
+                   read_layer, staging_block)
+from .result import detached
+from .transfer import Transfer, cuts_of
 
 log = logging.getLogger("layerwise")
 
-__all__ = ["Deferred", "DiskFile", "DiskSource", "DiskTier", "SpillFile", "crc_of", "spill_store"]
+__all__ = ["ReadCopy", "DiskFile", "DiskSource", "DiskTier", "SpillFile", "crc_of", "spill_store"]
 
 
 def crc_of(block: torch.Tensor) -> int:
@@ -224,10 +225,10 @@ class SpillFile:
 
 
 # --------------------------------------------------------------------- the tier
-class Deferred:
+class ReadCopy:
     """The copy of a read layer out of staging into its slot, issued once the read
-    has completed. Quacks like an Event for the manager (query, synchronize,
-    copy_ms); `resolve()` returns the copy's real Event."""
+    has completed: a stage result (stages/result.py: ready, resolve, query,
+    synchronize, copy_ms); `resolve()` returns the copy's real Event."""
 
     __slots__ = ("tier", "src", "slot", "dst", "after", "timing", "ev", "error", "copies")
 
@@ -250,7 +251,7 @@ class Deferred:
         if self.ev is not None:
             return self.ev
         if self.error is not None:
-            raise _detached(self.error)
+            raise detached(self.error)
         self.ev = self.tier._issue(self)
         return self.ev
 
@@ -270,25 +271,12 @@ class Deferred:
         return -1.0 if any(m < 0 for m in ms) else sum(ms)
 
 
-def _detached(err: Exception) -> Exception:
-    """A copy of `err` with no traceback, cause or context: what a Deferred keeps
-    and raises again. A kept traceback holds the failed forward's frames, and
-    through their tensors the autograd graph and its saved-tensor hooks, which
-    hold the manager: a cycle through C++ that gc cannot see, so a model whose
-    forward raised was never collected (nor its files closed)."""
-    try:
-        new = copy.copy(err)
-    except Exception:  # noqa: BLE001  (an exception type that cannot be rebuilt from its args)
-        new = RuntimeError(str(err))
-    new.__traceback__ = new.__cause__ = new.__context__ = None
-    return new
-
-
 class _Slot:
-    __slots__ = ("buf", "src", "version", "reads", "opened", "last", "pending", "used")
+    __slots__ = ("buf", "arena", "cuts", "src", "version", "reads", "opened", "last", "pending", "used")
 
-    def __init__(self, buf):
-        self.buf = buf
+    def __init__(self, buf, arena):
+        self.buf, self.arena = buf, arena
+        self.cuts = cuts_of(arena, buf)
         self.src = None  # the DiskSource whose bytes it holds (or is reading)
         self.version = -1
         self.reads = []  # the read events of its current content
@@ -315,13 +303,14 @@ class DiskTier:
 
     def __init__(self, engine, num_slots: int, slot_bytes: int, device, pinned: bool,
                  reader_threads: int = READER_THREADS, debug_read_delay_us: int | None = None, direct: bool = True):
-        cuda = device.type == "cuda"
         self.engine = engine
+        self.transfer = Transfer(engine)  # the only caller of copy_async
+        self.device, self.pinned = device, pinned
+        self.pin_memory = pinned  # the policy for its staging (check_pinned); the chain sets the group's
         self.reader = Reader(num_threads=reader_threads, direct=direct, chunk_bytes=READ_CHUNK_BYTES,
                              debug_delay_us=-1 if debug_read_delay_us is None else debug_read_delay_us)
-        self.slots = [_Slot(aligned_staging(slot_bytes, pinned=pinned, device=device.index if cuda else -1))
-                      for _ in range(max(1, num_slots))]
-        self.pending: list[Deferred] = []
+        self.slots = [_Slot(*self._staging(slot_bytes)) for _ in range(max(1, num_slots))]
+        self.pending: list[ReadCopy] = []
         self._clock = 0
         # figures
         self.bytes_read = 0
@@ -330,13 +319,17 @@ class DiskTier:
         self.read_s = 0.0  # time reads took, from start to end, summed (several run at once)
         self.timed_bytes = 0.0  # the bytes of those reads
 
+    def _staging(self, nbytes: int):
+        cuda = self.device.type == "cuda"
+        return staging_block(nbytes, pinned=self.pinned, device=self.device.index if cuda else -1)
+
     @property
     def staging_bytes(self) -> int:
         return sum(s.buf.numel() for s in self.slots)
 
     # ------------------------------------------------------------ staging
     @staticmethod
-    def _settle(d: Deferred | None) -> None:
+    def _settle(d: ReadCopy | None) -> None:
         """Issue a pending copy (blocking on its read) so that its slot may be reused;
         a failed read stays with the Deferred, raised where its layer is needed."""
         if d is not None:
@@ -379,6 +372,15 @@ class DiskTier:
         if s.src is not None and s.src.slot == k:
             s.src.slot = None
         s.src, s.version, s.reads = None, -1, []
+        if src.staging_size > s.buf.numel():  # a write made the layer larger (an encoding): regrow, once free
+            if s.last is not None:
+                try:
+                    s.last.synchronize()
+                except Exception:  # noqa: BLE001 - a failed read: nothing in flight
+                    pass
+                s.last = None
+            s.buf, s.arena = self._staging(src.staging_size)
+            s.cuts = cuts_of(s.arena, s.buf)
         reads = []
         for part in src.parts:  # one after the other: `last` covers them all
             reads.append(read_layer(self.reader, part.file.of, part.extents, s.buf, after=s.after()))
@@ -391,14 +393,14 @@ class DiskTier:
         self.reads += 1
         return k
 
-    def fetch(self, src, dst, after, timing) -> Deferred:
+    def fetch(self, src, dst, after, timing) -> ReadCopy:
         k = self.stage(src)
         s = self.slots[k]
         if s.pending is not None:  # an earlier copy out of this slot, not issued yet: issue it first
             self._settle(s.pending)
             k = self.stage(src)  # (a failed read freed the slot)
             s = self.slots[k]
-        d = Deferred(self, src, k, dst, after, timing)
+        d = ReadCopy(self, src, k, dst, after, timing)
         s.pending = d
         self.pending.append(d)
         return d
@@ -408,7 +410,7 @@ class DiskTier:
     # Bounded: a file that keeps changing under the reads is an error.
     read_retries = 2
 
-    def _issue(self, d: Deferred):
+    def _issue(self, d: ReadCopy):
         """Wait for d's read (host), then queue its copies staging -> slot. A read
         that failed is read again once the file is back (`DiskSource.recover`)."""
         attempt = 0
@@ -444,7 +446,8 @@ class DiskTier:
         after = d.after
         ev = None
         for soff, poff, length in d.src.copies:
-            ev = self.engine.copy_async(d.dst[poff:poff + length], s.buf[soff:soff + length], after, d.timing)
+            cuts = tuple(c - soff for c in s.cuts if soff < c < soff + length)
+            ev = self.transfer.copy(d.dst[poff:poff + length], s.buf[soff:soff + length], after, d.timing, cuts)
             d.copies.append(ev)
             after = ev
         s.last = ev
@@ -466,7 +469,7 @@ class DiskTier:
             if t0 is not None:
                 self.read_wait_s += time.perf_counter() - t0
 
-    def _drop_read(self, d: Deferred, s: _Slot) -> None:
+    def _drop_read(self, d: ReadCopy, s: _Slot) -> None:
         """The slot's read failed: it holds nothing."""
         if s.pending is d:
             s.pending = None
@@ -474,8 +477,8 @@ class DiskTier:
         if d.src.slot == d.slot:
             d.src.slot = None
 
-    def _give_up(self, d: Deferred, err: Exception) -> None:
-        d.error = _detached(err)
+    def _give_up(self, d: ReadCopy, err: Exception) -> None:
+        d.error = detached(err)
         if d in self.pending:
             self.pending.remove(d)
 
@@ -558,7 +561,8 @@ class DiskSource:
         self.crc = crc
         self.spill = spill
         self.spill_offset = spill_offset
-        self.spare = None  # a spill layer's second region: where the next write goes
+        self.capacity = _round_up(nbytes)  # a spill layer's region: its bytes, page-rounded
+        self.spare = None  # a spill layer's second region (offset, capacity): where the next write goes
         self.what = what  # "layer group[i]" for messages
         self.tier: DiskTier | None = None
         self.slot = None
@@ -647,28 +651,35 @@ class DiskSource:
             )
 
     def write(self, block: torch.Tensor) -> None:
+        """Replace the payload (a spill layer; its size may change: an encoded one).
+        Written to the layer's other region (appended where it has none, or where
+        the bytes do not fit it), then switched to: a write that fails half way (a
+        full disk) leaves the current bytes whole."""
         self.refuse_write()
-        if block.numel() != self.nbytes:
-            raise ValueError(f"layerwise: {self.what}: {block.numel()} bytes given for a {self.nbytes}-byte layer")
         tier = self.tier
         if tier is not None:
             tier.flush()
             tier.synchronize()
-        staging = aligned_staging(self.nbytes, pinned=False)
-        staging[: self.nbytes].copy_(block)
-        # Written to the layer's other region (appended the first time), then switched
-        # to: a write that fails half way (a full disk) leaves the current bytes whole.
-        if self.spare is None:
-            self.spare = self.spill.append(staging[: self.nbytes])
+        n = block.numel()
+        staging = aligned_staging(n, pinned=False)
+        staging[:n].copy_(block)
+        if self.spare is None or _round_up(n) > self.spare[1]:
+            self.spare = (self.spill.append(staging[:n]), _round_up(n))
         else:
             try:
-                self.spill.write_at(self.spare, staging[: self.nbytes])
+                self.spill.write_at(self.spare[0], staging[:n])
             finally:
                 self.spill.refresh()
-        self.spare, self.spill_offset = self.spill_offset, self.spare
-        self.parts[0].extents = [(self.spill_offset, self.nbytes, 0)]
+        self.spare, (self.spill_offset, cap) = (self.spill_offset, self.capacity), self.spare
+        self.capacity = cap
+        self.nbytes = self.transfer_bytes = self.read_bytes = n
+        self.parts[0].extents = [(self.spill_offset, n, 0)]
+        self.copies = [(0, 0, n)]
         self.crc = crc_of(block)
         self._version += 1
+
+    def holders(self):
+        yield self
 
     def close(self) -> None:
         self.tier = None
@@ -683,19 +694,24 @@ def _shared_reader() -> Reader:
     return _READER[0]
 
 
-def spill_store(manager, spill_dir):
-    """The manager's `_store` for configure(host_budget=, spill_dir=): each layer
-    that stays on disk is appended to the group's spill file as it is packed."""
+def spill_store(group: str, spill_dir, files: list):
+    """A file store (stages/chain.py) for layers kept in a spill file: each payload
+    is appended to the group's spill file (made at the first, added to `files`,
+    which remove() closes) as the layer is packed. `store(lp, payload, span, what)`."""
     spill = None
 
-    def store(lp, block):
+    def store(lp, payload, span, what):
         nonlocal spill
         if spill is None:
-            spill = SpillFile(spill_dir, manager.layer_name)
-            manager._disk_files.append(spill)
+            spill = SpillFile(spill_dir, group)
+            files.append(spill)
+        n = payload.numel()
+        block = payload
+        if payload.data_ptr() % PAGE or payload.untyped_storage().nbytes() - payload.storage_offset() < _round_up(n):
+            block = aligned_staging(n, pinned=False)[:n]  # appended whole pages at a page boundary
+            block.copy_(payload)
         offset = spill.append(block)
-        n = lp.nbytes
-        return DiskSource(lp.index, n, [(spill.file, [(offset, n, 0)])], [(0, 0, n)], crc_of(block), spill,
-                          offset, what=f"layer {manager.layer_name}[{lp.index}]")
+        return DiskSource(lp.index, n, [(spill.file, [(offset, n, 0)])], [(0, 0, n)], crc_of(payload), spill,
+                          offset, what=what)
 
     return store

@@ -100,6 +100,8 @@ import torch
 
 from .. import _native
 from ..plan import BLOCK_ALIGN, round_up
+from .result import then
+from .source import ArenaSource
 
 SHARE_ALIGN = 512  # bytes: every rank's part of a slot starts 512-byte aligned (vectorised copies, NCCL)
 
@@ -564,11 +566,6 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None, v
                         f"split_fetch: {e.qualname} is a DTensor (tensor-parallel weights): each rank holds its "
                         "own shard already, there is no replicated layer to split. Pass split_fetch=None; split "
                         "fetch is for ranks that hold the same full weights (sequence / context parallel).")
-    for m in managers:
-        if m._disk_layers:
-            raise ValueError(
-                f"split_fetch: layer group {m.layer_name!r} already keeps some layers in another tier (the disk "
-                "tier: host_budget / spill_dir); the two do not combine yet. Pass one of them.")
     group = SplitGroup(pg, device, timeout_s)
     want = {"cpu": "gloo", "cuda": "nccl"}[device.type]
     if want not in group.backend:  # "gloo", "nccl", or a device map such as "cpu:gloo,cuda:nccl"
@@ -579,7 +576,7 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None, v
     for m in managers:
         if not m.enabled:
             continue
-        m._split = ShareStore(m, group)  # the manager's _choose_tiers hands it the split layers to keep
+        m.use_split(ShareStore(m, group))  # its tier plan splits the streamed layers (layerwise.tierplan)
     return group
 
 
@@ -609,24 +606,33 @@ class ShareStore:
         self.copy_wait_s = 0.0  # the gather thread waiting for the local copies (CPU)
         self.gather_s = 0.0  # time in the all-gathers (CPU)
         self._open = 0  # sources kept and not closed yet
+        self.engine = self.pending = None  # set by start()
         self._views = {}  # (slot address, bytes) -> the gather's view of the slot
         self.last_gather = {}  # slot address -> the event of the last gather into it
         group.acquire()
         self._released = False
         self.id = group.register(self)  # its number in the lockstep tags
 
-    def keep(self, lp, scratch: torch.Tensor):
-        """The manager's `_store` hook: keep this rank's share of the packed layer."""
+    def hold(self, payload: torch.Tensor) -> ArenaSource:
+        """This rank's share of a packed layer (raw), in the store's arena."""
         if self._arena is None:
             m = self._manager()
             cuda = m.device.type == "cuda"
             self._arena = _native.HostArena(max(self.capacity, 1), pinned=m.pin_memory is not False, cuda=cuda,
                                             device=m.device.index if cuda else -1)
-        share, lo, hi = self.spans[lp.index]
-        block = self._arena.allocate(max(hi - lo, 1), alignment=BLOCK_ALIGN)[: hi - lo]
-        block.copy_(scratch[lo:hi])
+            _native.check_pinned(self._arena, m.pin_memory, f"layer group {self.layer_name!r} (its shares)")
+        n = payload.numel()
+        block = self._arena.allocate(max(n, 1), alignment=BLOCK_ALIGN)[:n]
+        block.copy_(payload)
+        return ArenaSource(block, self._arena)
+
+    def start(self, engine, pending) -> None:
+        self.engine, self.pending = engine, pending
+
+    def wrap(self, index: int, nbytes: int, inner) -> ShareSource:
+        """Layer `index`'s source: its share kept by `inner` (raw or encoded, in memory or a file)."""
         self._open += 1
-        return ShareSource(self, lp.index, lp.nbytes, block)
+        return ShareSource(self, index, nbytes, inner)
 
     def slot_view(self, dst: torch.Tensor, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of dst's slot as a tensor with a version counter of its own:
@@ -719,33 +725,49 @@ class ShareStore:
 
 
 class ShareSource:
-    """A split layer's source (stages/source.py): this rank's share in host memory;
-    the full layer exists only in a slot after a gather, or on the host after a
-    collective read()."""
+    """A split layer's source (stages/source.py): this rank's share, kept by the
+    source it wraps (`inner`: a host block, encoded or not, or a file); the full
+    layer exists only in a slot after a gather, or on the host after a collective
+    read()."""
 
     kind = "share"
     host = None  # the truth is spread over the ranks
-    writable = True  # write() is collective: every rank writes its share of the same bytes
 
-    def __init__(self, store: ShareStore, index: int, nbytes: int, share_block: torch.Tensor):
+    def __init__(self, store: ShareStore, index: int, nbytes: int, inner):
         self.store = store
         self.group = store.group
         self.index = index
         self.nbytes = nbytes
         self.share, self.lo, self.hi = share_span(nbytes, self.group.rank, self.group.world)
-        self.block = share_block  # host, bytes [lo, hi) of the layer
-        self.stored_bytes = self.hi - self.lo
-        self.transfer_bytes = self.hi - self.lo
+        self.inner = inner  # bytes [lo, hi) of the layer
         self.slot_bytes = self.share * self.group.world  # >= nbytes: the gather fills whole shares
         self._gen = 0  # bumped by write(); the same on every rank (writes are collective)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.inner.stored_bytes
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.inner.transfer_bytes if self.hi > self.lo else 0
+
+    @property
+    def writable(self) -> bool:  # write() is collective: every rank writes its share of the same bytes
+        return self.inner.writable
+
+    def refuse_write(self) -> None:
+        self.inner.refuse_write()
 
     def version(self) -> int:
         return self._gen
 
-    # -- the fetch: share -> this rank's part of the slot -> all-gather
+    def holders(self):
+        yield self
+        yield from self.inner.holders()
+
+    # -- the fetch: share -> this rank's part of the slot (the inner chain) -> all-gather
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
-        m = self.store._manager()
-        engine = m._engine
+        engine = self.store.engine
         full = self.store.slot_view(dst, self.slot_bytes)
         part = full[self.group.rank * self.share : (self.group.rank + 1) * self.share]
         n = self.hi - self.lo
@@ -755,27 +777,38 @@ class ShareSource:
         if prev is not None and prev is not after:
             # The manager forgot the slot's last event (a resync after an interrupt): a gather
             # into the slot may still be in flight, and the local copy must not overtake it.
-            if engine.is_cuda:
-                stream = _native.current_stream_handle(m.device)
+            try:
+                prev = prev.resolve()
+            except Exception:  # noqa: BLE001 - a failed or forgotten gather: nothing in flight
+                prev = None
+            if prev is not None and engine.is_cuda:
+                stream = _native.current_stream_handle(self.group.device)
                 engine.wait(prev, stream)
                 after = engine.record(stream, False)
-            else:
+            elif prev is not None:
                 try:
                     prev.synchronize()
                 except Exception:  # noqa: BLE001 - a failed gather: the layer that waited on it raised
                     pass
         group = self.group
         tag = (GATHER, st.id, i, self.nbytes, self._gen)
-        if engine.is_cuda:  # the lockstep check first, on the host: nothing is issued if it fails
-            group.agree(*tag)
-        copied = engine.copy_async(part[:n], self.block, after, timing) if n else after
-        st.local_bytes += n
+        copied = self.inner.fetch(i, part[:n], after, timing) if n else after
+        st.local_bytes += self.transfer_bytes
         st.gathered_bytes += self.nbytes - n
         st.gathers += 1
-        if engine.is_cuda:
-            done = st.last_gather[key] = self._gather_cuda(engine, full, part, copied, timing)
-            return done
-        done = st.last_gather[key] = _native._C.host_event()
+        # The gather is a collective: issued where every rank issues it in the same order
+        # (Pending.settle: after the forward of the layer that prefetched it, or where the
+        # layer is needed), never while the user's collectives of that layer may queue behind it.
+        res = st.last_gather[key] = then(copied, lambda ev: self._gather(engine, i, full, part, ev, tag, timing),
+                                         st.pending, collective=True)
+        return res
+
+    def _gather(self, engine, i, full, part, copied, tag, timing):
+        st, group = self.store, self.group
+        if engine.is_cuda:  # the lockstep check first, on the host: nothing is issued if it fails
+            group.agree(*tag)
+            return self._gather_cuda(engine, full, part, copied, timing)
+        done = _native._C.host_event()
 
         def failed(e):
             done.fail(str(e) if isinstance(e, SplitError) else
@@ -849,7 +882,7 @@ class ShareSource:
         g.agree(READ, self.store.id, self.index, self.nbytes, self._gen)
         full = torch.empty(self.slot_bytes, dtype=torch.uint8)
         part = full[g.rank * self.share : (g.rank + 1) * self.share]
-        part[: self.hi - self.lo].copy_(self.block)
+        part[: self.hi - self.lo].copy_(self.inner.read())
         g.wait(_gather(full, part, g.host_pg, async_op=True),
                f"reading layer {self.store.layer_name}[{self.index}] (state_dict, load_state_dict or remove)")
         return full[: self.nbytes]
@@ -881,16 +914,17 @@ class ShareSource:
                 f"[{self.index}] (load_state_dict or an edit); ranks with this rank's values: {same}. With "
                 "split_fetch every rank holds the same weights: load the same state dict on every rank. "
                 "Nothing was changed.")
-        self.block.copy_(block[self.lo : self.hi])
+        self.inner.write(block[self.lo : self.hi].clone())
         self._gen += 1
         g.last_read = (self, self._gen, block)  # the caller's fresh block: what every rank now holds
 
     def close(self) -> None:
-        if self.block is None:
+        if self.inner is None:
             return
         g = self.group
         if g.last_read is not None and g.last_read[0] is self:
             g.last_read = None
-        self.block = None
+        self.inner.close()
+        self.inner = None
         self.store.source_closed()
 

@@ -1,7 +1,7 @@
 """read: a layer's bytes in a file -> a page-aligned (pinned) host staging
 buffer, on the reader threads of ``layerwise._C.Reader`` (the disk tier's first
-stage; DESIGN.md, "Tiers and stages"). Not wired into the manager yet: this is
-the API it is built on.
+stage; DESIGN.md, "Tiers and stages"): the API the disk stage
+(stages/disk.py, DiskTier.stage) reads with.
 
 A layer is a list of extents ``(file_offset, length, dst_offset)``: where each
 of its tensors lies in the file and where it goes in the staging buffer.
@@ -46,7 +46,7 @@ reads.
 
 CUDA: a read's event is a host event. A CUDA copy engine cannot make its stream
 wait on it, so the H2D copy out of staging is issued once the read has
-completed - see the integration notes in ``Read``'s docstring.
+completed: stages/disk.py (ReadCopy) does that.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ PAGE = Reader.alignment  # 4096
 READER_THREADS = 4
 READ_CHUNK_BYTES = 4 << 20
 
-__all__ = ["PAGE", "READER_THREADS", "READ_CHUNK_BYTES", "OpenFile", "Read", "ReadError", "Reader", "aligned_staging", "filesystem_type", "read_layer",
+__all__ = ["PAGE", "READER_THREADS", "READ_CHUNK_BYTES", "OpenFile", "ReadError", "Reader", "aligned_staging", "filesystem_type", "staging_block", "read_layer",
            "staging_layout"]
 
 
@@ -80,11 +80,17 @@ def aligned_staging(nbytes: int, pinned: bool = True, device: int = -1) -> torch
     CUDA builds where a GPU is visible; where pinning fails it stays pageable,
     with the reason in the arena's ``pin_error``). The tensor keeps the mapping
     alive; reads into it may be O_DIRECT whatever its pinning."""
+    return staging_block(nbytes, pinned, device)[0]
+
+
+def staging_block(nbytes: int, pinned: bool = True, device: int = -1):
+    """aligned_staging's buffer and the HostArena that holds it (a copy out of it
+    honours its registration's split points: stages/transfer.py)."""
     if nbytes < 0:
         raise ValueError(f"aligned_staging: nbytes must be >= 0, got {nbytes}")
     size = max(_round_up(nbytes), PAGE)
     arena = HostArena(size, pinned=pinned, device=device)
-    return arena.allocate(size, alignment=PAGE)
+    return arena.allocate(size, alignment=PAGE), arena
 
 
 def staging_layout(file_extents, base: int = 0) -> tuple[list[tuple[int, int, int]], int]:
@@ -215,46 +221,3 @@ def filesystem_type(path) -> str:
     except OSError:
         return ""
     return kind
-
-
-class Read:
-    """The read stage: layer ``i``'s extents in its file -> a host staging buffer.
-
-    ``layers[i] = (file, extents)`` (``file`` as for ``read_layer``).
-    ``fetch(i, dst, after, timing)`` queues the read into ``dst`` (a staging
-    slot, host) after ``after`` and returns its Event (``timing`` is ignored:
-    a read's event records when it started and ended).
-
-    Integration (what the manager does with it, not done here):
-
-    * Staging: one slot per read in flight, each ``aligned_staging`` of the
-      largest layer's ``staging_layout`` size; a slot is read into only after
-      the copy out of it has completed (``after=`` that copy's event; on CUDA
-      the reader thread host-waits on the CUDA event, which is fine off the
-      Python thread).
-    * CPU backend: ``engine.copy_async(slot_dst, staging, after=read_event)``
-      chains as any copy does; a failed read fails the copy's event too.
-    * CUDA backend: a stream cannot wait on a host event. Issue the H2D copy
-      once ``read_event.query()`` is True (poll from the hooks: the host never
-      blocks unless the layer is needed), or ``read_event.synchronize()`` where
-      the layer is needed and not read yet. Either raises ReadError for a failed
-      read: never copy a staging slot whose read has not been waited on. The
-      staging slots must be pinned (``aligned_staging(pinned=True)`` on a CUDA
-      build registers them) or the copy is synchronous.
-    * The staging layout puts tensors at ``dst_offset`` in the slot, not at the
-      plan's per-dtype offsets: copy the layer's runs to where the slot wants
-      them (one copy per run when the plan keeps checkpoint order; else a
-      scatter on the device), or write spill files in the plan's layout with
-      runs page aligned, where one run is the whole layer.
-    * Files: ``OpenFile.open`` once per checkpoint shard, ``close(reader)`` at
-      the end; record ``expect`` so that a checkpoint rewritten under a running
-      model is an error, not silently different weights.
-    """
-
-    def __init__(self, reader: Reader, layers: dict):
-        self.reader = reader
-        self.layers = layers
-
-    def fetch(self, i: int, dst: torch.Tensor, after=None, timing: bool = False):
-        file, extents = self.layers[i]
-        return read_layer(self.reader, file, extents, dst, after=after)

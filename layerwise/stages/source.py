@@ -1,61 +1,109 @@
-"""source: where a layer's true bytes live (DESIGN.md, "Tiers and stages").
+"""source: where a layer's true bytes live, and how they reach its slot
+(DESIGN.md, "Tiers and stages").
 
-Every streamed layer has one source. The manager and the state contract only
-talk to it through this interface, so a new tier (a file on disk, an encoded
-arena, this rank's share of the layer) is a new source class here, not a
-branch in the manager:
-
-    nbytes          the layer's bytes in plan layout (what its slot receives)
-    stored_bytes    the host memory it holds (its part of the arena)
-    transfer_bytes  the bytes one fetch moves over the bus (stats' bytes_copied)
-    slot_bytes      the slot bytes its fetch writes (>= nbytes; a gather fills whole
-                    shares: gather.py); optional, nbytes where absent
-    host            the plan-layout bytes as a host uint8 tensor that *is* the
-                    truth (a write into it reaches the model), or None where the
-                    truth is elsewhere (then read() gives a copy)
-    version()       changes whenever the true bytes change
-    read()          the plan-layout bytes, host uint8: `host` itself or a fresh copy
-    write(block)    replace the true bytes with `block` (plan layout, host uint8,
-                    nbytes); raises, naming why and what to do, where the source
-                    cannot be written (a checkpoint file that is not ours)
-    writable        False where write() always refuses (checked before a
-                    load_state_dict changes anything); such a source has
-                    refuse_write(), which raises the error write() would
-    fetch           the stage that brings the bytes to a slot (stages/__init__.py)
-    close()         drop what it holds (files, staging); called by remove()
+Every streamed layer has one source: the outermost of a short chain. The
+innermost holds this rank's *payload* (the bytes it keeps for the layer: all
+of them, or its share; raw, or encoded) - a host block (``ArenaSource``) or a
+file (``stages.disk.DiskSource``). Wrappers change what the payload means:
+``stages.decode.CodecSource`` (the payload is encoded: decode into the slot),
+``stages.gather.ShareSource`` (the payload is this rank's share: gather the
+rest from the other ranks). So a compressed, split layer read from disk is
+ShareSource(CodecSource(DiskSource)): read -> transfer -> decode -> gather,
+each stage taking the previous one's result (stages/result.py) and returning
+the next. The manager and the state contract only use the ``Source``
+protocol below; a new tier is a new wrapper or holder here, not a branch in
+the manager.
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
+
+from .transfer import cuts_of
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What the manager and the state contract know of a layer's source."""
+
+    kind: str  # "arena", "disk", "lossless", "share": the outermost stage (messages, stats)
+    nbytes: int  # the layer's bytes in plan layout (what its slot receives)
+    stored_bytes: int  # the host memory it holds
+    transfer_bytes: int  # the bytes one fetch moves over this rank's bus (stats' bytes_copied)
+    slot_bytes: int  # the slot bytes its fetch writes (>= nbytes: a gather fills whole shares)
+    writable: bool  # False where write() always refuses (then refuse_write() raises why)
+
+    @property
+    def host(self) -> torch.Tensor | None:
+        """The plan-layout bytes as a host uint8 tensor that *is* the truth (a write
+        into it reaches the model), or None where the truth is elsewhere."""
+
+    def version(self) -> int:
+        """Changes whenever the true bytes change."""
+
+    def read(self) -> torch.Tensor:
+        """The plan-layout bytes, host uint8: `host` itself or a fresh copy."""
+
+    def write(self, block: torch.Tensor) -> None:
+        """Replace the true bytes (plan layout, host uint8, nbytes); raises, naming
+        why and what to do, where it cannot be written."""
+
+    def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
+        """Queue what makes the bytes land in `dst` (device uint8) once `after` has
+        completed; returns the stage result (an event or a Deferred)."""
+
+    def close(self) -> None:
+        """Drop what it holds (files, staging); called by remove()."""
 
 
 class ArenaSource:
-    """The layer's block in the host arena, in plan layout: the truth itself."""
+    """A payload in a host block (the group's arena, an encoded layer's block, a
+    share): the truth itself. `alloc(n) -> (block, arena)` (optional) gives a
+    block of another size where a write changes the size (an encoded payload)."""
 
     kind = "arena"
     writable = True
 
-    def __init__(self, block: torch.Tensor, fetch=None):
-        self.block = block
-        self.nbytes = block.numel()
-        self.stored_bytes = block.numel()
-        self.transfer_bytes = block.numel()
-        self.slot_bytes = block.numel()
-        self.fetch = fetch
+    def __init__(self, block: torch.Tensor, arena=None, alloc=None):
+        self.alloc = alloc
+        self.transfer = None  # stages.Transfer, set when the group starts
+        self._version = 0
+        self._set(block, arena)
+
+    def _set(self, block: torch.Tensor, arena) -> None:
+        self.block, self.arena = block, arena
+        self.nbytes = self.stored_bytes = self.transfer_bytes = self.slot_bytes = block.numel()
+        self.cuts = cuts_of(arena, block)
 
     @property
     def host(self) -> torch.Tensor:
         return self.block
 
     def version(self) -> int:
-        return self.block._version
+        return self.block._version + self._version
 
     def read(self) -> torch.Tensor:
         return self.block
 
     def write(self, block: torch.Tensor) -> None:
-        if block.data_ptr() != self.block.data_ptr():
+        if block.numel() != self.block.numel():
+            if self.alloc is None:
+                raise ValueError(f"layerwise: internal: a {block.numel()}-byte write into a "
+                                 f"{self.block.numel()}-byte block")
+            new, arena = self.alloc(block.numel())
+            new.copy_(block)
+            self._version += 1
+            self._set(new, arena)  # one assignment each: a copy still reading the old block keeps it alive
+        elif block.data_ptr() != self.block.data_ptr():
             self.block.copy_(block)
 
+    def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
+        return self.transfer.copy(dst[: self.nbytes], self.block, after, timing, self.cuts)
+
     def close(self) -> None:
-        self.block = None
+        self.block = self.arena = None
+        self.cuts = ()
+
+    def holders(self):
+        yield self

@@ -1,22 +1,34 @@
-"""transfer: a layer's block in the host arena -> its device slot, on the copy
-engine's stream(s). A block that had to be pinned in several registrations
-(HostArena.split_points: one too large to register at once) is copied in one
-copy per registration, chained, so that no copy spans two."""
+"""transfer: host bytes -> device memory, on the copy engine's stream(s): the
+only stage that calls ``engine.copy_async`` (DESIGN.md, "Tiers and stages").
+
+Every host buffer a chain copies from (the arena, an encoded layer's block,
+this rank's shares, disk staging) is a ``HostArena`` allocation; one that had
+to be pinned in several registrations (``HostArena.split_points``: a block too
+large to register at once) is copied in one copy per registration, chained,
+so that no copy spans two (a copy across two registrations would run at
+pageable speed and block the host)."""
 from __future__ import annotations
 
 
-class Transfer:
-    def __init__(self, engine, host_blocks, splits):
-        self.engine = engine
-        self.host_blocks = host_blocks  # layer index -> uint8 host tensor
-        self.splits = splits  # layer index -> byte offsets where the copy must split
+def cuts_of(arena, block) -> tuple:
+    """Where a copy out of `block` (a tensor in `arena`) must split: byte offsets
+    into the block, normally none."""
+    if arena is None or block is None or not block.numel():
+        return ()
+    return tuple(arena.split_points(block.data_ptr() - arena.data_ptr, block.numel()))
 
-    def fetch(self, i: int, dst, after, timing: bool):
-        block = self.host_blocks[i]
-        cuts = self.splits[i]
+
+class Transfer:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def copy(self, dst, src, after=None, timing: bool = False, cuts=()):
+        """Queue src (host uint8) -> dst (device uint8, as many bytes) after `after`;
+        `cuts`: the split points of src's registration (cuts_of). Returns the event."""
+        copy_async = self.engine.copy_async
         if not cuts:
-            return self.engine.copy_async(dst, block, after, timing)
-        cuts = [0, *cuts, block.numel()]
-        for a, b in zip(cuts[:-2], cuts[1:-1]):
-            after = self.engine.copy_async(dst[a:b], block[a:b], after)
-        return self.engine.copy_async(dst[cuts[-2]:], block[cuts[-2]:], after, timing)
+            return copy_async(dst, src, after, timing)
+        bounds = [0, *[c for c in cuts if 0 < c < src.numel()], src.numel()]
+        for a, b in zip(bounds[:-2], bounds[1:-1]):
+            after = copy_async(dst[a:b], src[a:b], after)
+        return copy_async(dst[bounds[-2]:], src[bounds[-2]:], after, timing)

@@ -1,0 +1,202 @@
+"""chain: one layer group's stages (DESIGN.md, "Tiers and stages").
+
+The manager packs each streamed layer and hands the chain its plan-layout
+bytes and its route (layerwise.tierplan.Route: where the true bytes live and
+what happens on the way); the chain builds the layer's source, innermost
+first (stages/source.py):
+
+    payload   the layer's bytes, or this rank's share of them (route.split)
+    encoded   route.encoded: the payload encoded (stages/decode.py), where that pays
+    holder    a host block (ArenaSource), or a file (route.where: "spill" or
+              "checkpoint": stages/disk.DiskSource, read -> transfer)
+    wrappers  CodecSource (-> decode) and ShareSource (-> gather) around it
+
+At finalisation `start` gives every stage what it needs on the device and the
+host (the transfer, decode staging, disk staging and reader, the gather's
+queue), and at the hooks the manager asks the chain, never a tier, to issue
+what is ready (`pump`), the collectives (`settle`), the reads ahead
+(`read_ahead`), and on the way out to `flush`, `forget` or `close`.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from .decode import CodecSource, CodecTier, segments_of
+from .disk import DiskSource, DiskTier
+from .result import Pending
+from .source import ArenaSource
+from .transfer import Transfer
+
+log = logging.getLogger("layerwise")
+
+
+class Chain:
+    def __init__(self, group: str, device: torch.device, pin_memory, compress=None, split=None, file_store=None,
+                 disk_prefetch_depth: int | None = None, debug_read_delay_us: int | None = None):
+        self.group = group
+        self.device = device
+        self.pin_memory = pin_memory
+        self.codec = CodecTier(group, device, pin_memory) if compress == "lossless" else None
+        self.split = split  # stages.gather.ShareStore, or None
+        self.file_store = file_store  # store(lp, payload, span, what) -> DiskSource, or None
+        self.files: list = []  # the files its disk sources read (closed by close())
+        self.disk_prefetch_depth = disk_prefetch_depth
+        self.debug_read_delay_us = debug_read_delay_us
+        self.pending = Pending()
+        self.disk: DiskTier | None = None
+        self.transfer: Transfer | None = None
+        self._disk_of: dict[int, DiskSource] = {}  # layer index -> the disk source in its chain
+        self._upcoming: list = []
+
+    # ------------------------------------------------------------ pack time
+    def keep(self, lp, route, block: torch.Tensor):
+        """Layer `lp`'s source for `route`, from its plan-layout bytes `block` (a
+        scratch block: the chain keeps its own copy, or a file)."""
+        what = f"layer {self.group}[{lp.index}]"
+        lo, hi = (route.split[1], route.split[2]) if route.split is not None else (0, lp.nbytes)
+        payload = block[lo:hi]
+        pieces = None
+        codec = self.codec if route.encoded else None
+        if codec is not None:
+            segments = segments_of(lp, lo, hi)
+            payload, pieces = codec.keep(segments, payload)
+        if route.where in ("spill", "checkpoint"):
+            src = self.file_store(lp, payload, route.split and (lo, hi), what)
+            self._disk_of[lp.index] = src
+        elif codec is not None:
+            src = ArenaSource(*codec.host_block(payload.numel()), alloc=codec.host_block)
+            src.block.copy_(payload)
+        elif self.split is not None and route.split is not None:
+            src = self.split.hold(payload)
+        else:
+            raise ValueError(f"layerwise: internal: {what} has a plain route; it belongs in the arena")
+        if codec is not None:
+            src = CodecSource(codec, lp.index, segments, hi - lo, src, pieces)
+        if route.split is not None:
+            src = self.split.wrap(lp.index, lp.nbytes, src)
+        return src
+
+    # ------------------------------------------------------------ run time
+    def start(self, engine, sources: list, streamed: list[int], staging_slots: int, compute_ready=None) -> None:
+        """Give every stage what it needs (once the group is packed): `sources` every
+        layer's source, `streamed` the streamed layers in order, `compute_ready` an
+        event on the compute stream (CUDA) that the first write into new device
+        buffers waits on."""
+        self.transfer = Transfer(engine)
+        for src in sources:
+            for h in src.holders():
+                if isinstance(h, ArenaSource):
+                    h.transfer = self.transfer
+        if self.codec is not None:
+            self.codec.start(engine, self.transfer, self.pending, compute_ready)
+        if self.split is not None:
+            self.split.start(engine, self.pending)
+        order = [i for i in streamed if i in self._disk_of]
+        if not order:
+            return
+        srcs = [self._disk_of[i] for i in order]
+        self.disk = DiskTier(engine, staging_slots, max(s.staging_size for s in srcs), self.device,
+                             pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
+        for s in srcs:
+            s.tier = self.disk
+        # The disk layers streamed after layer i, in order (wrapping around), as many as
+        # there are staging slots: what the hooks read ahead, fixed once here.
+        n = min(len(self.disk.slots), len(srcs))
+        self._upcoming = []
+        for i in range(len(sources)):
+            k = bisect.bisect_right(order, i)
+            self._upcoming.append([srcs[(k + j) % len(srcs)] for j in range(n)])
+
+    def pump(self) -> None:
+        """Issue the work whose inputs are ready (copies of finished reads, the
+        decodes after them), never blocking."""
+        if self.disk is not None:
+            self.disk.pump()
+        self.pending.pump()
+
+    def settle(self) -> None:
+        """Issue the collectives queued so far, in order (blocking on what they wait
+        on): called where every rank of a split-fetch group is at the same point."""
+        self.pending.settle()
+
+    def read_ahead(self, i: int) -> None:
+        if self.disk is not None:
+            self.disk.read_ahead(self._upcoming[i])
+
+    def flush(self) -> None:
+        """Issue everything queued (blocking on reads); then wait for the reads."""
+        if self.disk is not None:
+            self.disk.flush()
+        self.pending.flush()
+        if self.disk is not None:
+            self.disk.synchronize()
+
+    def forget(self) -> None:
+        """After an interrupt: wait for the reads, drop what is queued and not issued."""
+        self.pending.forget()
+        if self.disk is not None:
+            self.disk.forget()
+
+    def idle(self) -> bool:
+        """Nothing queued that flush() would issue (stats(sync=True) skips it then)."""
+        return self.disk is None and not self.pending.items
+
+    # ------------------------------------------------------------ figures
+    def counts(self) -> tuple:
+        d = self.disk
+        return (d.bytes_read, d.read_wait_s) if d is not None else (0, 0.0)
+
+    def disk_stats(self) -> dict | None:
+        d = self.disk
+        if d is None:
+            return None
+        r = d.reader.stats()
+        srcs = list(self._disk_of.values())
+        return {
+            "layers": len(srcs),
+            "layer_bytes": sum(src.nbytes for src in srcs),
+            "files": sorted({p.file.path for src in srcs for p in src.parts}),
+            "spill": any(src.spill is not None for src in srcs),
+            "staging_bytes": d.staging_bytes,
+            "staging_slots": len(d.slots),
+            "bytes_read": d.bytes_read,
+            "reads": d.reads,
+            "read_wait_s": d.read_wait_s,
+            "read_gbps": d.timed_bytes / d.read_s / 1e9 if d.read_s else None,
+            "bytes_direct": r.get("bytes_direct", 0),
+            "bytes_buffered": r.get("bytes_buffered", 0),
+            "read_failures": r.get("failed", 0),
+        }
+
+    def stats(self) -> dict:
+        """The stages' own sections of the group's stats(): compress, disk, split fetch."""
+        out = {"compress": self.codec.stats() if self.codec is not None else None,
+               "disk": self.disk_stats()}
+        if self.split is not None:
+            out.update(self.split.stats())
+        return out
+
+    def pinned(self) -> tuple[bool, str | None]:
+        """(every host block of the stages pinned, the first pin error)."""
+        if self.codec is None:
+            return True, None
+        st = self.codec.stats()
+        return st["pinned"], st["pin_error"]
+
+    # ------------------------------------------------------------ the way out
+    def close(self, attempt) -> None:
+        """Close the stages and files: `attempt(what, fn, *args)` runs each, logging a failure."""
+        if self.codec is not None:
+            attempt("closing the codec stage", self.codec.close)
+        reader = self.disk.reader if self.disk is not None else None
+        for f in self.files:
+            attempt(f"closing {getattr(f, 'path', 'a file')}", f.close, reader)
+        self.files = []
+        if self.disk is not None:
+            attempt("closing the disk stage", self.disk.close)
+            self.disk = None
+        self._disk_of = {}
+        self._upcoming = []
