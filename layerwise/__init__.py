@@ -6,6 +6,7 @@ from .detect import detect_layer_groups
 from .empty import empty_model
 from .loading import load_offloaded
 from .manager import LayerwiseOffloadManager
+from .options import OffloadOptions
 from .pipelines import offload_pipeline, remove_pipeline_offload, report, report_pipeline
 from .scatter import build_scatter_table, scatter_segment
 
@@ -14,6 +15,7 @@ __all__ = [
     "Event",
     "HostArena",
     "LayerwiseOffloadManager",
+    "OffloadOptions",
     "build_info",
     "build_scatter_table",
     "configure_layerwise_offload",

@@ -20,12 +20,13 @@ Rules (see apply_device_budget):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from .plan import assign_slots
-from .options import resolve_resident, validate_budget_margin, validate_bytes
+from .options import resolve_resident
 
 log = logging.getLogger("layerwise")
 
@@ -100,7 +101,9 @@ def fmt_bytes(n: int | float) -> str:
 
 
 def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
-    validate_device_budget(device_budget, budget_margin)
+    """Bytes for a device budget (a number, or "auto": free device memory less
+    `budget_margin`, default 10% of the device), from values validated by
+    OffloadOptions.build."""
     if isinstance(device_budget, str):
         free, total = free_device_bytes(device)
         margin = int(DEFAULT_MARGIN_FRACTION * total) if budget_margin is None else int(budget_margin)
@@ -108,29 +111,7 @@ def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
     return int(device_budget)
 
 
-def validate_device_budget(device_budget, budget_margin) -> None:
-    """device_budget: None, "auto" or a finite number of bytes >= 0; budget_margin:
-    None or a finite number of bytes >= 0 (checked whether or not a budget is given)."""
-    validate_budget_margin(budget_margin)
-    if device_budget is None or (isinstance(device_budget, str) and device_budget == "auto"):
-        return
-    validate_bytes("device_budget", device_budget, "'auto' (free device memory less budget_margin) or None")
-
-
-def check_explicit_residency(device_budget, resident_layers) -> None:
-    """device_budget chooses the resident layers: an explicit non-zero
-    resident_layers next to it is refused rather than overridden."""
-    if device_budget is None or isinstance(resident_layers, bool):
-        return
-    if resident_layers != 0:
-        raise ValueError(
-            f"device_budget={device_budget!r} and resident_layers={resident_layers!r} were both given: pass one "
-            "of them. device_budget lets the planner choose the resident layers to fit the budget; "
-            "resident_layers fixes them yourself (then leave device_budget=None)"
-        )
-
-
-def apply_device_budget(model, managers, device, device_budget, budget_margin, policy, resident_layers=0) -> dict:
+def apply_device_budget(model, managers, device, device_budget, budget_margin, policy) -> dict:
     """Re-plan every manager's residency to fit the budget; returns the plan.
 
     `device_budget` is a number of bytes, or "auto": free device memory less
@@ -141,11 +122,11 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
     largest share of layers resident that still fits (a WARNING with the
     figures). If even depth 0 with nothing resident does not fit: RuntimeError.
 
-    A non-zero `resident_layers` together with a budget is a ValueError: the
-    planner never overrides an explicit argument. On a CPU device "auto" plans
-    nothing (host memory already holds the arena; see the module docstring).
+    A non-zero `resident_layers` together with a budget is refused before this
+    runs (OffloadOptions.build: options.check_explicit_residency): the planner
+    never overrides an explicit argument. On a CPU device "auto" plans nothing
+    (host memory already holds the arena; see the module docstring).
     """
-    check_explicit_residency(device_budget, resident_layers)
     enabled = [m for m in managers if m.enabled]
     asked_depth = max((m.prefetch_depth for m in enabled), default=0)
     if isinstance(device_budget, str) and device_budget == "auto" and device.type == "cpu":
@@ -192,6 +173,7 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
     need, plans = cost(steps[lo], depth)
     for m, resident in plans:
         m._set_residency(resident, depth)
+        m.options = dataclasses.replace(m.options, prefetch_depth=depth)
     plan = {
         "budget": budget, "needed": need, "non_layer_bytes": fixed, "prefetch_depth": depth,
         "ring_bytes": rings, "resident": {m.layer_name: len(r) for m, r in plans},

@@ -12,10 +12,9 @@ from torch import nn
 from . import contract
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
-from .hostplan import check_disk_options, plan_spill
-from .budget import record_host_budget, validate_device_budget, warn_if_streaming_saves_nothing
-from .options import (note_cpu_threads, resolve_device, resolve_resident, validate_compress, validate_depth,
-                      validate_engine_options)
+from .hostplan import plan_spill
+from .budget import record_host_budget, warn_if_streaming_saves_nothing
+from .options import OffloadOptions, named_options, note_cpu_threads, resolve_resident
 from .plan import resolve_group
 
 log = logging.getLogger("layerwise")
@@ -63,6 +62,7 @@ def configure_layerwise_offload(
     disk_prefetch_depth: int | None = None,
     debug_read_delay_us: int | None = None,
     split_fetch=None,
+    measure_stalls: bool = True,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -85,25 +85,28 @@ def configure_layerwise_offload(
     in lockstep each keep and copy only their share of every streamed layer and
     all-gather the rest (layerwise/stages/gather.py says which calls are collective).
 
+    `measure_stalls=False` skips the timing of waits behind stats()' stall figures.
+    Every option is validated once, into a layerwise.options.OffloadOptions.
+
     Returns one LayerwiseOffloadManager per name, in the order given.
     Everything is validated before anything in the model changes; if packing
     fails half way, the model is put back as it was.
     """
-    managers, dev = _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy,
-                             pin_memory, num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth,
-                             debug_read_delay_us, device_budget=device_budget, budget_margin=budget_margin)
-    check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
+    options = OffloadOptions.build(caller="configure_layerwise_offload", **named_options(locals()))
+    managers = _prepare(model, layer_names, options)
     contract.check_configurable(model, managers)
-    if device_budget is not None:
+    dev = options.device
+    if options.device_budget is not None:
         from .budget import apply_device_budget
 
-        apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
-                            resident_layers)
-    attach_split_fetch(managers, split_fetch, dev)  # first: the host budget counts this rank's shares
-    if host_budget is not None:
+        apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
+                            options.residency_policy)
+    attach_split_fetch(managers, options.split_fetch, dev)  # first: the host budget counts this rank's shares
+    if options.host_budget is not None:
         held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-        plan = plan_spill(model, managers, dev, host_budget, spill_dir, disk_prefetch_depth, held)
-        record_host_budget(managers, host_budget, plan["budget"])
+        plan = plan_spill(model, managers, dev, options.host_budget, options.spill_dir,
+                          options.disk_prefetch_depth, held)
+        record_host_budget(managers, options.host_budget, plan["budget"])
     return _build(model, managers, dev)
 
 
@@ -117,12 +120,9 @@ def attach_split_fetch(managers, split_fetch, dev, values=None) -> None:
         gather.attach(managers, split_fetch, dev, values=values)
 
 
-def _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-             num_copy_streams, debug_copy_delay_us, compress=None, disk_prefetch_depth=None,
-             debug_read_delay_us=None, device_budget=None, budget_margin=None):
-    """Validate everything and plan every group; changes nothing in the model."""
-    validate_device_budget(device_budget, budget_margin)
-    validate_engine_options(num_copy_streams, debug_copy_delay_us, debug_read_delay_us)
+def _prepare(model, layer_names, options: OffloadOptions) -> list[LayerwiseOffloadManager]:
+    """Plan every group with `options` (validated: OffloadOptions.build); changes
+    nothing in the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(layer_names, str) and layer_names == "auto":
@@ -144,21 +144,9 @@ def _prepare(model, layer_names, device, prefetch_depth, resident_layers, reside
             "call layerwise.remove_layerwise_offload(model) first"
         )
     _validate_paths(model, names)
-    validate_depth(prefetch_depth)
-    validate_compress(compress)
-    dev = resolve_device(device)
-    for path in names:
-        resolve_resident(resident_layers, len(resolve_group(model, path)), residency_policy, path)
-    managers = [
-        LayerwiseOffloadManager(
-            model, path, device=dev, prefetch_depth=prefetch_depth, resident_layers=resident_layers,
-            residency_policy=residency_policy, pin_memory=pin_memory, initialize=False,
-            num_copy_streams=num_copy_streams, debug_copy_delay_us=debug_copy_delay_us, compress=compress,
-            disk_prefetch_depth=disk_prefetch_depth, debug_read_delay_us=debug_read_delay_us,
-        )
-        for path in names
-    ]
-    return managers, dev
+    for path in names:  # (a WARNING for a group smaller than resident_layers)
+        resolve_resident(options.resident_layers, len(resolve_group(model, path)), options.residency_policy, path)
+    return [LayerwiseOffloadManager(model, path, initialize=False, options=options) for path in names]
 
 
 def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> list[LayerwiseOffloadManager]:

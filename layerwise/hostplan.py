@@ -69,28 +69,6 @@ def _number(x):
         return None
 
 
-def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> None:
-    """The disk tier's arguments, checked before anything changes."""
-    if spill_dir is not None and host_budget is None:
-        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
-                         "(bytes or 'auto'), or leave spill_dir out")
-    if host_budget is not None and host_budget != "auto":
-        resolve_host_budget(host_budget)
-    if disk_prefetch_depth is not None:
-        n = _number(disk_prefetch_depth)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"disk_prefetch_depth must be an int >= 1 or None, got {disk_prefetch_depth!r}")
-    if spill_dir is not None:
-        import os
-
-        path = os.fsdecode(spill_dir)
-        if not os.path.isdir(path):
-            raise ValueError(f"spill_dir {path!r} is not a directory: create it first (a path on a local disk, "
-                             "not tmpfs, for the read speed)")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"spill_dir {path!r} is not writable by this process")
-
-
 def staging_slots(manager, disk_prefetch_depth) -> int:
     if disk_prefetch_depth is not None:
         return int(_number(disk_prefetch_depth))

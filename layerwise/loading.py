@@ -35,9 +35,9 @@ from torch import nn
 
 from . import contract
 from .budget import record_host_budget
-from .hostplan import check_disk_options, plan_host_budget
+from .hostplan import plan_host_budget
 from .configure import _build, _prepare, attach_split_fetch
-from .options import validate_compress
+from .options import OffloadOptions, named_options
 from .empty import recompute_buffers, retype, tie_declared, warn_unlike_from_pretrained
 from .formats import safetensors as sft
 from .formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
@@ -79,12 +79,15 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     `spill_dir` is given: they are then copied into spill files of their own,
     which is also how layers stored in another dtype (`dtype=`) or strided
     parameters reach the disk tier.
-    `compress`, `num_copy_streams`, `debug_copy_delay_us`: as in configure_layerwise_offload.
+    `compress`, `num_copy_streams`, `debug_copy_delay_us`, `debug_read_delay_us`,
+    `measure_stalls`: as in configure_layerwise_offload (every option is
+    validated once, into a layerwise.options.OffloadOptions).
     `split_fetch=<ProcessGroup>`: every rank of the group loads the same model
     this way and reads only its share of each streamed layer from the files
     (contiguous parameters; a strided one is read whole), so the node reads and
     holds the streamed layers about once (layerwise/stages/gather.py).
     """
+    options = OffloadOptions.build(caller="load_offloaded", **named_options(locals()), **kwargs)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
                         f"torch.float32, ...), got {dtype!r}")
@@ -99,21 +102,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
                 raise ValueError(f"checkpoint: tensor {key!r} is in both {stored[key].path} and {path}")
             stored[key] = s
 
-    num_copy_streams = kwargs.pop("num_copy_streams", 1)
-    debug_copy_delay_us = kwargs.pop("debug_copy_delay_us", None)
-    debug_read_delay_us = kwargs.pop("debug_read_delay_us", None)
-    compress = validate_compress(kwargs.pop("compress", None))
-    split_fetch = kwargs.pop("split_fetch", None)  # a ProcessGroup: each rank reads only its shares
-    if kwargs:
-        raise TypeError(f"load_offloaded: unexpected arguments {sorted(kwargs)}")
-
-    check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
-    def prepare():
-        return _prepare(model, layer_names, device, prefetch_depth, resident_layers, residency_policy, pin_memory,
-                        num_copy_streams, debug_copy_delay_us, compress, disk_prefetch_depth, debug_read_delay_us,
-                        device_budget=device_budget, budget_margin=budget_margin)
-
-    managers, dev = prepare()  # validates everything (a configured model, bad paths) before anything changes
+    managers = _prepare(model, layer_names, options)  # (a configured model, bad paths) before anything changes
     if dtype is not None:
         warn_unlike_from_pretrained(model, dtype)
     # Ties and dtype change which parameter objects the model holds (and so the
@@ -124,10 +113,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         if dtype is not None:
             changed = retype(model, dtype) or changed
         if changed:
-            managers, dev = prepare()
-        return _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin,
-                     residency_policy, resident_layers, (host_budget, spill_dir, disk_prefetch_depth),
-                     split_fetch)
+            managers = _prepare(model, layer_names, options)
+        return _load(model, managers, options, files, stored, strict, dtype)
     except BaseException:
         if not contract.managers_of(model):  # (a Ctrl-C delivered once the model was whole keeps it)
             for mod, attr, p in registered:
@@ -135,8 +122,9 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         raise
 
 
-def _load(model, managers, dev, files, stored, strict, dtype, device_budget, budget_margin, residency_policy,
-          resident_layers, disk=(None, None, None), split_fetch=None):
+def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype):
+    dev = options.device
+
     def want(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
@@ -220,17 +208,16 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
         log.info("layerwise: recomputed %d buffer(s) the checkpoint does not hold: %s", len(recomputed),
                  ", ".join(f"{n} (from {what})" for n, (_, what) in recomputed.items()))
 
-    if device_budget is not None:
+    if options.device_budget is not None:
         from .budget import apply_device_budget
 
-        apply_device_budget(model, managers, dev, device_budget, budget_margin, residency_policy,
-                            resident_layers)
+        apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
+                            options.residency_policy)
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
     entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
-    host_budget, spill_dir, disk_prefetch_depth = disk
-    attach_split_fetch(managers, split_fetch, dev, values=_sampled_values(stored, entry_key))
-    if host_budget is not None:  # (after split fetch: the budget counts this rank's shares)
-        _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth)
+    attach_split_fetch(managers, options.split_fetch, dev, values=_sampled_values(stored, entry_key))
+    if options.host_budget is not None:  # (after split fetch: the budget counts this rank's shares)
+        _plan_disk(model, managers, options, stored, entry_key)
     share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes
     total = sum(s.nbytes for s in stored.values())
     bar = None
@@ -305,7 +292,7 @@ def _load(model, managers, dev, files, stored, strict, dtype, device_budget, bud
                 mod._buffers[attr] = b.to(want(b))
 
     fds = {path: os.open(path, os.O_RDONLY) for path in files}
-    evict = PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers)) if host_budget is not None else None
+    evict = None if options.host_budget is None else PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers))
     for st in stored.values():
         st.fd = fds[st.path]
         st.evict = evict
@@ -332,10 +319,12 @@ def _streams_from_file(e, s: Stored) -> str | None:
     return None
 
 
-def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, disk_prefetch_depth) -> None:
+def _plan_disk(model, managers, options: OffloadOptions, stored, entry_key) -> None:
     """The disk tier of load_offloaded: layers over the host budget stay in the
     checkpoint files (or go to spill files with spill_dir)."""
     from .stages.disk import spill_store
+
+    host_budget, spill_dir = options.host_budget, options.spill_dir
 
     def why_not_disk(m, i):
         if spill_dir is not None:
@@ -346,8 +335,8 @@ def _plan_disk(model, managers, dev, stored, entry_key, host_budget, spill_dir, 
                 return why
         return None
 
-    plan = plan_host_budget(model, managers, dev, host_budget, disk_prefetch_depth, why_not_disk=why_not_disk,
-                            spill=spill_dir is not None,
+    plan = plan_host_budget(model, managers, options.device, host_budget, options.disk_prefetch_depth,
+                            why_not_disk=why_not_disk, spill=spill_dir is not None,
                             cache_bytes=PageCacheDrop.most(PageCacheDrop.every_for(managers)))
     record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import _native, contract, stages
-from .options import resolve_device, resolve_resident, validate_compress, validate_depth
+from .options import OffloadOptions, manager_options, named_options, resolve_resident, validate_depth
 from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_tensor, round_up
 
 log = logging.getLogger("layerwise")
@@ -84,10 +84,13 @@ class LayerwiseOffloadManager:
         disk_prefetch_depth: int | None = None,
         debug_read_delay_us: int | None = None,
         split_fetch=None,
+        options: OffloadOptions | None = None,
     ):
-        self.prefetch_depth = validate_depth(prefetch_depth)
-        self.compress = validate_compress(compress)
-        self.device = resolve_device(device)
+        # The streaming options: `options` (OffloadOptions.build), or built from the keywords; validated there, once.
+        self.options = options = manager_options(options, named_options(locals()), initialize)
+        self.prefetch_depth = options.prefetch_depth
+        self.compress = options.compress
+        self.device = options.device
         self.plan: GroupPlan = build_group_plan(model, layer_name, num_layers)
         if getattr(self.plan.module_list, "_layerwise_manager", None) is not None:
             raise RuntimeError(
@@ -96,19 +99,15 @@ class LayerwiseOffloadManager:
         self.model = model
         self.layer_name = layer_name
         self.num_layers = self.plan.num_layers
-        self.resident = resolve_resident(resident_layers, self.num_layers, residency_policy)
-        self.residency_policy = residency_policy
-        if pin_memory not in (True, False, "auto"):
-            raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
-        self.pin_memory = pin_memory
-        self.num_copy_streams = int(num_copy_streams)
-        if self.num_copy_streams < 1:
-            raise ValueError(f"num_copy_streams must be >= 1, got {num_copy_streams}")
-        self.debug_copy_delay_us = debug_copy_delay_us
-        self.measure_stalls = measure_stalls
-        self.disk_prefetch_depth = disk_prefetch_depth
-        self.debug_read_delay_us = debug_read_delay_us
-        self.split_fetch = split_fetch  # a ProcessGroup: ranks share the fetch (stages/gather.py), or None
+        self.resident = resolve_resident(options.resident_layers, self.num_layers, options.residency_policy)
+        self.residency_policy = options.residency_policy
+        self.pin_memory = options.pin_memory
+        self.num_copy_streams = options.num_copy_streams
+        self.debug_copy_delay_us = options.debug_copy_delay_us
+        self.measure_stalls = options.measure_stalls
+        self.disk_prefetch_depth = options.disk_prefetch_depth
+        self.debug_read_delay_us = options.debug_read_delay_us
+        self.split_fetch = options.split_fetch  # a ProcessGroup: ranks share the fetch (stages/gather.py), or None
         # The inputs of the tier plan (layerwise.tierplan), set by the planners before packing:
         self._share_store = None  # split fetch: this rank's ShareStore (use_split)
         self._disk_plan = (frozenset(), "spill", None)  # (layers kept in files, where, make_store) (keep_on_disk)

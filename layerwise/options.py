@@ -1,14 +1,113 @@
-"""Argument checks shared by the manager, configure and the device-budget
-planner. Each one fails with an error that names the bad value, before
-anything in the model changes."""
+"""OffloadOptions: every streaming option, validated once.
+
+Each front door (configure_layerwise_offload, LayerwiseOffloadManager,
+load_offloaded, offload_pipeline) builds one OffloadOptions from its arguments
+before anything in the model changes (OffloadOptions.build), and hands it to
+everything below it; nothing below validates or interprets an option again. A
+bad value fails with an error that names the option and the value.
+
+The checks below are the building blocks that build() calls; resolve_resident
+and the budget planners take values already validated here.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 import torch
 
 from . import _native
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """The streaming options of one configure (every group, every component).
+
+    Build it with OffloadOptions.build(**options), which validates every field
+    and normalises it (the device resolved, numbers of bytes and counts as
+    ints); the constructor itself takes values as they are. A changed copy:
+    dataclasses.replace(options, pin_memory=False) (not validated again: the
+    change is a planner's, from valid values)."""
+
+    device: torch.device  # resolved: cpu, or cuda:N
+    prefetch_depth: int = 1
+    resident_layers: int | float = 0  # layers (int) or a fraction of each group (float in [0, 1])
+    residency_policy: str = "leading"  # "leading" | "strided"
+    pin_memory: bool | str = "auto"  # True | False | "auto"
+    device_budget: int | str | None = None  # bytes | "auto" | None
+    budget_margin: int | None = None  # bytes kept free with device_budget="auto" (None: 10% of the device)
+    num_copy_streams: int = 1
+    debug_copy_delay_us: int | None = None
+    debug_read_delay_us: int | None = None
+    measure_stalls: bool = True
+    compress: str | None = None  # None | "lossless"
+    host_budget: int | str | None = None  # bytes | "auto" | None
+    spill_dir: str | None = None  # a writable directory (needs host_budget)
+    disk_prefetch_depth: int | None = None  # staging slots of the disk tier (None: prefetch_depth + 1, >= 2)
+    split_fetch: object = field(default=None, compare=False)  # a torch.distributed ProcessGroup, or None
+
+    @classmethod
+    def build(cls, *, caller: str = "OffloadOptions.build", also: tuple = (), **options) -> OffloadOptions:
+        """Every option validated, once. Options not given take the defaults above
+        (device: the default device, layerwise.options.default_device). An unknown
+        name is a TypeError that names it and lists the options `caller` takes (the
+        streaming options, and `also`: the caller's own)."""
+        unknown = sorted(k for k in options if k not in OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"{caller} got unexpected option(s) {unknown}; it takes {[*OPTION_NAMES, *also]}")
+        v = {**DEFAULTS, **options}  # validated and normalised in place, in field order
+        v["device"] = resolve_device(v["device"])
+        v["prefetch_depth"] = validate_depth(v["prefetch_depth"])
+        v["resident_layers"] = validate_residency(v["resident_layers"], v["residency_policy"])
+        v["pin_memory"] = validate_pin_memory(v["pin_memory"])
+        v["device_budget"], v["budget_margin"] = validate_device_budget(v["device_budget"], v["budget_margin"])
+        check_explicit_residency(v["device_budget"], v["resident_layers"])
+        v["num_copy_streams"], v["debug_copy_delay_us"], v["debug_read_delay_us"] = validate_engine_options(
+            v["num_copy_streams"], v["debug_copy_delay_us"], v["debug_read_delay_us"])
+        v["measure_stalls"] = validate_flag("measure_stalls", v["measure_stalls"])
+        v["compress"] = validate_compress(v["compress"])
+        v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"] = check_disk_options(
+            v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"])
+        v["split_fetch"] = validate_split_fetch(v["split_fetch"])
+        return cls(**v)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(OffloadOptions))
+DEFAULTS = {f.name: None if f.default is dataclasses.MISSING else f.default  # (device: None, the default device)
+            for f in dataclasses.fields(OffloadOptions)}
+
+
+def named_options(arguments: dict) -> dict:
+    """The streaming options among a front door's arguments (its `locals()`)."""
+    return {k: arguments[k] for k in OPTION_NAMES if k in arguments}
+
+
+def _is_default(name: str, value) -> bool:
+    default = DEFAULTS[name]
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def manager_options(options, keywords: dict, initialize: bool) -> OffloadOptions:
+    """LayerwiseOffloadManager's options: `options` as given (then no keyword may
+    be given too) or built from its keywords."""
+    if options is None:
+        return OffloadOptions.build(caller="LayerwiseOffloadManager", **keywords)
+    if not isinstance(options, OffloadOptions):
+        raise TypeError(f"options must be an OffloadOptions (OffloadOptions.build(...)) or None, "
+                        f"got {type(options).__name__}")
+    both = [k for k, v in keywords.items() if not _is_default(k, v)]
+    if both:
+        raise TypeError(f"LayerwiseOffloadManager got options= and the option keyword(s) {both} too: pass them "
+                        f"in the options (dataclasses.replace(options, ...)) or pass only keywords")
+    planned = [k for k in ("device_budget", "host_budget") if getattr(options, k) is not None]
+    if initialize and planned:
+        raise ValueError(f"LayerwiseOffloadManager(initialize=True) streams one group as configured and plans "
+                         f"no budget, but options has {', '.join(f'{k}={getattr(options, k)!r}' for k in planned)}: "
+                         "use configure_layerwise_offload, which plans them")
+    return options
 
 
 def default_device() -> torch.device:
@@ -40,15 +139,10 @@ def resolve_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None) -> list[int]:
-    """Indices of the layers that stay on the device.
-
-    An int counts layers, a float is a fraction of the group in [0, 1]. Both
-    forms are treated alike: 0 / 0.0 nothing resident, `num_layers` / 1.0 every
-    layer (then nothing streams: configure warns that streaming saves nothing),
-    and more than the group holds (an int above its size, a fraction above 1)
-    is every layer too, with a WARNING naming the group's size when `group` is
-    given (configure's check; one setting may serve groups of several sizes)."""
+def validate_residency(resident_layers, policy):
+    """resident_layers: an int >= 0 (layers) or a fraction >= 0 (a fraction above 1,
+    like an int above a group's size, is every layer: resolve_resident warns);
+    policy: "leading" or "strided". Returns resident_layers as an int or a float."""
     if policy not in ("leading", "strided"):
         raise ValueError(f"residency_policy must be 'leading' or 'strided', got {policy!r}")
     if isinstance(resident_layers, bool) or not isinstance(resident_layers, Real):
@@ -56,12 +150,27 @@ def resolve_resident(resident_layers, num_layers: int, policy: str, group: str |
     if isinstance(resident_layers, Integral):
         if resident_layers < 0:
             raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
+        return int(resident_layers)
+    if not (math.isfinite(resident_layers) and resident_layers >= 0.0):
+        raise ValueError(f"a fractional resident_layers must lie in [0, 1] (1.0: every layer resident), "
+                         f"got {resident_layers}")
+    return float(resident_layers)
+
+
+def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None) -> list[int]:
+    """Indices of the layers that stay on the device (`resident_layers` and
+    `policy` as validate_residency accepts them).
+
+    An int counts layers, a float is a fraction of the group in [0, 1]. Both
+    forms are treated alike: 0 / 0.0 nothing resident, `num_layers` / 1.0 every
+    layer (then nothing streams: configure warns that streaming saves nothing),
+    and more than the group holds (an int above its size, a fraction above 1)
+    is every layer too, with a WARNING naming the group's size when `group` is
+    given (configure's check; one setting may serve groups of several sizes)."""
+    if isinstance(resident_layers, Integral):
         over = resident_layers > num_layers
         r = min(int(resident_layers), num_layers)
     else:
-        if not (math.isfinite(resident_layers) and resident_layers >= 0.0):
-            raise ValueError(f"a fractional resident_layers must lie in [0, 1] (1.0: every layer resident), "
-                             f"got {resident_layers}")
         over = resident_layers > 1.0
         r = num_layers if over else int(resident_layers * num_layers)
     if over and group is not None:
@@ -114,16 +223,94 @@ def validate_count(name: str, value, minimum: int = 0, allow_none: bool = True, 
     return n
 
 
-def validate_engine_options(num_copy_streams, debug_copy_delay_us, debug_read_delay_us) -> None:
-    """The copy engine's and the reader's arguments (every front door)."""
-    validate_count("num_copy_streams", num_copy_streams, 1, allow_none=False)
-    validate_count("debug_copy_delay_us", debug_copy_delay_us, 0, unit=" (microseconds)")
-    validate_count("debug_read_delay_us", debug_read_delay_us, 0, unit=" (microseconds)")
+def validate_engine_options(num_copy_streams, debug_copy_delay_us, debug_read_delay_us) -> tuple:
+    """The copy engine's and the reader's arguments, as ints (the delays: or None)."""
+    return (validate_count("num_copy_streams", num_copy_streams, 1, allow_none=False),
+            validate_count("debug_copy_delay_us", debug_copy_delay_us, 0, unit=" (microseconds)"),
+            validate_count("debug_read_delay_us", debug_read_delay_us, 0, unit=" (microseconds)"))
 
 
-def validate_budget_margin(budget_margin) -> None:
-    if budget_margin is not None:
-        validate_bytes("budget_margin", budget_margin, "or None (10% of the device's memory)")
+def validate_budget_margin(budget_margin) -> int | None:
+    if budget_margin is None:
+        return None
+    return validate_bytes("budget_margin", budget_margin, "or None (10% of the device's memory)")
+
+
+def validate_device_budget(device_budget, budget_margin) -> tuple:
+    """device_budget: None, "auto" or a finite number of bytes >= 0; budget_margin:
+    None or a finite number of bytes >= 0 (checked whether or not a budget is given).
+    Returns both, numbers as ints."""
+    budget_margin = validate_budget_margin(budget_margin)
+    if device_budget is None or (isinstance(device_budget, str) and device_budget == "auto"):
+        return device_budget, budget_margin
+    return validate_bytes("device_budget", device_budget,
+                          "'auto' (free device memory less budget_margin) or None"), budget_margin
+
+
+def check_explicit_residency(device_budget, resident_layers) -> None:
+    """device_budget chooses the resident layers: an explicit non-zero
+    resident_layers next to it is refused rather than overridden."""
+    if device_budget is not None and resident_layers != 0:
+        raise ValueError(
+            f"device_budget={device_budget!r} and resident_layers={resident_layers!r} were both given: pass one "
+            "of them. device_budget lets the planner choose the resident layers to fit the budget; "
+            "resident_layers fixes them yourself (then leave device_budget=None)"
+        )
+
+
+def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> tuple:
+    """The disk tier's arguments (layerwise.hostplan): host_budget a number of bytes,
+    "auto" or None; spill_dir a writable directory, only with a host_budget;
+    disk_prefetch_depth an int >= 1 or None. Returns them (numbers as ints, the
+    directory as a str)."""
+    if spill_dir is not None and host_budget is None:
+        raise ValueError("spill_dir= is where the layers that do not fit host_budget go: give host_budget too "
+                         "(bytes or 'auto'), or leave spill_dir out")
+    if host_budget is not None and not (isinstance(host_budget, str) and host_budget == "auto"):
+        host_budget = validate_bytes("host_budget", host_budget, "'auto' or None")
+    if disk_prefetch_depth is not None:
+        n = as_number(disk_prefetch_depth)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"disk_prefetch_depth must be an int >= 1 or None, got {disk_prefetch_depth!r}")
+        disk_prefetch_depth = n
+    if spill_dir is not None:
+        spill_dir = os.fsdecode(spill_dir)
+        if not os.path.isdir(spill_dir):
+            raise ValueError(f"spill_dir {spill_dir!r} is not a directory: create it first (a path on a local "
+                             "disk, not tmpfs, for the read speed)")
+        if not os.access(spill_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"spill_dir {spill_dir!r} is not writable by this process")
+    return host_budget, spill_dir, disk_prefetch_depth
+
+
+def validate_pin_memory(pin_memory):
+    """True (pinned, or an error), False (pageable) or "auto" (pinned where it can be)."""
+    try:
+        ok = pin_memory in (True, False, "auto")
+    except (RuntimeError, TypeError, ValueError):  # a tensor of several values, say
+        ok = False
+    if not ok:
+        raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
+    return "auto" if isinstance(pin_memory, str) else bool(pin_memory)
+
+
+def validate_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def validate_split_fetch(split_fetch):
+    """None, or a torch.distributed ProcessGroup (layerwise/stages/gather.py checks the
+    group itself, collectively, before packing)."""
+    if split_fetch is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(split_fetch, dist.ProcessGroup)):
+        raise TypeError(f"split_fetch must be a torch.distributed ProcessGroup (dist.group.WORLD, or one from "
+                        f"dist.new_group) or None, got {type(split_fetch).__name__}")
+    return split_fetch
 
 
 def validate_depth(prefetch_depth) -> int:

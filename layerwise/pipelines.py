@@ -31,6 +31,7 @@ than the device can be given back whole.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -44,11 +45,10 @@ from torch import nn
 
 from . import contract
 from .hostmem import PinBudget, pinnable_host_bytes
-from .hostplan import check_disk_options, plan_spill, resolve_host_budget
-from .budget import (apply_device_budget, check_explicit_residency, fmt_bytes, non_layer_bytes,
-                     record_host_budget, resolve_budget, validate_device_budget)
+from .hostplan import plan_spill, resolve_host_budget
+from .budget import apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget
 from .configure import _prepare, attach_split_fetch, configure_models, managers_of
-from .options import resolve_device, validate_bytes, validate_compress, validate_depth
+from .options import OffloadOptions, named_options, validate_bytes
 from .plan import local_tensor
 from .tierplan import planned_host_bytes
 from .report import report as model_report
@@ -61,9 +61,6 @@ DEFAULT_DENOISER_USES = 28  # when the pipeline's __call__ has no num_inference_
 
 _STATE = "_layerwise_pipeline"
 REFUSED = ("to", "enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload")
-_OPTIONS = ("resident_layers", "residency_policy", "pin_memory", "budget_margin", "num_copy_streams",
-            "debug_copy_delay_us", "compress", "uses", "spill_dir", "disk_prefetch_depth", "debug_read_delay_us",
-            "split_fetch")
 
 
 # ------------------------------------------------------------ components
@@ -307,13 +304,14 @@ def _plan_pins(parts: list[Component], budget: PinBudget | None, pin_memory) -> 
 
 
 # ----------------------------------------------------------- device plan
-def _plan_device_budget(parts: list[Component], dev, device_budget, margin, policy, resident_layers) -> None:
+def _plan_device_budget(parts: list[Component], options: OffloadOptions) -> None:
     """Split one device budget across components: resident components and every
     component's non-layer weights and rings first; what is left makes layers
     resident, in the order of bytes x uses (the denoiser first)."""
+    dev, device_budget, margin, policy = (options.device, options.device_budget, options.budget_margin,
+                                          options.residency_policy)
     if device_budget is None:
         return
-    check_explicit_residency(device_budget, resident_layers)
     streamed = [c for c in parts if c.managers]
     if isinstance(device_budget, str) and device_budget == "auto" and dev.type == "cpu":
         for c in streamed:  # plans nothing on a CPU device, and says so (budget.apply_device_budget)
@@ -367,8 +365,9 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     options: resident_layers, residency_policy, pin_memory ("auto" default,
         True: every arena pinned or an error, False: none), budget_margin,
         num_copy_streams, debug_copy_delay_us, compress, spill_dir, disk_prefetch_depth,
-        debug_read_delay_us, split_fetch as in configure_layerwise_offload,
-        and `uses`: {component: runs per request}, or a callable warm-up
+        debug_read_delay_us, split_fetch, measure_stalls as in configure_layerwise_offload
+        (validated once, with device, prefetch_depth and the budgets, into a
+        layerwise.options.OffloadOptions), and `uses`: {component: runs per request}, or a callable warm-up
         `uses(pipe)` whose runs are counted by the hooks (the pipeline is
         offloaded pageable for it, then offloaded again with the counts).
 
@@ -376,32 +375,21 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     components. Everything is validated and planned before any component
     changes; a failure while packing puts every component back as it was.
     """
-    bad = [k for k in options if k not in _OPTIONS]
-    if bad:
-        raise TypeError(f"offload_pipeline got unexpected option(s) {bad}; it takes {list(_OPTIONS)}")
+    uses = options.pop("uses", None)
+    opts = OffloadOptions.build(caller="offload_pipeline", also=("uses",), **named_options(locals()), **options)
     if not (pin_budget is None or isinstance(pin_budget, str) and pin_budget == "auto"):
         _resolve_pin_budget(pin_budget, 0)  # checked before a warm-up call offloads anything
-    validate_device_budget(device_budget, options.get("budget_margin"))
-    uses = options.pop("uses", None)
     if callable(uses) and not isinstance(uses, Mapping):
-        return _offload_with_warmup(pipe, uses, device, components, prefetch_depth, pin_budget, host_budget,
-                                    device_budget, options)
-    pin_memory = options.pop("pin_memory", "auto")
-    if pin_memory not in (True, False, "auto"):
-        raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
-    resident_layers = options.get("resident_layers", 0)
-    budget_margin = options.pop("budget_margin", None)
-    spill_dir = options.pop("spill_dir", None)
-    disk_prefetch_depth = options.pop("disk_prefetch_depth", None)
-    debug_read_delay_us = options.pop("debug_read_delay_us", None)
-    check_disk_options(host_budget, spill_dir, disk_prefetch_depth)
-    split_fetch = options.pop("split_fetch", None)
+        return _offload_with_warmup(pipe, uses, components, pin_budget, opts)
+    return _offload(pipe, opts, components, pin_budget, uses)
+
+
+def _offload(pipe, options: OffloadOptions, components, pin_budget, uses) -> dict[str, list]:
+    """offload_pipeline with its options validated (`uses`: a dict or None)."""
     if _STATE in getattr(pipe, "__dict__", {}):
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
                            "layerwise.remove_pipeline_offload(pipe) first")
-    validate_depth(prefetch_depth)
-    validate_compress(options.get("compress"))
-    dev = resolve_device(device)
+    dev = options.device
     comps = _components_of(pipe)
     _validate_uses(uses, comps)
     parts = _select(comps, components)
@@ -420,23 +408,19 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         if c.layer_names is None:
             contract.check_configurable(c.module, [])
             continue
-        c.managers, _ = _prepare(c.module, c.layer_names, dev, prefetch_depth, resident_layers,
-                                 options.get("residency_policy", "leading"), "auto",
-                                 options.get("num_copy_streams", 1), options.get("debug_copy_delay_us"),
-                                 options.get("compress"), disk_prefetch_depth, debug_read_delay_us,
-                                 device_budget=device_budget, budget_margin=budget_margin)
+        c.managers = _prepare(c.module, c.layer_names, options)
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)
-    _plan_device_budget(parts, dev, device_budget, budget_margin, options.get("residency_policy", "leading"),
-                        resident_layers)
+    _plan_device_budget(parts, options)
     streamed_managers = [m for c in parts for m in c.managers]
     # split_fetch: one collective over every group of every component (configure.attach_split_fetch);
     # first, so that the host budget counts this rank's shares
-    attach_split_fetch([m for c in parts for m in c.managers], split_fetch, dev)
+    attach_split_fetch(streamed_managers, options.split_fetch, dev)
+    host_budget, spill_dir = options.host_budget, options.spill_dir
     if host_budget is not None and spill_dir is not None:
         plan = plan_spill([c.module for c in parts], streamed_managers, dev, host_budget, spill_dir,
-                          disk_prefetch_depth, _held_bytes(parts))
+                          options.disk_prefetch_depth, _held_bytes(parts))
         record_host_budget(streamed_managers, host_budget, plan["budget"])
     for c in parts:
         for m in c.managers:
@@ -454,13 +438,14 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     if spill_dir is None and host_budget is not None:
         record_host_budget(streamed_managers, host_budget, _check_host_budget(host_budget, arena, _held_bytes(parts)))
     budget = _resolve_pin_budget(pin_budget, _held_bytes(parts))
-    _plan_pins(parts, budget, pin_memory)
+    _plan_pins(parts, budget, options.pin_memory)
     for c in parts:
-        for g in c.groups:
+        for g in c.groups:  # each group's own pin_memory, in its options too
+            g.manager.options = dataclasses.replace(g.manager.options, pin_memory=g.pin)
             g.manager.pin_memory = g.pin
         c.devices = contract._snapshot_devices(c.module)
 
-    state = PipelineState(dev, parts, budget, pin_memory, {}, [c.name for c in kept])
+    state = PipelineState(dev, parts, budget, options.pin_memory, {}, [c.name for c in kept])
 
     def finish():  # runs with Ctrl-C held back, once every component is whole
         try:
@@ -508,14 +493,11 @@ def _check_host_budget(host_budget, arena_bytes: int, held: int) -> int:
     return budget
 
 
-def _offload_with_warmup(pipe, warmup: Callable, device, components, prefetch_depth, pin_budget, host_budget,
-                         device_budget, options) -> dict[str, list]:
+def _offload_with_warmup(pipe, warmup: Callable, components, pin_budget, options: OffloadOptions) -> dict[str, list]:
     """uses=<callable>: offload pageable, run the warm-up, count how often each
     group ran (its first layer's hook), put the pipeline back and offload it
     again with those counts."""
-    counting = {**options, "pin_memory": False}
-    managers = offload_pipeline(pipe, device, components, prefetch_depth, None, host_budget, device_budget,
-                                **counting)
+    managers = _offload(pipe, dataclasses.replace(options, pin_memory=False), components, None, None)
     try:
         before = {(name, m.layer_name): m.stats()["steps"] for name, ms in managers.items() for m in ms}
         warmup(pipe)
@@ -525,8 +507,7 @@ def _offload_with_warmup(pipe, warmup: Callable, device, components, prefetch_de
         remove_pipeline_offload(pipe)
     log.info("layerwise: runs per request counted in the warm-up call: %s",
              ", ".join(f"{c}.{g}: {n}" for (c, g), n in counted.items()))
-    return offload_pipeline(pipe, device, components, prefetch_depth, pin_budget, host_budget, device_budget,
-                            uses=counted, **options)
+    return _offload(pipe, options, components, pin_budget, counted)
 
 
 # ----------------------------------------------------- refused pipeline calls

@@ -66,7 +66,7 @@ def no_trace_of_layerwise(model):
 
 # ------------------------------------------------------------- rollback
 def _count_params(model):
-    managers, _ = _prepare(model, GROUPS, "cpu", 1, 0, "leading", True, 1, None)
+    managers = _prepare(model, GROUPS, layerwise.OffloadOptions.build(device="cpu", pin_memory=True))
     return sum(len(lp.params) for m in managers for lp in m.plan.layers)
 
 

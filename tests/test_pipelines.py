@@ -338,9 +338,9 @@ def test_every_component_is_packed_before_any_model_to(order, monkeypatch):
     orig_prepare = pipelines._prepare
 
     def prepare(model, *args, **kwargs):
-        managers, dev = orig_prepare(model, *args, **kwargs)
+        managers = orig_prepare(model, *args, **kwargs)
         model.__dict__["_pending_managers"] = managers
-        return managers, dev
+        return managers
 
     monkeypatch.setattr(pipelines, "_prepare", prepare)
     layerwise.offload_pipeline(holder, device="cpu", components={n: (None if n == "vae" else "auto")

@@ -7,6 +7,7 @@ import torch
 
 import layerwise
 from layerwise.budget import fmt_bytes, non_layer_bytes
+from doors import front_door, save_checkpoint
 from models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
@@ -172,9 +173,9 @@ def test_auto_budget_arithmetic_and_bad_values(monkeypatch):
     cuda = torch.device("cuda", 0)  # only a device object: nothing runs on it
     assert B.resolve_budget(cuda, "auto", None) == (10 << 30) - int(0.1 * (16 << 30))
     assert B.resolve_budget(cuda, "auto", 1 << 30) == 9 << 30
-    for bad in ("lots", -1, True):
+    for bad in ("lots", -1, True):  # refused where the options are built (the planner takes valid values)
         with pytest.raises(ValueError, match="device_budget"):
-            B.resolve_budget(torch.device("cpu"), bad, None)
+            layerwise.OffloadOptions.build(device="cpu", device_budget=bad)
     with pytest.raises(ValueError, match="device_budget"):
         layerwise.configure_layerwise_offload(make(), GROUPS, device="cpu", device_budget="lots")
 
@@ -240,27 +241,12 @@ ONLY = {
 }
 
 
-class Holder:  # any object holding modules is a pipeline for offload_pipeline
-    def __init__(self, model):
-        self.model = model
-
-
 def _front_door(door, tmp_path):
-    """(call(**kwargs), the model it configures, what the model holds now)."""
-    if door == "load_offloaded":
-        from safetensors.torch import save_file
-
-        path = tmp_path / "model.safetensors"
-        if not path.exists():
-            save_file({k: v.contiguous() for k, v in make().state_dict().items()}, str(path))
-        with torch.device("meta"):
-            model = TwoGroupModel(n_a=8, n_b=4)
-        return (lambda **kw: layerwise.load_offloaded(model, path, GROUPS, **{"device": "cpu", **kw})), model
-    model = make()
-    if door == "offload_pipeline":
-        holder = Holder(model)
-        return (lambda **kw: layerwise.offload_pipeline(holder, **{"device": "cpu", **kw})), model
-    return (lambda **kw: layerwise.configure_layerwise_offload(model, GROUPS, **{"device": "cpu", **kw})), model
+    """(call(**kwargs), the model it configures)."""
+    path = tmp_path / "model.safetensors"
+    if door == "load_offloaded" and not path.exists():
+        save_checkpoint(make(), path)
+    return front_door(door, make, GROUPS, path)
 
 
 @pytest.mark.parametrize("door", list(ONLY))

@@ -555,9 +555,6 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None, v
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("split_fetch: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first (or pass split_fetch=None)")
-    if not isinstance(pg, dist.ProcessGroup):
-        raise TypeError(f"split_fetch must be a torch.distributed ProcessGroup (dist.group.WORLD, or one from "
-                        f"dist.new_group) or None, got {type(pg).__name__}")
     for m in managers:
         for lp in m.plan.layers:
             for e in lp.params:

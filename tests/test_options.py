@@ -1,0 +1,228 @@
+"""OffloadOptions (layerwise/options.py): every streaming option validated once,
+where a front door builds the options, before anything in the model changes; the
+same error at every front door; frozen; a manager built from options behaves as
+one built from keywords."""
+import dataclasses
+import inspect
+import pathlib
+
+import pytest
+import torch
+
+import layerwise
+from layerwise import OffloadOptions
+from layerwise.configure import managers_of
+from layerwise.options import OPTION_NAMES
+from doors import Holder, front_door, save_checkpoint
+from models import TwoGroupModel
+
+GROUPS = ["transformer_blocks", "single_transformer_blocks"]
+INF, NAN = float("inf"), float("nan")
+DOORS = ["LayerwiseOffloadManager", "configure_layerwise_offload", "load_offloaded", "offload_pipeline"]
+
+
+def make():
+    torch.manual_seed(0)
+    return TwoGroupModel(n_a=4, n_b=2)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
+    save_checkpoint(make(), path)
+    return path
+
+
+def door_and_model(door, checkpoint):
+    return front_door(door, make, GROUPS, checkpoint)
+
+
+def state(model):
+    """Every tensor of the state dict as (dtype, shape, device, bytes); meta tensors by shape."""
+    out = {}
+    for k, v in model.state_dict().items():
+        data = None if v.is_meta else v.detach().cpu().contiguous().view(-1).view(torch.uint8).clone()
+        out[k] = (v.dtype, tuple(v.shape), v.device.type, data)
+    return out
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(
+        a[k][:3] == b[k][:3] and (a[k][3] is None) == (b[k][3] is None)
+        and (a[k][3] is None or torch.equal(a[k][3], b[k][3])) for k in a)
+
+
+def hooks(model):
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+# (options, error, message): refused with that error and message at every front door
+BAD = [
+    (dict(device="tpu"), ValueError, "device 'tpu' is not a valid torch device"),
+    (dict(device="meta"), ValueError, r"layerwise streams to 'cpu' or 'cuda\[:N\]', not 'meta'"),
+    (dict(device=3.5), ValueError, "device 3.5 is not a valid torch device"),
+    (dict(prefetch_depth=-1), ValueError, "prefetch_depth must be >= 0, got -1"),
+    (dict(prefetch_depth=1.5), TypeError, "prefetch_depth must be an int >= 0, got 1.5"),
+    (dict(prefetch_depth="1"), TypeError, "prefetch_depth must be an int >= 0"),
+    (dict(resident_layers=-1), ValueError, "resident_layers must be >= 0, got -1"),
+    (dict(resident_layers="1"), TypeError, "resident_layers must be an int"),
+    (dict(resident_layers=NAN), ValueError, r"a fractional resident_layers must lie in \[0, 1\]"),
+    (dict(resident_layers=-0.5), ValueError, r"a fractional resident_layers must lie in \[0, 1\]"),
+    (dict(residency_policy="first"), ValueError, "residency_policy must be 'leading' or 'strided', got 'first'"),
+    (dict(pin_memory="yes"), ValueError, "pin_memory must be True, False or 'auto', got 'yes'"),
+    (dict(pin_memory=None), ValueError, "pin_memory must be True, False or 'auto', got None"),
+    (dict(device_budget=-1), ValueError, "device_budget must be a finite number of bytes >= 0"),
+    (dict(device_budget="lots"), ValueError, "device_budget must be a finite number of bytes >= 0"),
+    (dict(budget_margin=INF), ValueError, "budget_margin must be a finite number of bytes >= 0"),
+    (dict(device_budget=10 << 30, resident_layers=1), ValueError, "were both given: pass one of them"),
+    (dict(num_copy_streams=0), ValueError, "num_copy_streams must be an int >= 1, got 0"),
+    (dict(num_copy_streams="2"), TypeError, "num_copy_streams must be an int >= 1"),
+    (dict(debug_copy_delay_us=-1), ValueError, r"debug_copy_delay_us must be an int >= 0 \(microseconds\)"),
+    (dict(debug_copy_delay_us=1.5), TypeError, r"debug_copy_delay_us must be an int >= 0 \(microseconds\)"),
+    (dict(debug_read_delay_us=-1), ValueError, r"debug_read_delay_us must be an int >= 0 \(microseconds\)"),
+    (dict(measure_stalls="yes"), TypeError, "measure_stalls must be True or False, got 'yes'"),
+    (dict(compress="zstd"), ValueError, "compress must be None or 'lossless'"),
+    (dict(compress=True), ValueError, "compress must be None or 'lossless'"),
+    (dict(host_budget=-1), ValueError, "host_budget must be a finite number of bytes >= 0"),
+    (dict(host_budget=True), ValueError, "host_budget must be a finite number of bytes >= 0"),
+    (dict(spill_dir="."), ValueError, "give host_budget too"),
+    (dict(host_budget=1 << 30, spill_dir="/nonexistent/layerwise"), ValueError, "is not a directory"),
+    (dict(disk_prefetch_depth=0), ValueError, "disk_prefetch_depth must be an int >= 1 or None, got 0"),
+    (dict(disk_prefetch_depth="2"), ValueError, "disk_prefetch_depth must be an int >= 1 or None"),
+    (dict(split_fetch="world"), TypeError, "split_fetch must be a torch.distributed ProcessGroup"),
+]
+MANAGER_KEYWORDS = set(inspect.signature(layerwise.LayerwiseOffloadManager).parameters)
+
+
+def _case_id(case):
+    return ",".join(f"{k}={v!r}" for k, v in case[0].items())
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("case", BAD, ids=_case_id)
+def test_a_bad_option_is_refused_at_every_front_door_before_the_model_changes(door, case, checkpoint):
+    options, exc, match = case
+    assert set(options) <= set(OPTION_NAMES)
+    other = sorted(set(options) - MANAGER_KEYWORDS)
+    if door == "LayerwiseOffloadManager" and other:  # the planners' options: not the manager's keywords
+        exc, match = TypeError, f"unexpected keyword argument '{other[0]}'"
+    call, model = door_and_model(door, checkpoint)
+    before, hooks_before = state(model), hooks(model)
+    with pytest.raises(exc, match=match):
+        call(**options)
+    assert not managers_of(model) and hooks(model) == hooks_before
+    assert same_state(state(model), before)
+    if door != "LayerwiseOffloadManager" or not other:  # the same error where the options are built
+        with pytest.raises(exc, match=match):
+            OffloadOptions.build(**{"device": "cpu", **options})
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_an_unknown_option_is_a_type_error_naming_it(door, checkpoint):
+    call, model = door_and_model(door, checkpoint)
+    before = state(model)
+    with pytest.raises(TypeError, match="colour") as info:
+        call(colour="red")
+    if door in ("load_offloaded", "offload_pipeline"):  # **options: the message lists what is accepted
+        assert f"{door} got unexpected option(s) ['colour']; it takes" in str(info.value)
+        assert all(name in str(info.value) for name in OPTION_NAMES)
+        assert ("'uses'" in str(info.value)) == (door == "offload_pipeline")
+    assert not managers_of(model) and same_state(state(model), before)
+    with pytest.raises(TypeError, match=r"OffloadOptions.build got unexpected option\(s\) \['colour'\]"):
+        OffloadOptions.build(colour="red")
+
+
+def test_options_are_frozen_and_replace_gives_a_changed_copy():
+    opts = OffloadOptions.build(device="cpu", prefetch_depth=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.prefetch_depth = 3
+    other = dataclasses.replace(opts, pin_memory=False)
+    assert (other.pin_memory, opts.pin_memory) == (False, "auto") and other.prefetch_depth == 2
+    assert opts == OffloadOptions.build(device="cpu", prefetch_depth=2) and opts != other
+    # A ProcessGroup is neither hashable nor comparable: split_fetch takes no part in == and hash.
+    unhashable = dataclasses.replace(opts, split_fetch=[])
+    assert unhashable == opts and hash(unhashable) == hash(opts)
+
+
+def test_values_are_normalised_once(tmp_path):
+    np = pytest.importorskip("numpy")
+    opts = OffloadOptions.build(device=None, resident_layers=np.int64(2), num_copy_streams=np.int64(2),
+                                host_budget=torch.tensor(1 << 20), spill_dir=pathlib.Path(tmp_path),
+                                disk_prefetch_depth=np.int64(3), pin_memory=1)
+    assert opts.device == layerwise.options.default_device()
+    assert (opts.resident_layers, opts.num_copy_streams, opts.host_budget, opts.disk_prefetch_depth,
+            opts.pin_memory) == (2, 2, 1 << 20, 3, True)
+    assert all(type(x) is int for x in (opts.resident_layers, opts.num_copy_streams, opts.host_budget,
+                                        opts.disk_prefetch_depth))
+    assert opts.spill_dir == str(tmp_path)
+    budgeted = OffloadOptions.build(device="cpu", device_budget=np.float64(1e9), budget_margin=np.int64(5))
+    assert (budgeted.device_budget, budgeted.budget_margin) == (10**9, 5)
+    assert type(budgeted.device_budget) is int and type(budgeted.budget_margin) is int
+    assert OffloadOptions.build(device="cpu", host_budget="auto", device_budget="auto").host_budget == "auto"
+
+
+def test_every_front_door_has_the_options_defaults():
+    """The front doors' keyword defaults are OffloadOptions' (one meaning of each default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(OffloadOptions)}
+    defaults["device"] = None
+    for door in (layerwise.LayerwiseOffloadManager, layerwise.configure_layerwise_offload,
+                 layerwise.load_offloaded, layerwise.offload_pipeline):
+        params = inspect.signature(door).parameters
+        named = {k: p.default for k, p in params.items() if k in defaults}
+        assert named and all(defaults[k] == v for k, v in named.items()), (door, named)
+
+
+def _forwards(model, steps=3):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        return [model(torch.randn(2, 32)) for _ in range(steps)]
+
+
+def test_a_manager_built_from_options_behaves_as_one_built_from_keywords():
+    keywords = dict(device="cpu", prefetch_depth=2, resident_layers=1, residency_policy="strided",
+                    pin_memory=False, num_copy_streams=2, measure_stalls=False)
+    ref = _forwards(make())
+    a, b = make(), make()
+    ma = layerwise.LayerwiseOffloadManager(a, GROUPS[0], **keywords)
+    mb = layerwise.LayerwiseOffloadManager(b, GROUPS[0], options=OffloadOptions.build(**keywords))
+    assert ma.options == mb.options
+    for name in ("prefetch_depth", "device", "compress", "pin_memory", "resident", "residency_policy",
+                 "num_copy_streams", "measure_stalls", "disk_prefetch_depth", "split_fetch"):
+        assert getattr(ma, name) == getattr(mb, name), name
+    out_a, out_b = _forwards(a), _forwards(b)
+    assert all(torch.equal(x, y) and torch.equal(x, r) for x, y, r in zip(out_a, out_b, ref))
+    layerwise.remove_layerwise_offload(a)
+    layerwise.remove_layerwise_offload(b)
+
+
+def test_configure_hands_its_options_to_every_manager():
+    model = make()
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=2, pin_memory=False)
+    want = OffloadOptions.build(device="cpu", prefetch_depth=2, pin_memory=False)
+    assert all(m.options == want for m in managers)
+    layerwise.remove_layerwise_offload(model)
+
+
+def test_options_and_keywords_together_are_refused():
+    model = make()
+    opts = OffloadOptions.build(device="cpu")
+    with pytest.raises(TypeError, match=r"got options= and the option keyword\(s\) \['prefetch_depth'\] too"):
+        layerwise.LayerwiseOffloadManager(model, GROUPS[0], prefetch_depth=2, options=opts)
+    with pytest.raises(TypeError, match="options must be an OffloadOptions"):
+        layerwise.LayerwiseOffloadManager(model, GROUPS[0], options={"device": "cpu"})
+    # Budgets are planned by the front doors that plan them, not by one manager on its own.
+    with pytest.raises(ValueError, match="plans no budget.*host_budget=1048576"):
+        layerwise.LayerwiseOffloadManager(model, GROUPS[0], options=dataclasses.replace(opts, host_budget=1 << 20))
+    assert not managers_of(model)
+    m = layerwise.LayerwiseOffloadManager(model, GROUPS[0], device="cpu", options=None)  # keywords alone
+    assert m.options == opts
+    layerwise.remove_layerwise_offload(model)
+
+
+def test_offload_pipeline_gives_each_group_its_own_pin_memory():
+    holder = Holder(make())
+    managers = layerwise.offload_pipeline(holder, device="cpu", pin_budget=0)["model"]
+    assert all(m.options.pin_memory is False and m.pin_memory is False for m in managers)
+    assert all(m.options == dataclasses.replace(OffloadOptions.build(device="cpu"), pin_memory=False)
+               for m in managers)
+    layerwise.remove_pipeline_offload(holder)
