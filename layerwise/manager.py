@@ -812,7 +812,7 @@ class LayerwiseOffloadManager:
         if sync and self.enabled and self._finalized:
             if not self._chain.idle():
                 with self._lock, self._queueing():
-                    self._chain.flush()
+                    self._chain.flush(collectives=False)  # (stats() is not collective)
             self._engine.synchronize()
             if self._engine.is_cuda:
                 torch.cuda.synchronize(self.device)

@@ -126,13 +126,18 @@ class Chain:
         if self.disk is not None:
             self.disk.read_ahead(self._upcoming[i])
 
-    def flush(self) -> None:
-        """Issue everything queued (blocking on reads); then wait for the reads."""
+    def flush(self, collectives: bool = True) -> None:
+        """Issue everything queued (blocking on reads; the collectives too unless
+        `collectives=False`: stats() issues none); then wait for the reads and the
+        gathers (their own stream on CUDA: remove frees the slots they write). The
+        copies and decodes run on the copy engine's streams: engine.synchronize()."""
         if self.disk is not None:
             self.disk.flush()
-        self.pending.flush()
+        self.pending.flush(collectives)
         if self.disk is not None:
             self.disk.synchronize()
+        if self.split is not None:
+            self.split.synchronize()
 
     def forget(self) -> None:
         """After an interrupt: wait for the reads, drop what is queued and not issued."""
@@ -141,8 +146,8 @@ class Chain:
             self.disk.forget()
 
     def idle(self) -> bool:
-        """Nothing queued that flush() would issue (stats(sync=True) skips it then)."""
-        return self.disk is None and not self.pending.items
+        """Nothing queued that flush() would issue or wait for (stats(sync=True) skips it then)."""
+        return self.disk is None and self.split is None and not self.pending.items
 
     # ------------------------------------------------------------ figures
     def counts(self) -> tuple:

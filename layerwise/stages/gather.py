@@ -626,6 +626,17 @@ class ShareStore:
     def start(self, engine, pending) -> None:
         self.engine, self.pending = engine, pending
 
+    def synchronize(self) -> None:
+        """Wait for every gather issued into a slot (on CUDA: the gather stream's
+        event after it), failed ones included: what frees the ring comes after."""
+        for ev in list(self.last_gather.values()):
+            try:
+                ev = ev.resolve()
+                if ev is not None:
+                    ev.synchronize()
+            except Exception:  # noqa: BLE001 - a failed gather wrote nothing more; raised where it was needed
+                pass
+
     def wrap(self, index: int, nbytes: int, inner) -> ShareSource:
         """Layer `index`'s source: its share kept by `inner` (raw or encoded, in memory or a file)."""
         self._open += 1

@@ -150,12 +150,12 @@ class Pending:
                 self._issue(d)
         self._prune()
 
-    def flush(self) -> None:
-        """Issue every one, in order (blocking)."""
+    def flush(self, collectives: bool = True) -> None:
+        """Issue every one (the collective ones only if `collectives`), in order (blocking)."""
         for d in list(self.items):
-            if not d.done and d.error is None:
+            if not d.done and d.error is None and (collectives or not d.collective):
                 self._issue(d)
-        self.items = []
+        self._prune()
 
     def forget(self) -> None:
         """Drop them unissued (after an interrupt: their layers reload)."""
