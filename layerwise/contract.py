@@ -40,7 +40,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import stages
+from . import packing, stages
 from .plan import local_tensor
 
 _MANAGERS = "_layerwise_managers"
@@ -389,7 +389,7 @@ def _root_pre_hook(model, args):
                 m._reset_entered()
             if m._handed_out:
                 check_handed_out(m)
-            m._root_driven = True
+            m.meter.root_driven = True
             m._new_step()
 
 
@@ -402,8 +402,8 @@ def _root_post_hook(model, args, output):
             forwards["threads"].pop(threading.get_ident(), None)
             forwards["cond"].notify_all()
     for m in managers_of(model):
-        if m._finalized and m._step_open:
-            m._end_step()
+        if m._finalized and m.meter.step_open:
+            m.meter.end_step()
 
 
 @contextlib.contextmanager
@@ -692,7 +692,7 @@ def _state_dict_hook(manager, owned):
                     # reach the model; load_state_dict does.
                     if i not in copies:
                         copies[i] = manager._read_layer(i)
-                    state_dict[key] = e.wrap(manager._materialize(e, copies[i], "cpu"))
+                    state_dict[key] = e.wrap(packing.materialize(e, copies[i], "cpu"))
                     continue
                 t, raw = _host_alias(e, host)
                 # The base is held, not the alias: a write through an alias freed since

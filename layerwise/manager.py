@@ -30,11 +30,9 @@ layer; an in-place write into a slot view is discarded and reported.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
-import sys
 import threading
 import time
 
@@ -43,12 +41,12 @@ from torch import nn
 
 from . import _native, contract, stages
 from .options import OffloadOptions, manager_options, named_options, resolve_resident, validate_depth
-from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_tensor, round_up
+from .meter import Meter
+from .packing import HostLayers, bind_to_slot, materialize
+from .plan import GroupPlan, assign_slots, build_group_plan
 
 log = logging.getLogger("layerwise")
 
-_PROGRESS_MIN_BYTES = 1 << 30
-RECENT_STEPS = 16  # complete steps kept for stats()["recent_steps"] (report's averages)
 
 
 def _stream_capturing(device: torch.device) -> bool:
@@ -111,19 +109,15 @@ class LayerwiseOffloadManager:
         # The inputs of the tier plan (layerwise.tierplan), set by the planners before packing:
         self._share_store = None  # split fetch: this rank's ShareStore (use_split)
         self._disk_plan = (frozenset(), "spill", None)  # (layers kept in files, where, make_store) (keep_on_disk)
-        self._chain = None  # the group's stages (stages/chain.py), from packing on
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
         self._packed = False
         self._finalized = False
-        self._arena = None
-        self._host_blocks: list[torch.Tensor | None] = []  # arena blocks (None: the layer lives elsewhere)
-        self._src: list = []  # each layer's source of truth (stages/source.py)
-        self._routes: list | None = None  # the tier plan packed by
+        self._host = HostLayers(self.plan, layer_name, self.device, self.pin_memory)  # (layerwise/packing.py)
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
-        self._reset_stats()
+        self.meter = Meter(self.measure_stalls, self._disk_counts)  # the group's figures (layerwise/meter.py)
         if initialize:
             self.initialize()
 
@@ -177,8 +171,8 @@ class LayerwiseOffloadManager:
         """Each layer's route (layerwise.tierplan.Route): where its bytes live and what
         happens on the way to its slot. Fixed once packed; before, from the options
         and the planners' choices so far."""
-        if self._routes is not None:
-            return self._routes
+        if self._host.routes is not None:
+            return self._host.routes
         from .tierplan import plan_routes
 
         store = self._share_store
@@ -187,132 +181,47 @@ class LayerwiseOffloadManager:
                            layers, where, sizes)
 
     # ------------------------------------------------------------------ pack
+    @property
+    def _src(self) -> list:
+        """Each layer's source of truth (stages/source.py)."""
+        return self._host.src
+
+    @property
+    def _chain(self):
+        return self._host.chain
+
     def _arena_capacity(self) -> int:
-        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp, r in zip(self.plan.layers, self.tier_plan(sizes=False))
-                   if r.plain or r.where == "device")
+        return HostLayers.capacity(self.plan, self.tier_plan(sizes=False))
 
     def _initialize_layer_weights(self, fill=None) -> None:
-        """Pack every layer into the host arena; managed parameters become (1,) placeholders.
-
-        Originals are freed as each parameter is packed (and the arena's pages are
-        committed and pinned as they are filled), so host memory holds the model
-        about once. No other parameter moves. On failure (an exception or a
-        KeyboardInterrupt at any point) every parameter packed so far gets its
-        exact bytes back and the others were never touched.
-        `fill(entry, block)`, if given, writes each parameter's values into its
-        place in the layer's host block instead of copying the parameter (it
-        reads them from a checkpoint, say); a parameter that had data of its own
-        keeps it until the whole configure succeeds, so a failure gives it back.
-        """
+        """Pack every layer by its route (layerwise/packing.py); managed parameters
+        become (1,) placeholders. Originals are freed as each parameter is packed, so
+        host memory holds the model about once. On failure every parameter packed so
+        far gets its exact bytes back. `fill(entry, block)`: as HostLayers.pack."""
         if self._packed or not self.enabled:
             return
-        with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
-            self._pack(fill)
-
-    def _pack(self, fill) -> None:
-        self._routes = None
         routes = self.tier_plan(sizes=False)
         layers, _, make_store = self._disk_plan
-        self._chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress,
-                                   self._share_store, disk_prefetch_depth=self.disk_prefetch_depth,
-                                   debug_read_delay_us=self.debug_read_delay_us)
-        if layers:
-            self._chain.file_store = make_store(self._chain.files)
-        total = self._arena_capacity()
-        cuda = self.device.type == "cuda"
-        self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
-                                        device=self.device.index if cuda else -1)
-        self._placeholders = {}
-        self._host_blocks = []
-        self._src = []
-        bar = None
-        if total >= _PROGRESS_MIN_BYTES and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"layerwise: packing {self.layer_name}")
-        scratch = None
-        try:
-            for lp, route in zip(self.plan.layers, routes):
-                elsewhere = not (route.plain or route.where == "device")
-                if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
-                    if scratch is None:
-                        size = max(self.plan.layers[r.index].nbytes for r in routes
-                                   if not (r.plain or r.where == "device"))
-                        scratch = stages.read.aligned_staging(size, pinned=False)
-                    block = scratch[: lp.nbytes]
-                    block.zero_()  # alignment gaps included: the layer's bytes (and CRC) are deterministic
-                    self._host_blocks.append(None)
-                else:
-                    block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
-                    self._host_blocks.append(block)
-                # (for a layer stored elsewhere: what a failure restores from, until stored)
-                self._src.append(stages.ArenaSource(block, None if elsewhere else self._arena))
-                for e in lp.params:
-                    if fill is not None:
-                        fill(e, block)
-                        if not e.param.is_meta:
-                            e.saved = e.param.data  # given back if configure fails later
-                    else:  # the parameter's storage span, byte for byte
-                        data = local_tensor(e.param.data)
-                        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
-                        block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
-                        del data, flat
-                    # Marked before the swap: a rollback that finds the mark restores the
-                    # same bytes from the arena even if the swap below never happened.
-                    e.packed = True
-                    e.param.data = e.wrap(self._placeholder(e.dtype))
-                if elsewhere:
-                    self._src[-1] = self._chain.keep(lp, route, block)
-                if bar is not None:
-                    bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
-        except BaseException:
-            with contract.defer_interrupts():
-                self._restore_parameters(original_devices=True)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        self._packed = True
-        self._routes = routes
-        self.plan.module_list._layerwise_manager = self
-        # pin_memory=True: pageable memory would silently cost the overlap, an error (the
-        # caller's rollback gives every parameter back); "auto": a warning.
-        _native.check_pinned(self._arena, self.pin_memory, f"layer group {self.layer_name!r}")
-
-    @staticmethod
-    def _bind_to_slot(e, view: torch.Tensor) -> None:
-        """Point a streamed parameter at its slot view. `param.data = view` would give
-        it a version counter of its own; swapping in a parameter made from the view
-        (which shares the slot's) keeps the Python object and lets an in-place write
-        into any parameter of the slot show as a change of the slot's version."""
-        p = e.param
-        if e.dspec is None and isinstance(p, nn.Parameter):
-            new = torch.Tensor._make_subclass(type(p), view, p.requires_grad)
-            new.__dict__.update(p.__dict__)  # swap_tensors swaps __dict__ too
+        chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress, self._share_store,
+                             disk_prefetch_depth=self.disk_prefetch_depth,
+                             debug_read_delay_us=self.debug_read_delay_us)
+        self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory)
+        with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
             try:
-                torch.utils.swap_tensors(p, new)
-                return
-            except RuntimeError:  # referenced from C++ or weakly: bind the plain way
-                pass
-        p.data = e.wrap(view)
-
-    @staticmethod
-    def _materialize(e, block: torch.Tensor, device) -> torch.Tensor:
-        """An ordinary tensor of its own with the parameter's bytes, shape and strides."""
-        out = torch.empty(e.span_bytes, dtype=torch.uint8, device=device)
-        out.copy_(block[e.offset : e.offset + e.span_bytes])
-        return torch.as_strided(out.view(e.dtype), e.shape, e.stride)
-
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._placeholders:
-            self._placeholders[dtype] = torch.zeros((1,), dtype=dtype, device=self.device)
-        return self._placeholders[dtype]
+                if layers:
+                    chain.file_store = make_store(chain.files)
+                self._host.pack(routes, chain, fill)
+            except BaseException:
+                with contract.defer_interrupts():
+                    self._host.chain = chain  # (its files, closed with it)
+                    self._restore_parameters(original_devices=True)
+                raise
+        self._packed = True
+        self.plan.module_list._layerwise_manager = self
 
     def _commit(self) -> None:
         """The whole configure succeeded: drop what a rollback would have needed."""
-        for lp in self.plan.layers:
-            for e in lp.params:
-                e.saved = None
+        self._host.commit()
 
     # -------------------------------------------------------------- finalise
     def _finalize_initialization(self) -> None:
@@ -367,13 +276,13 @@ class LayerwiseOffloadManager:
             for i in self.resident:
                 block = self._src[i].read()
                 for e in layers[i].params:
-                    e.param.data = e.wrap(self._materialize(e, block, self.device))
+                    e.param.data = e.wrap(materialize(e, block, self.device))
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
             # Each streamed layer's copy destination: the front of its slot.
             self._dst = [self._ring[s][: lp.nbytes] if s >= 0 else None for s, lp in zip(self._slot_of, layers)]
             for i in self._streamed:
                 for e in layers[i].params:
-                    self._bind_to_slot(e, e.view_in(self._ring[self._slot_of[i]]))
+                    bind_to_slot(e, e.view_in(self._ring[self._slot_of[i]]))
             self._ring_version = [r._version for r in self._ring]
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
@@ -448,19 +357,12 @@ class LayerwiseOffloadManager:
                 self._engine.wait(after, stream)
             after = self._engine.record(stream, False)
         self._slot_gen[s] += 1
-        timing = self._timing
-        ev = src.fetch(i, self._dst[i], after, timing)
-        if timing:
-            self._timed_copies.append((self._steps, ev))
+        ev = src.fetch(i, self._dst[i], after, self.meter.timing)
         self._slot_holder[s] = i
         self._slot_event[s] = ev
         self._copy_event[i] = ev
         self._loaded_version[s] = version
-        self._bytes += src.transfer_bytes
-        self._bytes_raw += src.nbytes
-        self._copies += 1
-        if not prefetch:
-            self._sync_loads += 1
+        self.meter.fetched(src, prefetch, ev)
         self._dirty = False
         return True
 
@@ -607,7 +509,8 @@ class LayerwiseOffloadManager:
             # the copies queued are done). A prefetch may have overwritten the write already, and a
             # layer kept elsewhere (disk, encoded, split) has no arena bytes: then name the candidates.
             lp = self.plan.layers[holder] if 0 <= holder < len(self.plan.layers) else None
-            host = self._host_blocks[holder] if lp is not None and holder < len(self._host_blocks) else None
+            blocks = self._host.blocks
+            host = blocks[holder] if lp is not None and holder < len(blocks) else None
             changed = []
             if host is not None:
                 self._engine.synchronize()
@@ -642,7 +545,7 @@ class LayerwiseOffloadManager:
             raise RuntimeError(self._contract_error)
         if self._dirty:
             self._resync()
-        if i == 0 and not self._root_driven:
+        if i == 0 and not self.meter.root_driven:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
         with self._queueing():
             self._chain.pump()
@@ -656,15 +559,15 @@ class LayerwiseOffloadManager:
             if ev is not None:
                 stream = self._stream()
                 try:
-                    if self._timing:
+                    if self.meter.timing:
                         if self._engine.is_cuda:
                             start = self._engine.record(stream, True)
                             self._engine.wait(ev, stream)
-                            self._stall_pairs.append((self._steps, start, self._engine.record(stream, True)))
+                            self.meter.stall_pair(start, self._engine.record(stream, True))
                         else:
                             t0 = time.perf_counter()
                             self._engine.wait(ev, stream)
-                            self._stall_s += time.perf_counter() - t0
+                            self.meter.stall_s += time.perf_counter() - t0
                     else:
                         self._engine.wait(ev, stream)
                 except Exception as err:
@@ -719,86 +622,13 @@ class LayerwiseOffloadManager:
         return None
 
     # ---------------------------------------------------------------- stats
-    # A step is one forward of the model (the root hooks, contract.py), prefetches
-    # for the next one included; for blocks called without the model's forward, it
-    # runs from one layer 0 to the next. On CUDA the compute-stream stall is timed with event pairs on
-    # one step in `stall_sample_every` (each pair costs two events and two native
-    # calls per layer); pairs resolve when they have completed, never by a sync.
-    stall_sample_every = 8
-
     def _reset_stats(self) -> None:
-        self._bytes = self._bytes_raw = self._copies = self._sync_loads = 0
-        self._stall_s = 0.0
-        self._stall_pairs = []  # (step, start event, end event), CUDA
-        self._step_stall: dict[int, float] = {}
-        self._timed_copies = []  # (step, copy event) of the timed steps
-        self._copy_s = 0.0
-        self._step_copy: dict[int, float] = {}
-        self._steps = 0
-        self._step_mark = (0, 0, 0, 0.0, 0, *self._disk_counts())
-        self._step_t0 = None
-        self._step_open = False
-        self._root_driven = False  # steps follow the model's forward (contract._root_*_hook)
-        self._timing = self.measure_stalls
-        self._last_step = None
-        self._recent = collections.deque(maxlen=RECENT_STEPS)  # the last complete steps, oldest first
-
-    def _resolve_stalls(self) -> None:
-        pending = []
-        for step, ev in self._timed_copies:
-            try:
-                done = ev.query()
-            except Exception:  # a failed fetch (a split gather): raised where its layer was needed, not timed
-                continue
-            if not done:
-                pending.append((step, ev))
-                continue
-            ms = ev.copy_ms
-            if ms >= 0:
-                self._copy_s += ms / 1e3
-                self._step_copy[step] = self._step_copy.get(step, 0.0) + ms / 1e3
-        self._timed_copies = pending
-        pending = []
-        for step, a, b in self._stall_pairs:
-            if b.query():
-                dt = a.elapsed_ms(b) / 1e3
-                self._stall_s += dt
-                self._step_stall[step] = self._step_stall.get(step, 0.0) + dt
-            else:
-                pending.append((step, a, b))
-        self._stall_pairs = pending
+        self.meter.reset(cuda=self._finalized and self._engine.is_cuda)
 
     def _new_step(self) -> None:
         if self._handed_out:
             contract.check_handed_out(self)
-        self._resolve_stalls()
-        if self._step_open:
-            self._end_step()
-        self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s, self._bytes_raw,
-                           *self._disk_counts())
-        self._step_t0 = time.perf_counter()
-        self._step_open = True
-        self._steps += 1
-        cuda = self._finalized and self._engine.is_cuda
-        self._timing = self.measure_stalls and (not cuda or self._steps % self.stall_sample_every == 1)
-
-    def _end_step(self) -> None:
-        """Close the step: its figures become the last complete step's."""
-        self._step_open = False
-        now = (self._bytes, self._copies, self._sync_loads, self._stall_s, self._bytes_raw, *self._disk_counts())
-        last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s", "bytes_raw", "bytes_read",
-                         "read_wait_s"),
-                        (a - b for a, b in zip(now, self._step_mark))))
-        last["step"] = self._steps
-        last["wall_s"] = time.perf_counter() - self._step_t0  # host time of the step, not of the pause after it
-        last["stall_measured"] = self._timing
-        last["copy_s"] = None  # filled from its copies' timings as they complete (stats())
-        if self._finalized and self._engine.is_cuda:
-            last["stall_s"] = None  # filled from its event pairs as they complete (stats())
-        self._step_stall = {k: v for k, v in self._step_stall.items() if k >= self._steps}
-        self._step_copy = {k: v for k, v in self._step_copy.items() if k >= self._steps}
-        self._last_step = last
-        self._recent.append(last)
+        self.meter.new_step()
 
     def _disk_counts(self) -> tuple:
         chain = getattr(self, "_chain", None)
@@ -817,18 +647,10 @@ class LayerwiseOffloadManager:
             if self._engine.is_cuda:
                 torch.cuda.synchronize(self.device)
         if self._finalized:
-            self._resolve_stalls()
-        last = self._last_step
-        if last is not None and last["stall_measured"] and last["stall_s"] is None:
-            pending = any(step == last["step"] for step, _, _ in self._stall_pairs)
-            if not pending:
-                last["stall_s"] = self._step_stall.get(last["step"], 0.0)
-        if last is not None and last["stall_measured"] and last["copy_s"] is None:
-            if not any(step == last["step"] for step, _ in self._timed_copies):
-                last["copy_s"] = self._step_copy.get(last["step"], 0.0)
-        arena = self._arena
+            self.meter.resolve()
+        arena = self._host.arena
         # Layers a tier keeps (encoded, ...) are host memory of this group too.
-        tier_bytes = sum(src.stored_bytes for src, blk in zip(self._src, self._host_blocks) if blk is None)
+        tier_bytes = sum(src.stored_bytes for src, blk in zip(self._src, self._host.blocks) if blk is None)
         chain = self._chain if self._packed else None
         stage_pinned, stage_pin_error = chain.pinned() if chain is not None else (True, None)
         pinned = bool(arena.pinned) if arena is not None else False
@@ -849,18 +671,10 @@ class LayerwiseOffloadManager:
             "arena_pin_error": ((getattr(arena, "pin_error", None) or None) if arena is not None else None)
             or stage_pin_error,
             "managed_bytes": self._managed_parameter_bytes(),
-            "steps": self._steps,
-            "bytes_copied": self._bytes,  # bytes that crossed the bus (encoded where a layer travels so)
-            "bytes_raw": self._bytes_raw,  # the same loads' bytes as the layers hold them (uncompressed)
-            "copies": self._copies,
-            "sync_loads": self._sync_loads,
-            "stall_s": self._stall_s,
-            "copy_s": self._copy_s,
+            **self.meter.figures(),
             "disk": stage_stats.pop("disk") if self._finalized else None,
-            "last_step": dict(last) if last is not None else None,
-            "recent_steps": [dict(r) for r in self._recent],  # up to RECENT_STEPS, oldest first
             "compress": stage_stats.pop("compress"),
-            "tier_plan": [r.describe() for r in self._routes] if self._routes is not None else None,
+            "tier_plan": [r.describe() for r in self._host.routes] if self._host.routes is not None else None,
         }
         stage_stats.pop("disk", None)
         out.update(stage_stats)  # split fetch: its own figures (stages/gather.py)
@@ -879,43 +693,13 @@ class LayerwiseOffloadManager:
         with self._queueing():  # an interrupt in here: the next hook resynchronises
             self._chain.flush()
         self._engine.synchronize()
-        self._resolve_stalls()
-
-    @staticmethod
-    def _span_copy(e, data: torch.Tensor, device) -> torch.Tensor:
-        """A tensor of its own on `device` with `data`'s storage span, shape and strides."""
-        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
-        out = torch.empty(e.span, dtype=e.dtype, device=device)
-        out.copy_(flat)
-        return torch.as_strided(out, e.shape, e.stride)
+        self.meter.resolve()
 
     def _prepare_removal(self, original_devices: bool = False) -> list:
-        """[(entry, new data or None: keep what it has)] for every packed parameter:
-        the data it had before a load (if kept), its resident copy (moved back with
-        original_devices), or its bytes read from the layer's source. Parameters
-        never packed are not touched; a meta parameter had no data to give back."""
+        """[(entry, new data or None)] for every packed parameter (HostLayers.prepare_removal)."""
         self._drain()
         resident = set(self.resident) if self._finalized else set()
-        out = []
-        with torch.no_grad(), torch.inference_mode(False):
-            for lp, src in zip(self.plan.layers, self._src):
-                block = None
-                for e in lp.params:
-                    if not e.packed:
-                        continue
-                    dev = e.orig_device if original_devices else self.device
-                    new = None
-                    if original_devices and e.saved is not None:
-                        new = e.saved
-                    elif lp.index in resident:  # an ordinary device tensor: the truth already
-                        if original_devices and dev.type != "meta" and dev != self.device:
-                            new = e.wrap(self._span_copy(e, local_tensor(e.param.data), dev))
-                    elif dev.type != "meta":
-                        if block is None:
-                            block = src.read()
-                        new = e.wrap(self._materialize(e, block, dev))
-                    out.append((e, new))
-        return out
+        return self._host.prepare_removal(resident, self.device, original_devices)
 
     def _commit_removal(self, prepared: list) -> None:
         """Rebind every parameter to what `_prepare_removal` built, then release the
@@ -928,18 +712,14 @@ class LayerwiseOffloadManager:
                 ctx.__exit__(None, None, None)
             except Exception:  # (a saved-tensor hook stack another thread popped)
                 pass
-        for e, new in prepared:
-            if new is not None:
-                e.param.data = new
-            e.saved = None
-            e.packed = False
+        HostLayers.give_back(prepared)
         # Events hold the tensors their copies read and wrote (ring slices, arena
         # blocks): drop them, or the ring and the pinned arena outlive the removal.
-        self._slot_event, self._copy_event, self._slot_holder, self._stall_pairs = [], [], [], []
-        self._timed_copies = []
+        self._slot_event, self._copy_event, self._slot_holder = [], [], []
+        self.meter.dropped()
         self._grad_hooks = []
-        self._placeholders = {}
-        self._release_storage()
+        self._host.release()
+        self._packed = False
         self._ring = []
         self._dst = []
         self._resident_bytes = 0
@@ -947,25 +727,6 @@ class LayerwiseOffloadManager:
         self._finalized = False
         if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
             del self.plan.module_list._layerwise_manager
-
-    def _release_storage(self) -> None:
-        """Close sources, tiers and files (spill files are deleted): best effort, logged."""
-        def attempt(what, fn, *args):
-            try:
-                fn(*args)
-            except Exception as err:  # a leak at worst; the parameters are whole already
-                log.warning("layerwise: %s of group %r failed while removing: %s", what, self.layer_name, err)
-
-        for src in self._src:
-            attempt("closing a layer source", src.close)
-        if self._chain is not None:
-            self._chain.close(attempt)
-        self._chain = None
-        self._routes = None
-        self._host_blocks = []
-        self._src = []
-        self._arena = None
-        self._packed = False
 
     def _restore_parameters(self, original_devices: bool = False) -> None:
         """Give every packed parameter an ordinary tensor again with its true bytes

@@ -608,7 +608,7 @@ def _kept_bytes(m):
     """Host bytes a packed group holds, each block page-rounded: its arena and its encoded blocks."""
     page = 4096
     own = sum(-(-max(s.stored_bytes, 1) // page) * page for s in m._src if s.kind == "lossless")
-    return m._arena.capacity + own
+    return m._host.arena.capacity + own
 
 
 def test_compressed_layers_count_at_their_encoded_size_in_the_host_and_pin_budgets():
