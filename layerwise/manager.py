@@ -44,6 +44,7 @@ from .options import OffloadOptions, manager_options, named_options, resolve_res
 from .meter import Meter
 from .packing import HostLayers, bind_to_slot, materialize
 from .plan import GroupPlan, assign_slots, build_group_plan
+from .ring import SlotRing
 
 log = logging.getLogger("layerwise")
 
@@ -117,6 +118,7 @@ class LayerwiseOffloadManager:
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
+        self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/ring.py), once finalised
         self.meter = Meter(self.measure_stalls, self._disk_counts)  # the group's figures (layerwise/meter.py)
         if initialize:
             self.initialize()
@@ -238,39 +240,13 @@ class LayerwiseOffloadManager:
             )
             self._lock = contract.model_lock(self.model)
             layers = self.plan.layers
-            resident = set(self.resident)
-            self._streamed = [i for i in range(self.num_layers) if i not in resident]
-            colours, self.num_slots = assign_slots(len(self._streamed), self.prefetch_depth)
-            self._slot_of = [-1] * self.num_layers
-            for pos, i in enumerate(self._streamed):
-                self._slot_of[i] = colours[pos]
-            # The k-th streamed layer at or after layer i, for prefetch targets.
-            self._next_pos = [0] * self.num_layers
-            pos = len(self._streamed)
-            for i in reversed(range(self.num_layers)):
-                if i not in resident:
-                    pos -= 1
-                self._next_pos[i] = pos
-            # A source may need more than the layer's bytes in its slot (a gather fills whole shares).
-            slot_bytes = max((getattr(self._src[i], "slot_bytes", layers[i].nbytes) for i in self._streamed),
-                             default=0)
-            self._ring = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
-            self._slot_holder = [-1] * self.num_slots  # the layer whose copy was queued last into each slot
-            self._busy = [0] * self.num_slots  # layers between their pre- and post-hook, per slot
-            self._entered: list[int] = []  # those layers, innermost last
-            self._loaded_version = [-1] * self.num_slots  # arena version of the holder when it was queued
-            self._slot_gen = [0] * self.num_slots  # bumped at every copy into the slot (saved-tensor checks)
             self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks
-            self._dirty = False
+            self._dirty = False  # the ring's record may be behind what was queued: the next hook resyncs
             self._handed_out: list = []  # state_dict() tensors that alias the arena (contract.check_handed_out)
-            self._arena_gen = [0] * self.num_layers  # bumped when a layer's arena bytes change after packing
             self._loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks (contract.py)
             self._contract_error: str | None = None  # a broken contract found outside a forward
-            # The last copy into each slot. On CUDA the ring's memory may have been
-            # freed by work still queued on the compute stream: the first copies wait for it.
             start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
-            self._slot_event = [start] * self.num_slots
-            self._copy_event = [None] * self.num_layers
+            self.ring = SlotRing(self.plan, self.resident, self.prefetch_depth, self._src, self.device, start)
             # Resident layers become ordinary device tensors (one storage each, as in a
             # resident model); streamed ones are bound to views of their slot.
             for i in self.resident:
@@ -278,20 +254,16 @@ class LayerwiseOffloadManager:
                 for e in layers[i].params:
                     e.param.data = e.wrap(materialize(e, block, self.device))
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
-            # Each streamed layer's copy destination: the front of its slot.
-            self._dst = [self._ring[s][: lp.nbytes] if s >= 0 else None for s, lp in zip(self._slot_of, layers)]
-            for i in self._streamed:
+            for i in self.ring.streamed:
                 for e in layers[i].params:
-                    bind_to_slot(e, e.view_in(self._ring[self._slot_of[i]]))
-            self._ring_version = [r._version for r in self._ring]
+                    bind_to_slot(e, e.view_in(self.ring.slots[self.ring.slot_of[i]]))
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
             from .hostplan import staging_slots
 
-            self._chain.start(self._engine, self._src, self._streamed, staging_slots(self, self.disk_prefetch_depth),
-                              start)
-            self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
-            for i in self._streamed[: self.prefetch_depth]:
+            self._chain.start(self._engine, self._src, self.ring.streamed,
+                              staging_slots(self, self.disk_prefetch_depth), start)
+            for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
             # tracing into the copy engine (one graph per block, no recompiles).
@@ -324,25 +296,25 @@ class LayerwiseOffloadManager:
         return _native.current_stream_handle(self.device)
 
     def _load(self, i: int, prefetch: bool) -> bool:
-        """Queue the copy of streamed layer i into its slot, unless it is there
-        already (and the arena has not changed since). False when a prefetch
+        """Queue the fetch of streamed layer i into its slot, unless it is there
+        already (and its true bytes have not changed since). False when a prefetch
         finds the slot busy: the layer that computes there keeps it."""
-        s = self._slot_of[i]
-        src = self._src[i]
+        ring, src = self.ring, self._src[i]
         version = src.version()
-        if self._slot_holder[s] == i and self._loaded_version[s] == version:
+        if ring.holds(i, version):
             return True
-        if self._busy[s]:
+        s = ring.slot_of[i]
+        if ring.busy[s]:
             if prefetch:
                 return False
             raise RuntimeError(
                 f"layerwise: layer {self.layer_name}[{i}] is called while layer "
-                f"{self.layer_name}[{self._slot_holder[s]}], which shares its ring slot {s}, is still computing "
+                f"{self.layer_name}[{ring.holder[s]}], which shares its ring slot {s}, is still computing "
                 "(a block that calls another block of the same list). Keep one of them resident "
                 "(resident_layers) or raise prefetch_depth so that the two get distinct slots."
             )
-        self._dirty = True  # until the records below match what the engine has queued
-        after = self._slot_event[s]
+        self._dirty = True  # until the record below matches what the engine has queued
+        after = ring.event[s]
         if after is not None:
             try:
                 after = after.resolve()  # the slot's last fetch (a deferred one is issued now)
@@ -351,17 +323,14 @@ class LayerwiseOffloadManager:
                 after = None
         if self._engine.is_cuda:
             # Everything enqueued on the compute stream so far (the slot's last user
-            # and its forward hooks) and the slot's previous copy come before this one.
+            # and its forward hooks) and the slot's previous fetch come before this one.
             stream = self._stream()
             if after is not None:
                 self._engine.wait(after, stream)
             after = self._engine.record(stream, False)
-        self._slot_gen[s] += 1
-        ev = src.fetch(i, self._dst[i], after, self.meter.timing)
-        self._slot_holder[s] = i
-        self._slot_event[s] = ev
-        self._copy_event[i] = ev
-        self._loaded_version[s] = version
+        ring.gen[s] += 1
+        ev = src.fetch(i, ring.dst[i], after, self.meter.timing)
+        ring.queued(i, version, ev)
         self.meter.fetched(src, prefetch, ev)
         self._dirty = False
         return True
@@ -409,26 +378,21 @@ class LayerwiseOffloadManager:
         except Exception:  # noqa: BLE001 - a failed copy (after a failed split gather, say): the engine stops
             # at it, so wait for each slot's last copy instead; failed ones are finished too. Their layers
             # reload below (nothing computes with their bytes) and fail again, raising, if the cause stays.
-            for ev in self._slot_event:
+            for ev in self.ring.event:
                 try:
                     ev = ev.resolve() if ev is not None else None  # (one the chain forgot raises: never queued)
                     if ev is not None:
                         ev.synchronize()
                 except Exception:  # noqa: BLE001 - as above
                     pass
-        start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
-        self._slot_event = [start] * self.num_slots
-        self._slot_holder = [-1] * self.num_slots
-        self._copy_event = [None] * self.num_layers
-        self._slot_gen = [g + 1 for g in self._slot_gen]
+        self.ring.reset(self._engine.record(self._stream(), False) if self._engine.is_cuda else None)
         self._dirty = False
 
     def _fetch_failed(self, i: int, s: int, err: BaseException) -> BaseException:
         """Waiting for layer i's fetch into slot s raised `err`: the slot reloads at its
         next use; the error to raise is the source's own where it has one (a split
         gather's SplitError, which the native event gives back as a ReadError)."""
-        self._slot_holder[s] = -1
-        self._copy_event[i] = None
+        self.ring.forget(i)
         failed = getattr(self._src[i], "fetch_failed", None)
         return err if failed is None else failed(err)
 
@@ -439,8 +403,7 @@ class LayerwiseOffloadManager:
 
     def _forget_entered(self) -> None:
         """Forget layers left 'computing' by a forward that an interrupt abandoned."""
-        self._busy = [0] * self.num_slots
-        self._entered = []
+        self.ring.forget_entered()
         self._dirty = True
 
     def _reset_entered(self) -> None:
@@ -456,9 +419,9 @@ class LayerwiseOffloadManager:
         """Issue copies of the next prefetch_depth streamed layers after layer i,
         continuing into the next group (and wrapping around) at the end."""
         want = self.prefetch_depth
-        mgr, pos = self, self._next_pos[i] + (1 if self._slot_of[i] >= 0 else 0)
+        mgr, pos = self, self.ring.next_pos[i] + (1 if self.ring.slot_of[i] >= 0 else 0)
         for _ in range(64):  # a walk over the chain of groups, bounded
-            for j in mgr._streamed[pos : pos + want]:
+            for j in mgr.ring.streamed[pos : pos + want]:
                 if mgr is self and j == i:
                     want = 0
                     break  # wrapped back onto the computing layer
@@ -486,7 +449,7 @@ class LayerwiseOffloadManager:
         gather); returns the event the compute must wait on, or None."""
         if load:
             self._load(i, prefetch=False)
-        ev = self._copy_event[i]
+        ev = self.ring.fetched[i]
         if ev is None:
             return None
         try:
@@ -494,17 +457,31 @@ class LayerwiseOffloadManager:
                 self._chain.settle()  # collectives queued before this layer's, in order
                 return ev.resolve()
         except BaseException:
-            self._slot_holder[s] = -1  # the next call of the layer fetches it again
-            self._copy_event[i] = None
+            self.ring.forget(i)  # the next call of the layer fetches it again
             raise
+
+    def _wait_ready(self, i: int) -> None:
+        """Layer i in its slot, waited for on the host (an edit in place, contract.editing)."""
+        if self._dirty:
+            self._resync()
+        s = self.ring.slot_of[i]
+        ev = self._ready(i, s)
+        if ev is not None:
+            try:
+                ev.synchronize()
+            except Exception as err:
+                exc = self._fetch_failed(i, s, err)  # a split gather's failure is a SplitError
+                if exc is err:
+                    raise
+                raise exc from None
+            self.ring.fetched[i] = None
 
     def _check_slot_writes(self, s: int) -> None:
         """Our copies do not bump version counters: a change means someone wrote
         into the slot in place (a streamed weight edited outside load_state_dict)."""
-        v = self._ring[s]._version
-        if v != self._ring_version[s]:
-            self._ring_version[s] = v
-            holder, self._slot_holder[s] = self._slot_holder[s], -1  # reload the true bytes
+        holder = self.ring.written_in_place(s)
+        if holder is not None:
+            slot = self.ring.slots[s]
             # Which parameter: those whose bytes in the slot differ from the holder's in the arena (once
             # the copies queued are done). A prefetch may have overwritten the write already, and a
             # layer kept elsewhere (disk, encoded, split) has no arena bytes: then name the candidates.
@@ -515,11 +492,11 @@ class LayerwiseOffloadManager:
             if host is not None:
                 self._engine.synchronize()
                 changed = [e.qualname for e in lp.params if not torch.equal(
-                    self._ring[s][e.offset : e.offset + e.span_bytes].cpu(), host[e.offset : e.offset + e.span_bytes])]
+                    slot[e.offset : e.offset + e.span_bytes].cpu(), host[e.offset : e.offset + e.span_bytes])]
             if changed:
                 what = f"{', '.join(map(repr, changed[:6]))}, in ring slot {s}"
             else:
-                sharing = [i for i, sl in enumerate(self._slot_of) if sl == s]
+                sharing = [i for i, sl in enumerate(self.ring.slot_of) if sl == s]
                 rel = [e.qualname.removeprefix(f"{self.layer_name}.{holder}.") for e in (lp.params if lp else ())]
                 what = (f"one bound to ring slot {s}: {', '.join(rel[:6])}{' ...' if len(rel) > 6 else ''} of "
                         f"{self.layer_name}.<i> for i in {sharing[:8]}{' ...' if len(sharing) > 8 else ''}")
@@ -549,12 +526,11 @@ class LayerwiseOffloadManager:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
         with self._queueing():
             self._chain.pump()
-        s = self._slot_of[i]
+        s = self.ring.slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
             self._load(i, prefetch=False)
-            self._busy[s] += 1
-            self._entered.append(i)
+            self.ring.enter(i)
             ev = self._ready(i, s, load=False)
             if ev is not None:
                 stream = self._stream()
@@ -575,13 +551,13 @@ class LayerwiseOffloadManager:
                     if exc is err:
                         raise
                     raise exc from None
-                self._copy_event[i] = None
+                self.ring.fetched[i] = None
             if torch.is_grad_enabled():
                 ctx = contract.saved_slot_hooks(self)
                 ctx.__enter__()
                 self._grad_hooks.append((threading.get_ident(), ctx))
         else:
-            self._entered.append(i)
+            self.ring.enter(i)
         self._prefetch_after(i)
 
     def _post_hook(self, i: int, module, args, output):
@@ -592,34 +568,17 @@ class LayerwiseOffloadManager:
             if self._finalized and not self._dirty:  # (dirty: what is queued is stale; the next hook resyncs)
                 with self._queueing():  # collectives for the layers prefetched: after this layer's forward
                     self._chain.settle()
-            if self._slot_of[i] >= 0:
-                replaced = self._own_output(output)
-            if i in self._entered:
-                del self._entered[len(self._entered) - 1 - self._entered[::-1].index(i)]
-                s = self._slot_of[i]
-                if s >= 0:
-                    self._busy[s] -= 1
-                    me = threading.get_ident()
-                    for k in range(len(self._grad_hooks) - 1, -1, -1):
-                        if self._grad_hooks[k][0] == me:
-                            self._grad_hooks.pop(k)[1].__exit__(None, None, None)
-                            break
+            if self.ring.slot_of[i] >= 0:
+                replaced = self.ring.own_output(output)
+            if self.ring.leave(i):
+                me = threading.get_ident()
+                for k in range(len(self._grad_hooks) - 1, -1, -1):
+                    if self._grad_hooks[k][0] == me:
+                        self._grad_hooks.pop(k)[1].__exit__(None, None, None)
+                        break
         finally:
             self._lock.release()
         return replaced
-
-    def _own_output(self, output):
-        """A block whose output is a view of its own weights (learned query tokens
-        returned as they are): the output must outlive the slot, which the next
-        copies refill. Copied in that case only; None (output unchanged) otherwise."""
-        def aliased(t):
-            return type(t) in (torch.Tensor, nn.Parameter) and t.device == self.device and \
-                t.untyped_storage().data_ptr() in self._slot_ptrs
-        if isinstance(output, torch.Tensor):
-            return output.clone() if aliased(output) else None
-        if isinstance(output, tuple) and any(aliased(t) for t in output):
-            return tuple(t.clone() if aliased(t) else t for t in output)
-        return None
 
     # ---------------------------------------------------------------- stats
     def _reset_stats(self) -> None:
@@ -663,8 +622,8 @@ class LayerwiseOffloadManager:
             "layers": self.num_layers,
             "resident_layers": list(self.resident),
             "prefetch_depth": self.prefetch_depth,
-            "slots": getattr(self, "num_slots", 0),
-            "ring_bytes": sum(t.numel() for t in getattr(self, "_ring", [])),
+            "slots": self.ring.num_slots if self.ring is not None else 0,
+            "ring_bytes": sum(t.numel() for t in self.ring.slots) if self.ring is not None else 0,
             "resident_bytes": self._resident_bytes,
             "arena_bytes": (arena.capacity if arena is not None else 0) + tier_bytes,
             "arena_pinned": pinned,
@@ -715,13 +674,13 @@ class LayerwiseOffloadManager:
         HostLayers.give_back(prepared)
         # Events hold the tensors their copies read and wrote (ring slices, arena
         # blocks): drop them, or the ring and the pinned arena outlive the removal.
-        self._slot_event, self._copy_event, self._slot_holder = [], [], []
+        if self.ring is not None:
+            self.ring.release()
+        self.ring = None
         self.meter.dropped()
         self._grad_hooks = []
         self._host.release()
         self._packed = False
-        self._ring = []
-        self._dst = []
         self._resident_bytes = 0
         self._engine = None
         self._finalized = False

@@ -282,10 +282,10 @@ def test_remove_restores_state_dict_and_leaves_no_hooks(device):
     assert hook_count(model) > hooks
     with torch.no_grad():
         model(torch.randn(2, 32, device=device))
-    held = [weakref.ref(t) for m in managers for t in m._ring + [b for b in m._host.blocks if b is not None]]
+    held = [weakref.ref(t) for m in managers for t in m.ring.slots + [b for b in m._host.blocks if b is not None]]
     out = layerwise.remove_layerwise_offload(model)
     assert out is model and hook_count(model) == hooks and not managers_of(model)
-    assert all(m._host.arena is None and not m._ring for m in managers)
+    assert all(m._host.arena is None and m.ring is None for m in managers)
     gc.collect()
     assert not any(r() is not None for r in held)  # ring and arena freed, though the managers live on
     for k, v in model.state_dict().items():

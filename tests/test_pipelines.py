@@ -85,7 +85,7 @@ def test_components_stream_and_stay_resident_as_the_report_says(pipe, reference)
         assert rows[name]["placement"].startswith("streamed" if streamed else "resident")
         assert [g["group"] for g in rows[name]["groups"]] == [m.layer_name for m in managers_of(module)]
         # streamed: its block weights are views of the ring slots; resident: ordinary weights only
-        slots = {ptr for m in managers_of(module) for ptr in m._slot_ptrs}
+        slots = {ptr for m in managers_of(module) for ptr in m.ring.ptrs}
         in_ring = [p for p in module.parameters() if p.untyped_storage().data_ptr() in slots]
         assert bool(in_ring) is streamed, name
         assert all(p.shape != (1,) for p in module.parameters())
