@@ -599,7 +599,7 @@ def _split_load_guards(manager) -> list:
     model when it is loaded as part of something larger), before anything changed:
     one collective compares them (stages/gather.py, ShareStore.check_load). The
     per-layer check in the source's write() stays the last word."""
-    store = manager.split_store
+    store = manager.tiers.split_store
     if store is None:
         return []
     split = {id(e.param) for i in manager.ring.streamed if i in store.spans for e in manager.plan.layers[i].params}
@@ -617,7 +617,7 @@ def _check_split_load(manager, mod, inner):
             return  # inside a load that started above: checked there
         named = [(prefix + rel, state_dict[prefix + rel]) for rel in inner
                  if isinstance(state_dict.get(prefix + rel), torch.Tensor)]
-        manager.split_store.check_load(named)
+        manager.tiers.split_store.check_load(named)
 
     return hook
 

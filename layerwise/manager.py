@@ -1,40 +1,30 @@
 """LayerwiseOffloadManager: streams one block list (nn.ModuleList) through a
-device slot ring, one copy ahead of the compute that needs it.
+device slot ring, one fetch ahead of the compute that needs it.
 
-Life cycle (DESIGN.md, data flow):
-  plan      -> __init__           which parameter lives where (nothing changes yet)
-  pack      -> _initialize_layer_weights   layers into the host arena, parameters
-                                           replaced by (1,) placeholders
-  (the caller moves the non-layer weights with one model.to)
-  finalise  -> _finalize_initialization    slot ring, resident layers, parameters
-                                           bound to slot views, first prefetches, hooks
+Life cycle (Lifecycle; DESIGN.md, data flow): plan (__init__, the tier plan:
+layerwise/tierplan.py) -> pack (layerwise/packing.py: the host side, each
+layer's chain of stages: layerwise/stages) -> one model.to of the non-layer
+weights -> finalise (the slot ring: layerwise/ring.py, parameters bound to
+slot views, first prefetches, hooks). The pre-hook asks the layer's source to
+make it ready in its slot and makes the compute stream wait on the result; it
+names no tier. A fetch into a slot waits for everything the compute stream has
+enqueued (the slot's last user) and for the slot's previous fetch; a slot whose
+layer computes is never a prefetch target.
 
-Each streamed layer has a fixed slot (plan.assign_slots), so its parameters stay
-bound to views of that slot and the hooks do O(1) work: the pre-hook makes the
-compute stream wait for the layer's copy (loading it first if it is not in its
-slot) and issues the next copies. A copy into a slot waits for everything the
-compute stream has enqueued when it is issued (the slot's last user, its forward
-hooks included) and for the slot's previous copy, so no slot is overwritten
-while a layer that uses it may still be computing, and a slot whose layer is
-computing (`_busy`) is never a prefetch target.
-
-Robustness (the state contract, layerwise/contract.py): bookkeeping is marked
-`_dirty` around every native call that queues a copy, so an exception or a
-KeyboardInterrupt that lands in between makes the next hook resynchronise
-(wait for every copy, forget what the slots hold) instead of trusting a record
-that is behind what was queued. Forwards of one model hold the model's lock
-from a layer's pre-hook to its post-hook, so two threads never interleave
-inside a layer. Version counters say when someone wrote to a slot or to the
-arena: a write through `state_dict()` views or `load_state_dict` reloads the
-layer; an in-place write into a slot view is discarded and reported.
+Robustness (the state contract, layerwise/contract.py): the record is marked
+`_dirty` around every call that queues work, so an exception or a
+KeyboardInterrupt in between makes the next hook resynchronise instead of
+trusting a record behind what was queued. Forwards of one model hold the
+model's lock from a layer's pre-hook to its post-hook. Version counters say
+when someone wrote to a slot (refused) or to a layer's true bytes (it reloads).
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import threading
-import time
 
 import torch
 from torch import nn
@@ -43,11 +33,11 @@ from . import _native, contract, stages
 from .options import OffloadOptions, manager_options, named_options, resolve_resident, validate_depth
 from .meter import Meter
 from .packing import HostLayers, bind_to_slot, materialize
-from .plan import GroupPlan, assign_slots, build_group_plan
+from .plan import GroupPlan, build_group_plan, device_bytes
 from .ring import SlotRing
+from .tierplan import TierChoice
 
 log = logging.getLogger("layerwise")
-
 
 
 def _stream_capturing(device: torch.device) -> bool:
@@ -62,8 +52,24 @@ _CAPTURE_REFUSED = (
 )
 
 
+class Lifecycle(enum.Enum):
+    """A group's state: the hooks, the contract and removal check it."""
+
+    PLANNED = "planned"  # built (or removed): its parameters are ordinary tensors
+    PACKED = "packed"  # its weights are packed (arena, stages), the parameters placeholders
+    STREAMING = "streaming"  # finalised: ring, hooks; its layers stream
+
+
 class LayerwiseOffloadManager:
     """Streams the layers of `model.<layer_name>` to `device` (see module doc)."""
+
+    @property
+    def _packed(self) -> bool:
+        return self.state is not Lifecycle.PLANNED
+
+    @property
+    def _finalized(self) -> bool:
+        return self.state is Lifecycle.STREAMING
 
     def __init__(
         self,
@@ -99,35 +105,21 @@ class LayerwiseOffloadManager:
         self.layer_name = layer_name
         self.num_layers = self.plan.num_layers
         self.resident = resolve_resident(options.resident_layers, self.num_layers, options.residency_policy)
-        self.residency_policy = options.residency_policy
-        self.pin_memory = options.pin_memory
-        self.num_copy_streams = options.num_copy_streams
-        self.debug_copy_delay_us = options.debug_copy_delay_us
-        self.measure_stalls = options.measure_stalls
-        self.disk_prefetch_depth = options.disk_prefetch_depth
-        self.debug_read_delay_us = options.debug_read_delay_us
-        self.split_fetch = options.split_fetch  # a ProcessGroup: ranks share the fetch (stages/gather.py), or None
-        # The inputs of the tier plan (layerwise.tierplan), set by the planners before packing:
-        self._share_store = None  # split fetch: this rank's ShareStore (use_split)
-        self._disk_plan = (frozenset(), "spill", None)  # (layers kept in files, where, make_store) (keep_on_disk)
+        self.pin_memory = options.pin_memory  # (the other options are read from self.options)
+        self.tiers = TierChoice(layer_name)  # the tier plan's inputs, set by the planners (layerwise/tierplan.py)
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
-        self._packed = False
-        self._finalized = False
+        self.state = Lifecycle.PLANNED
         self._host = HostLayers(self.plan, layer_name, self.device, self.pin_memory)  # (layerwise/packing.py)
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
         self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/ring.py), once finalised
-        self.meter = Meter(self.measure_stalls, self._disk_counts)  # the group's figures (layerwise/meter.py)
+        self.meter = Meter(self.options.measure_stalls, self._disk_counts)  # the group's figures (layerwise/meter.py)
         if initialize:
             self.initialize()
 
     # ------------------------------------------------------------------ plan
-    def _managed_parameter_bytes(self) -> int:
-        """Local bytes of the parameters this manager owns (layer index < num_layers)."""
-        return self.plan.managed_bytes
-
     def _set_residency(self, resident: list[int], prefetch_depth: int) -> None:
         if self._finalized:
             raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
@@ -136,51 +128,17 @@ class LayerwiseOffloadManager:
 
     def _device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
         """Device bytes of ring + resident layers for a residency plan (default: the current one)."""
-        resident = set(self.resident if resident is None else resident)
-        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
-        streamed = [lp.nbytes for lp in self.plan.layers if lp.index not in resident]
-        _, slots = assign_slots(len(streamed), depth)
-        return slots * max(streamed, default=0) + sum(self.plan.layers[i].nbytes for i in resident)
+        return device_bytes(self.plan, self.resident if resident is None else resident,
+                            self.prefetch_depth if prefetch_depth is None else prefetch_depth)
 
     # ------------------------------------------------------------- tier plan
-    def use_split(self, store) -> None:
-        """Split fetch (stages/gather.attach): `store` keeps this rank's shares."""
-        self._check_unpacked()
-        self._share_store = store
-
-    def keep_on_disk(self, layers, where: str = "spill", make_store=None) -> None:
-        """The host budget's planners (layerwise.hostplan, loading): `layers` stay in
-        files (`where`: "spill" or "checkpoint"); `make_store(files)` gives the file
-        store (stages/chain.py) that keeps them, its files appended to `files`."""
-        self._check_unpacked()
-        self._disk_plan = (frozenset(layers), where, make_store)
-
-    @property
-    def split_store(self):
-        """Split fetch: this rank's ShareStore (stages/gather.py), or None."""
-        return self._share_store
-
-    @property
-    def disk_layers(self) -> frozenset:
-        """The layers the tier plan keeps in files."""
-        return self._disk_plan[0]
-
-    def _check_unpacked(self) -> None:
-        if self._packed:
-            raise RuntimeError(f"{self.layer_name}: the tier plan is fixed once packed")
-
     def tier_plan(self, sizes: bool = True) -> list:
         """Each layer's route (layerwise.tierplan.Route): where its bytes live and what
         happens on the way to its slot. Fixed once packed; before, from the options
-        and the planners' choices so far."""
+        and the planners' choices so far (`self.tiers`)."""
         if self._host.routes is not None:
             return self._host.routes
-        from .tierplan import plan_routes
-
-        store = self._share_store
-        layers, where, _ = self._disk_plan
-        return plan_routes(self.plan, self.resident, self.compress, store.spans if store is not None else None,
-                           layers, where, sizes)
+        return self.tiers.routes(self.plan, self.resident, self.compress, sizes)
 
     # ------------------------------------------------------------------ pack
     @property
@@ -203,22 +161,22 @@ class LayerwiseOffloadManager:
         if self._packed or not self.enabled:
             return
         routes = self.tier_plan(sizes=False)
-        layers, _, make_store = self._disk_plan
-        chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress, self._share_store,
-                             disk_prefetch_depth=self.disk_prefetch_depth,
-                             debug_read_delay_us=self.debug_read_delay_us)
+        tiers = self.tiers
+        chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress, tiers.split_store,
+                             disk_prefetch_depth=self.options.disk_prefetch_depth,
+                             debug_read_delay_us=self.options.debug_read_delay_us)
         self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory)
         with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
             try:
-                if layers:
-                    chain.file_store = make_store(chain.files)
+                if tiers.disk_layers:
+                    chain.file_store = tiers.make_store(chain.files)
                 self._host.pack(routes, chain, fill)
             except BaseException:
                 with contract.defer_interrupts():
                     self._host.chain = chain  # (its files, closed with it)
                     self._restore_parameters(original_devices=True)
                 raise
-        self._packed = True
+        self.state, tiers.fixed = Lifecycle.PACKED, True
         self.plan.module_list._layerwise_manager = self
 
     def _commit(self) -> None:
@@ -235,8 +193,8 @@ class LayerwiseOffloadManager:
         with torch.inference_mode(False), torch.no_grad():
             self._engine = _native.CopyEngine(
                 str(self.device),
-                num_streams=self.num_copy_streams,
-                debug_delay_us=-1 if self.debug_copy_delay_us is None else self.debug_copy_delay_us,
+                num_streams=self.options.num_copy_streams,
+                debug_delay_us=-1 if self.options.debug_copy_delay_us is None else self.options.debug_copy_delay_us,
             )
             self._lock = contract.model_lock(self.model)
             layers = self.plan.layers
@@ -262,7 +220,7 @@ class LayerwiseOffloadManager:
             from .hostplan import staging_slots
 
             self._chain.start(self._engine, self._src, self.ring.streamed,
-                              staging_slots(self, self.disk_prefetch_depth), start)
+                              staging_slots(self, self.options.disk_prefetch_depth), start)
             for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -278,14 +236,14 @@ class LayerwiseOffloadManager:
                     self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
                     self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
                 self._hooks.extend(contract.install_layer_hooks(self))
-        self._finalized = True
+        self.state = Lifecycle.STREAMING
         self._reset_stats()
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
         contract.check_configurable(self.model, [self])
-        if self.split_fetch is not None:  # one collective: every rank of the group configures the same
-            stages.gather.attach([self], self.split_fetch, self.device)
+        if self.options.split_fetch is not None:  # one collective: every rank of the group configures the same
+            stages.gather.attach([self], self.options.split_fetch, self.device)
         with contract.rollback_on_failure([(self.model, [self])]):
             self._initialize_layer_weights()
             contract.move_non_layer_weights(self.model, self.device)
@@ -304,15 +262,8 @@ class LayerwiseOffloadManager:
         if ring.holds(i, version):
             return True
         s = ring.slot_of[i]
-        if ring.busy[s]:
-            if prefetch:
-                return False
-            raise RuntimeError(
-                f"layerwise: layer {self.layer_name}[{i}] is called while layer "
-                f"{self.layer_name}[{ring.holder[s]}], which shares its ring slot {s}, is still computing "
-                "(a block that calls another block of the same list). Keep one of them resident "
-                "(resident_layers) or raise prefetch_depth so that the two get distinct slots."
-            )
+        if ring.busy[s] and not ring.may_take(i, prefetch, self.layer_name):
+            return False
         self._dirty = True  # until the record below matches what the engine has queued
         after = ring.event[s]
         if after is not None:
@@ -359,12 +310,11 @@ class LayerwiseOffloadManager:
             if block is src.host:
                 block = block.clone()
             edit(block)
-            self._dirty = self._finalized  # a disk source waits for its reads and rewrites its file
-            if self._finalized:
-                self._chain.flush()  # nothing queued still reads what the write replaces
-            with contract.defer_interrupts():  # the layer's bytes, CRC and version change together
-                src.write(block)
-            self._dirty = False
+            with self._queueing(self._finalized):  # a disk source waits for its reads and rewrites its file
+                if self._finalized:
+                    self._chain.flush()  # nothing queued still reads what the write replaces
+                with contract.defer_interrupts():  # the layer's bytes, CRC and version change together
+                    src.write(block)
         else:
             edit(block)
         contract.arena_written(self, i)
@@ -376,25 +326,19 @@ class LayerwiseOffloadManager:
         try:
             self._engine.synchronize()
         except Exception:  # noqa: BLE001 - a failed copy (after a failed split gather, say): the engine stops
-            # at it, so wait for each slot's last copy instead; failed ones are finished too. Their layers
-            # reload below (nothing computes with their bytes) and fail again, raising, if the cause stays.
-            for ev in self.ring.event:
-                try:
-                    ev = ev.resolve() if ev is not None else None  # (one the chain forgot raises: never queued)
-                    if ev is not None:
-                        ev.synchronize()
-                except Exception:  # noqa: BLE001 - as above
-                    pass
+            self.ring.wait_for_fetches()  # at it: wait for each slot's last fetch instead
         self.ring.reset(self._engine.record(self._stream(), False) if self._engine.is_cuda else None)
         self._dirty = False
 
-    def _fetch_failed(self, i: int, s: int, err: BaseException) -> BaseException:
-        """Waiting for layer i's fetch into slot s raised `err`: the slot reloads at its
-        next use; the error to raise is the source's own where it has one (a split
-        gather's SplitError, which the native event gives back as a ReadError)."""
+    def _fetch_failed(self, i: int, err: BaseException) -> None:
+        """Waiting for layer i's fetch raised `err`: the slot reloads at its next use;
+        raises the source's own error where it has one (a split gather's SplitError,
+        which the native event gives back as a ReadError), else returns (re-raise)."""
         self.ring.forget(i)
         failed = getattr(self._src[i], "fetch_failed", None)
-        return err if failed is None else failed(err)
+        exc = err if failed is None else failed(err)
+        if exc is not err:
+            raise exc from None
 
     def forget_slots(self) -> None:
         """What the slots hold is unknown (a split-fetch collective failed): the
@@ -436,10 +380,10 @@ class LayerwiseOffloadManager:
             self._chain.read_ahead(i)
 
     @contextlib.contextmanager
-    def _queueing(self):
+    def _queueing(self, mark: bool = True):
         """Around a call that queues work the records do not show yet: an exception or
         an interrupt inside leaves the group marked dirty (the next hook resyncs)."""
-        self._dirty = True
+        self._dirty = mark
         yield
         self._dirty = False
 
@@ -470,50 +414,21 @@ class LayerwiseOffloadManager:
             try:
                 ev.synchronize()
             except Exception as err:
-                exc = self._fetch_failed(i, s, err)  # a split gather's failure is a SplitError
-                if exc is err:
-                    raise
-                raise exc from None
+                self._fetch_failed(i, err)  # a split gather's failure is a SplitError
+                raise
             self.ring.fetched[i] = None
 
     def _check_slot_writes(self, s: int) -> None:
-        """Our copies do not bump version counters: a change means someone wrote
-        into the slot in place (a streamed weight edited outside load_state_dict)."""
-        holder = self.ring.written_in_place(s)
-        if holder is not None:
-            slot = self.ring.slots[s]
-            # Which parameter: those whose bytes in the slot differ from the holder's in the arena (once
-            # the copies queued are done). A prefetch may have overwritten the write already, and a
-            # layer kept elsewhere (disk, encoded, split) has no arena bytes: then name the candidates.
-            lp = self.plan.layers[holder] if 0 <= holder < len(self.plan.layers) else None
-            blocks = self._host.blocks
-            host = blocks[holder] if lp is not None and holder < len(blocks) else None
-            changed = []
-            if host is not None:
-                self._engine.synchronize()
-                changed = [e.qualname for e in lp.params if not torch.equal(
-                    slot[e.offset : e.offset + e.span_bytes].cpu(), host[e.offset : e.offset + e.span_bytes])]
-            if changed:
-                what = f"{', '.join(map(repr, changed[:6]))}, in ring slot {s}"
-            else:
-                sharing = [i for i, sl in enumerate(self.ring.slot_of) if sl == s]
-                rel = [e.qualname.removeprefix(f"{self.layer_name}.{holder}.") for e in (lp.params if lp else ())]
-                what = (f"one bound to ring slot {s}: {', '.join(rel[:6])}{' ...' if len(rel) > 6 else ''} of "
-                        f"{self.layer_name}.<i> for i in {sharing[:8]}{' ...' if len(sharing) > 8 else ''}")
-            raise RuntimeError(
-                f"layerwise: an in-place write to a streamed parameter ({what}) was detected and discarded: "
-                "streamed weights live in the host arena "
-                "and a write into the device copy would be lost or land on another layer (an optimizer step is "
-                "such a write: training streamed weights is not supported). Change them with "
-                "model.load_state_dict(...), or call layerwise.remove_layerwise_offload(model) first. "
-                "The model computes with the weights it had."
-            )
+        """Our fetches do not bump version counters: a change means someone wrote into
+        the slot in place (a streamed weight edited outside load_state_dict)."""
+        if self.ring.slots[s]._version != self.ring.seen[s]:
+            self.ring.refuse_write_in_place(s, self.plan, self._host.blocks, self._engine, self.layer_name)
 
     def _pre_hook(self, i: int, module, args):
         # Released by the post-hook (which also runs when a forward raises; a hold that
         # a KeyboardInterrupt abandons is taken over by the next thread: contract.ModelLock).
         self._lock.acquire(contract.module_call_frame())
-        if not self._finalized:  # removed while this call waited for the lock: the layer runs plain
+        if self.state is not Lifecycle.STREAMING:  # removed while this call waited for the lock: runs plain
             self._lock.release()
             return
         if self._engine.is_cuda and _stream_capturing(self.device):
@@ -533,24 +448,11 @@ class LayerwiseOffloadManager:
             self.ring.enter(i)
             ev = self._ready(i, s, load=False)
             if ev is not None:
-                stream = self._stream()
                 try:
-                    if self.meter.timing:
-                        if self._engine.is_cuda:
-                            start = self._engine.record(stream, True)
-                            self._engine.wait(ev, stream)
-                            self.meter.stall_pair(start, self._engine.record(stream, True))
-                        else:
-                            t0 = time.perf_counter()
-                            self._engine.wait(ev, stream)
-                            self.meter.stall_s += time.perf_counter() - t0
-                    else:
-                        self._engine.wait(ev, stream)
+                    self.meter.wait(self._engine, ev, self._stream())
                 except Exception as err:
-                    exc = self._fetch_failed(i, s, err)
-                    if exc is err:
-                        raise
-                    raise exc from None
+                    self._fetch_failed(i, err)
+                    raise
                 self.ring.fetched[i] = None
             if torch.is_grad_enabled():
                 ctx = contract.saved_slot_hooks(self)
@@ -607,15 +509,7 @@ class LayerwiseOffloadManager:
                 torch.cuda.synchronize(self.device)
         if self._finalized:
             self.meter.resolve()
-        arena = self._host.arena
-        # Layers a tier keeps (encoded, ...) are host memory of this group too.
-        tier_bytes = sum(src.stored_bytes for src, blk in zip(self._src, self._host.blocks) if blk is None)
-        chain = self._chain if self._packed else None
-        stage_pinned, stage_pin_error = chain.pinned() if chain is not None else (True, None)
-        pinned = bool(arena.pinned) if arena is not None else False
-        if chain is not None and chain.codec is not None and arena is not None:  # an empty arena does not count
-            pinned = (pinned or not arena.capacity) and stage_pinned
-        stage_stats = chain.stats() if chain is not None else {"compress": None, "disk": None}
+        host = self._host.figures(self._packed)
         out = {
             "group": self.layer_name,
             "device": str(self.device),
@@ -625,18 +519,12 @@ class LayerwiseOffloadManager:
             "slots": self.ring.num_slots if self.ring is not None else 0,
             "ring_bytes": sum(t.numel() for t in self.ring.slots) if self.ring is not None else 0,
             "resident_bytes": self._resident_bytes,
-            "arena_bytes": (arena.capacity if arena is not None else 0) + tier_bytes,
-            "arena_pinned": pinned,
-            "arena_pin_error": ((getattr(arena, "pin_error", None) or None) if arena is not None else None)
-            or stage_pin_error,
-            "managed_bytes": self._managed_parameter_bytes(),
+            **host,  # arena bytes and pinning, and the stages' own figures (compress, disk, split fetch)
+            "managed_bytes": self.plan.managed_bytes,
             **self.meter.figures(),
-            "disk": stage_stats.pop("disk") if self._finalized else None,
-            "compress": stage_stats.pop("compress"),
-            "tier_plan": [r.describe() for r in self._host.routes] if self._host.routes is not None else None,
         }
-        stage_stats.pop("disk", None)
-        out.update(stage_stats)  # split fetch: its own figures (stages/gather.py)
+        if not self._finalized:
+            out["disk"] = None
         return out
 
     # --------------------------------------------------------------- remove
@@ -680,10 +568,9 @@ class LayerwiseOffloadManager:
         self.meter.dropped()
         self._grad_hooks = []
         self._host.release()
-        self._packed = False
         self._resident_bytes = 0
         self._engine = None
-        self._finalized = False
+        self.state = Lifecycle.PLANNED
         if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
             del self.plan.module_list._layerwise_manager
 

@@ -60,8 +60,19 @@ class Meter:
         if not prefetch:
             self.sync_loads += 1
 
-    def stall_pair(self, start, end) -> None:
-        self.stall_pairs.append((self.steps, start, end))
+    def wait(self, engine, ev, stream) -> None:
+        """Make the compute stream wait for `ev`, timing the stall on timed steps
+        (CUDA: an event pair, resolved later; CPU: the host's wait)."""
+        if not self.timing:
+            engine.wait(ev, stream)
+        elif engine.is_cuda:
+            start = engine.record(stream, True)
+            engine.wait(ev, stream)
+            self.stall_pairs.append((self.steps, start, engine.record(stream, True)))
+        else:
+            t0 = time.perf_counter()
+            engine.wait(ev, stream)
+            self.stall_s += time.perf_counter() - t0
 
     def dropped(self) -> None:
         """Events it holds keep tensors alive (ring slices, host blocks): drop them."""

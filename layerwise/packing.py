@@ -149,6 +149,25 @@ class HostLayers:
             for e in lp.params:
                 e.saved = None
 
+    def figures(self, packed: bool) -> dict:
+        """The host memory the group takes (its arena and what its stages keep, pinned
+        or not), the stages' own figures and the tier plan, for stats()."""
+        arena = self.arena
+        # Layers a stage keeps (encoded, a share, ...) are host memory of this group too.
+        kept = sum(src.stored_bytes for src, blk in zip(self.src, self.blocks) if blk is None)
+        chain = self.chain if packed else None
+        stage_pinned, stage_pin_error = chain.pinned() if chain is not None else (True, None)
+        pinned = bool(arena.pinned) if arena is not None else False
+        if chain is not None and chain.codec is not None and arena is not None:  # an empty arena does not count
+            pinned = (pinned or not arena.capacity) and stage_pinned
+        return {
+            "arena_bytes": (arena.capacity if arena is not None else 0) + kept,
+            "arena_pinned": pinned,
+            "arena_pin_error": (arena.pin_error or None if arena is not None else None) or stage_pin_error,
+            **(chain.stats() if chain is not None else {"compress": None, "disk": None}),
+            "tier_plan": [r.describe() for r in self.routes] if self.routes is not None else None,
+        }
+
     # ------------------------------------------------------------ the way back
     def prepare_removal(self, resident, device, original_devices: bool = False) -> list:
         """[(entry, new data or None: keep what it has)] for every packed parameter:

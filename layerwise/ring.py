@@ -88,6 +88,28 @@ class SlotRing:
         self.fetched = [None] * len(self.fetched)
         self.gen = [g + 1 for g in self.gen]
 
+    def may_take(self, i: int, prefetch: bool, group: str) -> bool:
+        """Layer i's slot is busy (its holder computes): a prefetch leaves it (False);
+        a layer called while another one of its slot computes is an error."""
+        if prefetch:
+            return False
+        s = self.slot_of[i]
+        raise RuntimeError(
+            f"layerwise: layer {group}[{i}] is called while layer {group}[{self.holder[s]}], which shares its "
+            f"ring slot {s}, is still computing (a block that calls another block of the same list). Keep one "
+            "of them resident (resident_layers) or raise prefetch_depth so that the two get distinct slots.")
+
+    def wait_for_fetches(self) -> None:
+        """Wait for each slot's last fetch; failed ones are finished too. Their layers
+        reload (nothing computes with their bytes) and fail again if the cause stays."""
+        for ev in self.event:
+            try:
+                ev = ev.resolve() if ev is not None else None  # (one the chain forgot raises: never queued)
+                if ev is not None:
+                    ev.synchronize()
+            except Exception:  # noqa: BLE001 - as above
+                pass
+
     def forget_entered(self) -> None:
         """Forget layers left 'computing' by a forward that an interrupt abandoned."""
         self.busy = [0] * self.num_slots
@@ -128,6 +150,39 @@ class SlotRing:
         self.seen[s] = v
         holder, self.holder[s] = self.holder[s], -1  # reload the true bytes
         return holder
+
+    def refuse_write_in_place(self, s: int, plan, blocks, engine, group: str) -> None:
+        """Someone wrote into slot s in place: the slot reloads its holder's true bytes,
+        and the error names the parameter (those whose bytes in the slot differ from
+        the holder's block, once the fetches queued are done) or, where a prefetch
+        overwrote the write already or the layer has no host block of its own
+        (disk, encoded, split), the candidates."""
+        holder = self.written_in_place(s)
+        if holder is None:
+            return
+        slot = self.slots[s]
+        lp = plan.layers[holder] if 0 <= holder < len(plan.layers) else None
+        host = blocks[holder] if lp is not None and holder < len(blocks) else None
+        changed = []
+        if host is not None:
+            engine.synchronize()
+            changed = [e.qualname for e in lp.params if not torch.equal(
+                slot[e.offset : e.offset + e.span_bytes].cpu(), host[e.offset : e.offset + e.span_bytes])]
+        if changed:
+            what = f"{', '.join(map(repr, changed[:6]))}, in ring slot {s}"
+        else:
+            sharing = [i for i, sl in enumerate(self.slot_of) if sl == s]
+            rel = [e.qualname.removeprefix(f"{group}.{holder}.") for e in (lp.params if lp else ())]
+            what = (f"one bound to ring slot {s}: {', '.join(rel[:6])}{' ...' if len(rel) > 6 else ''} of "
+                    f"{group}.<i> for i in {sharing[:8]}{' ...' if len(sharing) > 8 else ''}")
+        raise RuntimeError(
+            f"layerwise: an in-place write to a streamed parameter ({what}) was detected and discarded: "
+            "streamed weights live in the host arena "
+            "and a write into the device copy would be lost or land on another layer (an optimizer step is "
+            "such a write: training streamed weights is not supported). Change them with "
+            "model.load_state_dict(...), or call layerwise.remove_layerwise_offload(model) first. "
+            "The model computes with the weights it had."
+        )
 
     def aliases(self, t) -> bool:
         """`t` is a view of a slot (not a copy)."""

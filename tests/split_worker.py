@@ -555,7 +555,7 @@ def scenario_tiers(rank, world, tmp):
                 else:
                     assert last["bytes_copied"] <= last["bytes_raw"] / world + 4096, (what, last)
                 if st["disk"] is not None:
-                    assert last["bytes_read"] <= share + 4096 * len(m.disk_layers) * 4, (what, last, share)
+                    assert last["bytes_read"] <= share + 4096 * len(m.tiers.disk_layers) * 4, (what, last, share)
             sd = model.state_dict()  # collective: the true bytes, gathered
             for k, v in reference.state_dict().items():
                 assert torch.equal(sd[k], v), (what, k)

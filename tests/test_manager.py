@@ -80,7 +80,7 @@ def test_naive_per_group_order_moves_whole_unpacked_groups():
 def test_managed_parameter_bytes_counts_only_matched_layers():
     model = SizedComponent()
     m = layerwise.LayerwiseOffloadManager(model, "large_blocks", num_layers=2, device="cpu", initialize=False)
-    assert m._managed_parameter_bytes() == 2 * (64 * 64 + 64) * 4
+    assert m.plan.managed_bytes == 2 * (64 * 64 + 64) * 4
     assert m.num_layers == 2 and m.enabled
 
 

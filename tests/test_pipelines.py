@@ -300,7 +300,7 @@ def _watch(pipe, names, log, monkeypatch):
     orig = layerwise.LayerwiseOffloadManager._initialize_layer_weights
 
     def record(self, fill=None):
-        log.append(("pack", owner[id(self.model)], self.layer_name, self._managed_parameter_bytes()))
+        log.append(("pack", owner[id(self.model)], self.layer_name, self.plan.managed_bytes))
         return orig(self, fill)
 
     monkeypatch.setattr(layerwise.LayerwiseOffloadManager, "_initialize_layer_weights", record)
