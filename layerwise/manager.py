@@ -595,3 +595,8 @@ class LayerwiseOffloadManager:
     def __repr__(self) -> str:
         return (f"LayerwiseOffloadManager({self.layer_name!r}, layers={self.num_layers}, device={self.device}, "
                 f"prefetch_depth={self.prefetch_depth}, resident={len(self.resident)}, enabled={self.enabled})")
+
+
+for _name in ("residency_policy", "num_copy_streams", "debug_copy_delay_us", "measure_stalls", "disk_prefetch_depth",
+              "debug_read_delay_us", "split_fetch"):  # the other options, read-only (set them through `options`)
+    setattr(LayerwiseOffloadManager, _name, property(lambda self, _n=_name: getattr(self.options, _n)))
