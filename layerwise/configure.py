@@ -160,7 +160,7 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
     with contract.rollback_on_failure([(model, managers)], undo, finish=lambda: _log_summary(model, managers, dev)):
         # Largest group first: weights that arrived on the device are copied back
         # to the host group by group, so the biggest share of memory frees first.
-        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
+        for m in sorted(enabled, key=lambda m: -m.plan.managed_bytes):
             m._initialize_layer_weights(fill)
         if place_non_layer is not None:
             place_non_layer()
@@ -190,7 +190,7 @@ def configure_models(parts, dev, finish=None) -> None:
 
     with contract.rollback_on_failure(parts, finish=log_all):
         enabled = [m for _, managers in parts for m in managers if m.enabled]
-        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
+        for m in sorted(enabled, key=lambda m: -m.plan.managed_bytes):
             m._initialize_layer_weights()
         for model, _ in parts:
             move_non_layer_weights(model, dev)

@@ -40,7 +40,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import stages
+from . import packing, stages
 from .plan import local_tensor
 
 _MANAGERS = "_layerwise_managers"
@@ -208,7 +208,7 @@ def _forget_abandoned(model) -> None:
     """The lock was taken over from a forward that an interrupt abandoned inside a
     layer: nobody else is inside a layer now, so what is marked computing is stale."""
     for m in managers_of(model) if model is not None else []:
-        if m._finalized and (m._entered or any(m._busy)):
+        if m._finalized and m.ring.computing():
             m._forget_entered()
 
 
@@ -385,11 +385,11 @@ def _root_pre_hook(model, args):
         for m in managers_of(model):
             if not m._finalized:
                 continue
-            if m._entered or any(m._busy) or any(o == me for o, _ in m._grad_hooks):
+            if m.ring.computing() or any(o == me for o, _ in m._grad_hooks):
                 m._reset_entered()
             if m._handed_out:
                 check_handed_out(m)
-            m._root_driven = True
+            m.meter.root_driven = True
             m._new_step()
 
 
@@ -402,8 +402,8 @@ def _root_post_hook(model, args, output):
             forwards["threads"].pop(threading.get_ident(), None)
             forwards["cond"].notify_all()
     for m in managers_of(model):
-        if m._finalized and m._step_open:
-            m._end_step()
+        if m._finalized and m.meter.step_open:
+            m.meter.end_step()
 
 
 @contextlib.contextmanager
@@ -563,7 +563,7 @@ def _owned(manager):
     """{module: [(attr, entry, layer index)]} for the streamed parameters each
     module holds directly."""
     out: dict = {}
-    streamed = set(manager._streamed)
+    streamed = set(manager.ring.streamed)
     for lp in manager.plan.layers:
         if lp.index not in streamed:
             continue  # resident layers are ordinary device tensors: nothing to guard
@@ -583,7 +583,7 @@ def install_layer_hooks(manager) -> list:
         handles.append(_guard_save(mod, manager, owned))
         handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
         handles.append(mod.register_load_state_dict_post_hook(_load_post_hook(manager)))
-    for i in manager._streamed:
+    for i in manager.ring.streamed:
         module = manager.plan.layers[i].module
         for sub in module.modules():
             _WATCHED[sub] = (weakref.ref(manager), i)
@@ -599,10 +599,10 @@ def _split_load_guards(manager) -> list:
     model when it is loaded as part of something larger), before anything changed:
     one collective compares them (stages/gather.py, ShareStore.check_load). The
     per-layer check in the source's write() stays the last word."""
-    store = manager.split_store
+    store = manager.tiers.split_store
     if store is None:
         return []
-    split = {id(e.param) for i in manager._streamed if i in store.spans for e in manager.plan.layers[i].params}
+    split = {id(e.param) for i in manager.ring.streamed if i in store.spans for e in manager.plan.layers[i].params}
     handles = []
     for name, mod in manager.model.named_modules():
         inner = [rel for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in split]
@@ -617,7 +617,7 @@ def _check_split_load(manager, mod, inner):
             return  # inside a load that started above: checked there
         named = [(prefix + rel, state_dict[prefix + rel]) for rel in inner
                  if isinstance(state_dict.get(prefix + rel), torch.Tensor)]
-        manager.split_store.check_load(named)
+        manager.tiers.split_store.check_load(named)
 
     return hook
 
@@ -626,7 +626,7 @@ def _read_only_guards(manager) -> list:
     """Layers whose truth cannot be written (a checkpoint file the disk tier reads):
     a load_state_dict that would change one is refused where it starts - in the
     outermost module it was called on, before any tensor was copied."""
-    fixed = {id(e.param): i for i in manager._streamed if not manager._src[i].writable
+    fixed = {id(e.param): i for i in manager.ring.streamed if not manager._src[i].writable
              for e in manager.plan.layers[i].params}
     if not fixed:
         return []
@@ -692,7 +692,7 @@ def _state_dict_hook(manager, owned):
                     # reach the model; load_state_dict does.
                     if i not in copies:
                         copies[i] = manager._read_layer(i)
-                    state_dict[key] = e.wrap(manager._materialize(e, copies[i], "cpu"))
+                    state_dict[key] = e.wrap(packing.materialize(e, copies[i], "cpu"))
                     continue
                 t, raw = _host_alias(e, host)
                 # The base is held, not the alias: a write through an alias freed since
@@ -719,10 +719,7 @@ def check_handed_out(manager) -> None:
 def arena_written(manager, i: int) -> None:
     """Layer i's bytes in the arena changed: its slot reloads, and a backward that
     saved its old weights refuses instead of reading the new ones."""
-    s = manager._slot_of[i]
-    if s >= 0 and manager._slot_holder[s] == i:
-        manager._slot_holder[s] = -1
-    manager._arena_gen[i] += 1
+    manager.ring.written(i)
 
 
 def _load_pre_hook(manager, owned):
@@ -780,24 +777,14 @@ def editing(manager, i: int):
     runs; afterwards whatever the body wrote (in place, or by rebinding a
     parameter's .data) goes back into the arena."""
     lp = manager.plan.layers[i]
-    s = manager._slot_of[i]
+    ring = manager.ring
+    s = ring.slot_of[i]
     with manager._lock, torch.no_grad():
         if s >= 0 and not manager._src[i].writable:
             manager._src[i].refuse_write()  # refused before the body runs: names the file and the way out
         if s >= 0:
-            if manager._dirty:
-                manager._resync()
-            ev = manager._ready(i, s)
-            if ev is not None:
-                try:
-                    ev.synchronize()
-                except Exception as err:
-                    exc = manager._fetch_failed(i, s, err)  # a split gather's failure is a SplitError
-                    if exc is err:
-                        raise
-                    raise exc from None
-                manager._copy_event[i] = None
-            manager._busy[s] += 1
+            manager._wait_ready(i)
+            ring.pin(i)
         views = [(e, e.param.data) for e in lp.params]
         try:
             yield
@@ -816,17 +803,15 @@ def editing(manager, i: int):
                 if s >= 0:
                     if manager.device.type == "cuda":
                         torch.cuda.current_stream(manager.device).synchronize()
-                    manager._write_layer(i, lambda block: block.copy_(manager._dst[i]))
-                    manager._slot_holder[s] = i  # the slot holds the edited bytes already
-                    manager._loaded_version[s] = manager._src[i].version()
-                    manager._ring_version[s] = manager._ring[s]._version
+                    manager._write_layer(i, lambda block: block.copy_(ring.dst[i]))
+                    ring.kept(i, manager._src[i].version())  # the slot holds the edited bytes already
             except BaseException:
                 if s >= 0:
-                    manager._slot_holder[s] = -1  # the slot may hold bytes the truth does not: reload
+                    ring.forget(i)  # the slot may hold bytes the truth does not: reload
                 raise
             finally:
                 if s >= 0:
-                    manager._busy[s] -= 1
+                    ring.unpin(i)
 
 
 # peft's tuner layers (LoRA & co.) merge adapters into the base weight through
@@ -904,7 +889,7 @@ def _reads_base_weights(manager, tuner) -> str | None:
     base = tuner.get_base_layer()
     for p in base.parameters(recurse=False):
         if any(e.param is p for lp in manager.plan.layers for e in lp.params) and \
-                p.untyped_storage().data_ptr() not in manager._slot_ptrs and not _bound_resident(manager, p):
+                p.untyped_storage().data_ptr() not in manager.ring.ptrs and not _bound_resident(manager, p):
             return "(PiSSA, OLoRA, LoftQ, ...) rewrote the base weight"
     return None
 
@@ -936,20 +921,21 @@ def saved_slot_hooks(manager):
     def pack(t):
         if type(t) not in (torch.Tensor, nn.Parameter) or t.device != manager.device:
             return t
-        s = manager._slot_ptrs.get(t.untyped_storage().data_ptr())
+        ring = manager.ring
+        s = ring.ptrs.get(t.untyped_storage().data_ptr())
         if s is None:
             return t
-        i = manager._slot_holder[s]
-        return _SlotRef(t, s, manager._slot_gen[s], i, manager._arena_gen[i])
+        i = ring.holder[s]
+        return _SlotRef(t, s, ring.gen[s], i, ring.layer_gen[i])
 
     def unpack(ref):
         if type(ref) is not _SlotRef:
             return ref
         if manager._finalized and manager._handed_out:
             check_handed_out(manager)  # a write through state_dict() since the forward
-        if manager._finalized and manager._slot_gen[ref.slot] == ref.gen:
+        if manager._finalized and manager.ring.gen[ref.slot] == ref.gen:
             return ref.tensor
-        if not manager._finalized or manager._arena_gen[ref.layer] != ref.version:
+        if not manager._finalized or manager.ring.layer_gen[ref.layer] != ref.version:
             raise RuntimeError(
                 f"layerwise: backward needs the weights of {manager.layer_name}[{ref.layer}] as they were in "
                 "the forward, but they were changed (load_state_dict) or the model was un-offloaded since. "
@@ -957,7 +943,7 @@ def saved_slot_hooks(manager):
             )
         t = ref.tensor
         block = manager._read_layer(ref.layer)
-        fresh = torch.empty(manager._ring[ref.slot].numel(), dtype=torch.uint8, device=manager.device)
+        fresh = torch.empty(manager.ring.slots[ref.slot].numel(), dtype=torch.uint8, device=manager.device)
         fresh[: block.numel()].copy_(block)
         out = torch.empty(0, dtype=t.dtype, device=manager.device)
         return out.set_(fresh.untyped_storage(), t.storage_offset(), t.size(), t.stride())

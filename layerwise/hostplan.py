@@ -90,7 +90,7 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
     from .stages.disk import spill_store
 
     plan = plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes)
-    on_disk = sum(len(m.disk_layers) for m in managers)
+    on_disk = sum(len(m.tiers.disk_layers) for m in managers)
     if on_disk and spill_dir is None:
         raise ValueError(
             f"host_budget={host_budget!r} leaves {on_disk} layer(s) out of host memory, and an in-memory model "
@@ -98,14 +98,14 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
             "there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
         )
     for m in managers:
-        if m.disk_layers:
-            m.keep_on_disk(m.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
+        if m.tiers.disk_layers:
+            m.tiers.keep_on_disk(m.tiers.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
     return plan
 
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
                      why_not_disk=None, spill: bool = True, cache_bytes: int = 0) -> dict:
-    """Choose each manager's disk layers (`m.keep_on_disk`) so that host memory
+    """Choose each manager's disk layers (`m.tiers.keep_on_disk`) so that host memory
     fits the budget, each layer that stays in memory counted at the size its
     route gives it (layerwise.tierplan: encoded, this rank's share); returns the
     plan (also logged).
@@ -120,7 +120,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     budget, how = resolve_host_budget(host_budget, held_bytes)
     enabled = [m for m in managers if m.enabled]
     for m in enabled:
-        m.keep_on_disk(())
+        m.tiers.keep_on_disk(())
     mem = {m: layer_host_bytes(m) for m in enabled}  # each layer's host bytes where it stays in memory
     streamed = {m: [lp.index for lp in m.plan.layers if lp.index not in set(m.resident)] for m in enabled}
     fixed = max((lp.nbytes for m in enabled for lp in m.plan.layers), default=0)  # the packing scratch
@@ -197,7 +197,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
                 else:
                     d.append(i)
         disk[m] = d
-        m.keep_on_disk(d)
+        m.tiers.keep_on_disk(d)
     kept_bytes += sum(arena_of(m, streamed[m]) for m in rest)
     disk_bytes = sum(m.plan.layers[i].nbytes for m in enabled for i in disk[m])
     per_group = "; ".join(

@@ -340,11 +340,11 @@ def _plan_disk(model, managers, options: OffloadOptions, stored, entry_key) -> N
                             cache_bytes=PageCacheDrop.most(PageCacheDrop.every_for(managers)))
     record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:
-        if m.disk_layers:
+        if m.tiers.disk_layers:
             if spill_dir is not None:
-                m.keep_on_disk(m.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
+                m.tiers.keep_on_disk(m.tiers.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
             else:
-                m.keep_on_disk(m.disk_layers, "checkpoint", functools.partial(_checkpoint_store, stored, entry_key))
+                m.tiers.keep_on_disk(m.tiers.disk_layers, "checkpoint", functools.partial(_checkpoint_store, stored, entry_key))
 
 
 def _same_layout(path: str, expected: dict):
@@ -443,7 +443,7 @@ def _share_ranges(managers) -> dict:
     """id(param entry) -> (lo, hi): the bytes of its layer block this rank keeps (split fetch)."""
     out = {}
     for m in managers:
-        split = m.split_store
+        split = m.tiers.split_store
         if split is None:
             continue
         for i, (_, lo, hi) in split.spans.items():

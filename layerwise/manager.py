@@ -1,54 +1,43 @@
 """LayerwiseOffloadManager: streams one block list (nn.ModuleList) through a
-device slot ring, one copy ahead of the compute that needs it.
+device slot ring, one fetch ahead of the compute that needs it.
 
-Life cycle (DESIGN.md, data flow):
-  plan      -> __init__           which parameter lives where (nothing changes yet)
-  pack      -> _initialize_layer_weights   layers into the host arena, parameters
-                                           replaced by (1,) placeholders
-  (the caller moves the non-layer weights with one model.to)
-  finalise  -> _finalize_initialization    slot ring, resident layers, parameters
-                                           bound to slot views, first prefetches, hooks
+Life cycle (Lifecycle; DESIGN.md, data flow): plan (__init__, the tier plan:
+layerwise/tierplan.py) -> pack (layerwise/packing.py: the host side, each
+layer's chain of stages: layerwise/stages) -> one model.to of the non-layer
+weights -> finalise (the slot ring: layerwise/ring.py, parameters bound to
+slot views, first prefetches, hooks). The pre-hook asks the layer's source to
+make it ready in its slot and makes the compute stream wait on the result; it
+names no tier. A fetch into a slot waits for everything the compute stream has
+enqueued (the slot's last user) and for the slot's previous fetch; a slot whose
+layer computes is never a prefetch target.
 
-Each streamed layer has a fixed slot (plan.assign_slots), so its parameters stay
-bound to views of that slot and the hooks do O(1) work: the pre-hook makes the
-compute stream wait for the layer's copy (loading it first if it is not in its
-slot) and issues the next copies. A copy into a slot waits for everything the
-compute stream has enqueued when it is issued (the slot's last user, its forward
-hooks included) and for the slot's previous copy, so no slot is overwritten
-while a layer that uses it may still be computing, and a slot whose layer is
-computing (`_busy`) is never a prefetch target.
-
-Robustness (the state contract, layerwise/contract.py): bookkeeping is marked
-`_dirty` around every native call that queues a copy, so an exception or a
-KeyboardInterrupt that lands in between makes the next hook resynchronise
-(wait for every copy, forget what the slots hold) instead of trusting a record
-that is behind what was queued. Forwards of one model hold the model's lock
-from a layer's pre-hook to its post-hook, so two threads never interleave
-inside a layer. Version counters say when someone wrote to a slot or to the
-arena: a write through `state_dict()` views or `load_state_dict` reloads the
-layer; an in-place write into a slot view is discarded and reported.
+Robustness (the state contract, layerwise/contract.py): the record is marked
+`_dirty` around every call that queues work, so an exception or a
+KeyboardInterrupt in between makes the next hook resynchronise instead of
+trusting a record behind what was queued. Forwards of one model hold the
+model's lock from a layer's pre-hook to its post-hook. Version counters say
+when someone wrote to a slot (refused) or to a layer's true bytes (it reloads).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
+import enum
 import functools
 import logging
-import sys
 import threading
-import time
 
 import torch
 from torch import nn
 
 from . import _native, contract, stages
 from .options import OffloadOptions, manager_options, named_options, resolve_resident, validate_depth
-from .plan import BLOCK_ALIGN, GroupPlan, assign_slots, build_group_plan, local_tensor, round_up
+from .meter import Meter
+from .packing import HostLayers, bind_to_slot, materialize
+from .plan import GroupPlan, build_group_plan, device_bytes
+from .ring import SlotRing
+from .tierplan import TierChoice
 
 log = logging.getLogger("layerwise")
-
-_PROGRESS_MIN_BYTES = 1 << 30
-RECENT_STEPS = 16  # complete steps kept for stats()["recent_steps"] (report's averages)
 
 
 def _stream_capturing(device: torch.device) -> bool:
@@ -63,8 +52,24 @@ _CAPTURE_REFUSED = (
 )
 
 
+class Lifecycle(enum.Enum):
+    """A group's state: the hooks, the contract and removal check it."""
+
+    PLANNED = "planned"  # built (or removed): its parameters are ordinary tensors
+    PACKED = "packed"  # its weights are packed (arena, stages), the parameters placeholders
+    STREAMING = "streaming"  # finalised: ring, hooks; its layers stream
+
+
 class LayerwiseOffloadManager:
     """Streams the layers of `model.<layer_name>` to `device` (see module doc)."""
+
+    @property
+    def _packed(self) -> bool:
+        return self.state is not Lifecycle.PLANNED
+
+    @property
+    def _finalized(self) -> bool:
+        return self.state is Lifecycle.STREAMING
 
     def __init__(
         self,
@@ -100,38 +105,21 @@ class LayerwiseOffloadManager:
         self.layer_name = layer_name
         self.num_layers = self.plan.num_layers
         self.resident = resolve_resident(options.resident_layers, self.num_layers, options.residency_policy)
-        self.residency_policy = options.residency_policy
-        self.pin_memory = options.pin_memory
-        self.num_copy_streams = options.num_copy_streams
-        self.debug_copy_delay_us = options.debug_copy_delay_us
-        self.measure_stalls = options.measure_stalls
-        self.disk_prefetch_depth = options.disk_prefetch_depth
-        self.debug_read_delay_us = options.debug_read_delay_us
-        self.split_fetch = options.split_fetch  # a ProcessGroup: ranks share the fetch (stages/gather.py), or None
-        # The inputs of the tier plan (layerwise.tierplan), set by the planners before packing:
-        self._share_store = None  # split fetch: this rank's ShareStore (use_split)
-        self._disk_plan = (frozenset(), "spill", None)  # (layers kept in files, where, make_store) (keep_on_disk)
-        self._chain = None  # the group's stages (stages/chain.py), from packing on
+        self.pin_memory = options.pin_memory  # (the other options are read from self.options)
+        self.tiers = TierChoice(layer_name)  # the tier plan's inputs, set by the planners (layerwise/tierplan.py)
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
-        self._packed = False
-        self._finalized = False
-        self._arena = None
-        self._host_blocks: list[torch.Tensor | None] = []  # arena blocks (None: the layer lives elsewhere)
-        self._src: list = []  # each layer's source of truth (stages/source.py)
-        self._routes: list | None = None  # the tier plan packed by
+        self.state = Lifecycle.PLANNED
+        self._host = HostLayers(self.plan, layer_name, self.device, self.pin_memory)  # (layerwise/packing.py)
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
-        self._reset_stats()
+        self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/ring.py), once finalised
+        self.meter = Meter(self.options.measure_stalls, self._disk_counts)  # the group's figures (layerwise/meter.py)
         if initialize:
             self.initialize()
 
     # ------------------------------------------------------------------ plan
-    def _managed_parameter_bytes(self) -> int:
-        """Local bytes of the parameters this manager owns (layer index < num_layers)."""
-        return self.plan.managed_bytes
-
     def _set_residency(self, resident: list[int], prefetch_depth: int) -> None:
         if self._finalized:
             raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
@@ -140,179 +128,60 @@ class LayerwiseOffloadManager:
 
     def _device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
         """Device bytes of ring + resident layers for a residency plan (default: the current one)."""
-        resident = set(self.resident if resident is None else resident)
-        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
-        streamed = [lp.nbytes for lp in self.plan.layers if lp.index not in resident]
-        _, slots = assign_slots(len(streamed), depth)
-        return slots * max(streamed, default=0) + sum(self.plan.layers[i].nbytes for i in resident)
+        return device_bytes(self.plan, self.resident if resident is None else resident,
+                            self.prefetch_depth if prefetch_depth is None else prefetch_depth)
 
     # ------------------------------------------------------------- tier plan
-    def use_split(self, store) -> None:
-        """Split fetch (stages/gather.attach): `store` keeps this rank's shares."""
-        self._check_unpacked()
-        self._share_store = store
-
-    def keep_on_disk(self, layers, where: str = "spill", make_store=None) -> None:
-        """The host budget's planners (layerwise.hostplan, loading): `layers` stay in
-        files (`where`: "spill" or "checkpoint"); `make_store(files)` gives the file
-        store (stages/chain.py) that keeps them, its files appended to `files`."""
-        self._check_unpacked()
-        self._disk_plan = (frozenset(layers), where, make_store)
-
-    @property
-    def split_store(self):
-        """Split fetch: this rank's ShareStore (stages/gather.py), or None."""
-        return self._share_store
-
-    @property
-    def disk_layers(self) -> frozenset:
-        """The layers the tier plan keeps in files."""
-        return self._disk_plan[0]
-
-    def _check_unpacked(self) -> None:
-        if self._packed:
-            raise RuntimeError(f"{self.layer_name}: the tier plan is fixed once packed")
-
     def tier_plan(self, sizes: bool = True) -> list:
         """Each layer's route (layerwise.tierplan.Route): where its bytes live and what
         happens on the way to its slot. Fixed once packed; before, from the options
-        and the planners' choices so far."""
-        if self._routes is not None:
-            return self._routes
-        from .tierplan import plan_routes
-
-        store = self._share_store
-        layers, where, _ = self._disk_plan
-        return plan_routes(self.plan, self.resident, self.compress, store.spans if store is not None else None,
-                           layers, where, sizes)
+        and the planners' choices so far (`self.tiers`)."""
+        if self._host.routes is not None:
+            return self._host.routes
+        return self.tiers.routes(self.plan, self.resident, self.compress, sizes)
 
     # ------------------------------------------------------------------ pack
+    @property
+    def _src(self) -> list:
+        """Each layer's source of truth (stages/source.py)."""
+        return self._host.src
+
+    @property
+    def _chain(self):
+        return self._host.chain
+
     def _arena_capacity(self) -> int:
-        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp, r in zip(self.plan.layers, self.tier_plan(sizes=False))
-                   if r.plain or r.where == "device")
+        return HostLayers.capacity(self.plan, self.tier_plan(sizes=False))
 
     def _initialize_layer_weights(self, fill=None) -> None:
-        """Pack every layer into the host arena; managed parameters become (1,) placeholders.
-
-        Originals are freed as each parameter is packed (and the arena's pages are
-        committed and pinned as they are filled), so host memory holds the model
-        about once. No other parameter moves. On failure (an exception or a
-        KeyboardInterrupt at any point) every parameter packed so far gets its
-        exact bytes back and the others were never touched.
-        `fill(entry, block)`, if given, writes each parameter's values into its
-        place in the layer's host block instead of copying the parameter (it
-        reads them from a checkpoint, say); a parameter that had data of its own
-        keeps it until the whole configure succeeds, so a failure gives it back.
-        """
+        """Pack every layer by its route (layerwise/packing.py); managed parameters
+        become (1,) placeholders. Originals are freed as each parameter is packed, so
+        host memory holds the model about once. On failure every parameter packed so
+        far gets its exact bytes back. `fill(entry, block)`: as HostLayers.pack."""
         if self._packed or not self.enabled:
             return
-        with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
-            self._pack(fill)
-
-    def _pack(self, fill) -> None:
-        self._routes = None
         routes = self.tier_plan(sizes=False)
-        layers, _, make_store = self._disk_plan
-        self._chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress,
-                                   self._share_store, disk_prefetch_depth=self.disk_prefetch_depth,
-                                   debug_read_delay_us=self.debug_read_delay_us)
-        if layers:
-            self._chain.file_store = make_store(self._chain.files)
-        total = self._arena_capacity()
-        cuda = self.device.type == "cuda"
-        self._arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
-                                        device=self.device.index if cuda else -1)
-        self._placeholders = {}
-        self._host_blocks = []
-        self._src = []
-        bar = None
-        if total >= _PROGRESS_MIN_BYTES and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"layerwise: packing {self.layer_name}")
-        scratch = None
-        try:
-            for lp, route in zip(self.plan.layers, routes):
-                elsewhere = not (route.plain or route.where == "device")
-                if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
-                    if scratch is None:
-                        size = max(self.plan.layers[r.index].nbytes for r in routes
-                                   if not (r.plain or r.where == "device"))
-                        scratch = stages.read.aligned_staging(size, pinned=False)
-                    block = scratch[: lp.nbytes]
-                    block.zero_()  # alignment gaps included: the layer's bytes (and CRC) are deterministic
-                    self._host_blocks.append(None)
-                else:
-                    block = self._arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
-                    self._host_blocks.append(block)
-                # (for a layer stored elsewhere: what a failure restores from, until stored)
-                self._src.append(stages.ArenaSource(block, None if elsewhere else self._arena))
-                for e in lp.params:
-                    if fill is not None:
-                        fill(e, block)
-                        if not e.param.is_meta:
-                            e.saved = e.param.data  # given back if configure fails later
-                    else:  # the parameter's storage span, byte for byte
-                        data = local_tensor(e.param.data)
-                        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
-                        block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
-                        del data, flat
-                    # Marked before the swap: a rollback that finds the mark restores the
-                    # same bytes from the arena even if the swap below never happened.
-                    e.packed = True
-                    e.param.data = e.wrap(self._placeholder(e.dtype))
-                if elsewhere:
-                    self._src[-1] = self._chain.keep(lp, route, block)
-                if bar is not None:
-                    bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
-        except BaseException:
-            with contract.defer_interrupts():
-                self._restore_parameters(original_devices=True)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        self._packed = True
-        self._routes = routes
-        self.plan.module_list._layerwise_manager = self
-        # pin_memory=True: pageable memory would silently cost the overlap, an error (the
-        # caller's rollback gives every parameter back); "auto": a warning.
-        _native.check_pinned(self._arena, self.pin_memory, f"layer group {self.layer_name!r}")
-
-    @staticmethod
-    def _bind_to_slot(e, view: torch.Tensor) -> None:
-        """Point a streamed parameter at its slot view. `param.data = view` would give
-        it a version counter of its own; swapping in a parameter made from the view
-        (which shares the slot's) keeps the Python object and lets an in-place write
-        into any parameter of the slot show as a change of the slot's version."""
-        p = e.param
-        if e.dspec is None and isinstance(p, nn.Parameter):
-            new = torch.Tensor._make_subclass(type(p), view, p.requires_grad)
-            new.__dict__.update(p.__dict__)  # swap_tensors swaps __dict__ too
+        tiers = self.tiers
+        chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress, tiers.split_store,
+                             disk_prefetch_depth=self.options.disk_prefetch_depth,
+                             debug_read_delay_us=self.options.debug_read_delay_us)
+        self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory)
+        with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
             try:
-                torch.utils.swap_tensors(p, new)
-                return
-            except RuntimeError:  # referenced from C++ or weakly: bind the plain way
-                pass
-        p.data = e.wrap(view)
-
-    @staticmethod
-    def _materialize(e, block: torch.Tensor, device) -> torch.Tensor:
-        """An ordinary tensor of its own with the parameter's bytes, shape and strides."""
-        out = torch.empty(e.span_bytes, dtype=torch.uint8, device=device)
-        out.copy_(block[e.offset : e.offset + e.span_bytes])
-        return torch.as_strided(out.view(e.dtype), e.shape, e.stride)
-
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._placeholders:
-            self._placeholders[dtype] = torch.zeros((1,), dtype=dtype, device=self.device)
-        return self._placeholders[dtype]
+                if tiers.disk_layers:
+                    chain.file_store = tiers.make_store(chain.files)
+                self._host.pack(routes, chain, fill)
+            except BaseException:
+                with contract.defer_interrupts():
+                    self._host.chain = chain  # (its files, closed with it)
+                    self._restore_parameters(original_devices=True)
+                raise
+        self.state, tiers.fixed = Lifecycle.PACKED, True
+        self.plan.module_list._layerwise_manager = self
 
     def _commit(self) -> None:
         """The whole configure succeeded: drop what a rollback would have needed."""
-        for lp in self.plan.layers:
-            for e in lp.params:
-                e.saved = None
+        self._host.commit()
 
     # -------------------------------------------------------------- finalise
     def _finalize_initialization(self) -> None:
@@ -324,65 +193,35 @@ class LayerwiseOffloadManager:
         with torch.inference_mode(False), torch.no_grad():
             self._engine = _native.CopyEngine(
                 str(self.device),
-                num_streams=self.num_copy_streams,
-                debug_delay_us=-1 if self.debug_copy_delay_us is None else self.debug_copy_delay_us,
+                num_streams=self.options.num_copy_streams,
+                debug_delay_us=-1 if self.options.debug_copy_delay_us is None else self.options.debug_copy_delay_us,
             )
             self._lock = contract.model_lock(self.model)
             layers = self.plan.layers
-            resident = set(self.resident)
-            self._streamed = [i for i in range(self.num_layers) if i not in resident]
-            colours, self.num_slots = assign_slots(len(self._streamed), self.prefetch_depth)
-            self._slot_of = [-1] * self.num_layers
-            for pos, i in enumerate(self._streamed):
-                self._slot_of[i] = colours[pos]
-            # The k-th streamed layer at or after layer i, for prefetch targets.
-            self._next_pos = [0] * self.num_layers
-            pos = len(self._streamed)
-            for i in reversed(range(self.num_layers)):
-                if i not in resident:
-                    pos -= 1
-                self._next_pos[i] = pos
-            # A source may need more than the layer's bytes in its slot (a gather fills whole shares).
-            slot_bytes = max((getattr(self._src[i], "slot_bytes", layers[i].nbytes) for i in self._streamed),
-                             default=0)
-            self._ring = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
-            self._slot_holder = [-1] * self.num_slots  # the layer whose copy was queued last into each slot
-            self._busy = [0] * self.num_slots  # layers between their pre- and post-hook, per slot
-            self._entered: list[int] = []  # those layers, innermost last
-            self._loaded_version = [-1] * self.num_slots  # arena version of the holder when it was queued
-            self._slot_gen = [0] * self.num_slots  # bumped at every copy into the slot (saved-tensor checks)
             self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks
-            self._dirty = False
+            self._dirty = False  # the ring's record may be behind what was queued: the next hook resyncs
             self._handed_out: list = []  # state_dict() tensors that alias the arena (contract.check_handed_out)
-            self._arena_gen = [0] * self.num_layers  # bumped when a layer's arena bytes change after packing
             self._loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks (contract.py)
             self._contract_error: str | None = None  # a broken contract found outside a forward
-            # The last copy into each slot. On CUDA the ring's memory may have been
-            # freed by work still queued on the compute stream: the first copies wait for it.
             start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
-            self._slot_event = [start] * self.num_slots
-            self._copy_event = [None] * self.num_layers
+            self.ring = SlotRing(self.plan, self.resident, self.prefetch_depth, self._src, self.device, start)
             # Resident layers become ordinary device tensors (one storage each, as in a
             # resident model); streamed ones are bound to views of their slot.
             for i in self.resident:
                 block = self._src[i].read()
                 for e in layers[i].params:
-                    e.param.data = e.wrap(self._materialize(e, block, self.device))
+                    e.param.data = e.wrap(materialize(e, block, self.device))
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
-            # Each streamed layer's copy destination: the front of its slot.
-            self._dst = [self._ring[s][: lp.nbytes] if s >= 0 else None for s, lp in zip(self._slot_of, layers)]
-            for i in self._streamed:
+            for i in self.ring.streamed:
                 for e in layers[i].params:
-                    self._bind_to_slot(e, e.view_in(self._ring[self._slot_of[i]]))
-            self._ring_version = [r._version for r in self._ring]
+                    bind_to_slot(e, e.view_in(self.ring.slots[self.ring.slot_of[i]]))
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
             from .hostplan import staging_slots
 
-            self._chain.start(self._engine, self._src, self._streamed, staging_slots(self, self.disk_prefetch_depth),
-                              start)
-            self._slot_ptrs = {r.untyped_storage().data_ptr(): s for s, r in enumerate(self._ring)}
-            for i in self._streamed[: self.prefetch_depth]:
+            self._chain.start(self._engine, self._src, self.ring.streamed,
+                              staging_slots(self, self.options.disk_prefetch_depth), start)
+            for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
             # tracing into the copy engine (one graph per block, no recompiles).
@@ -397,14 +236,14 @@ class LayerwiseOffloadManager:
                     self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
                     self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
                 self._hooks.extend(contract.install_layer_hooks(self))
-        self._finalized = True
+        self.state = Lifecycle.STREAMING
         self._reset_stats()
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
         contract.check_configurable(self.model, [self])
-        if self.split_fetch is not None:  # one collective: every rank of the group configures the same
-            stages.gather.attach([self], self.split_fetch, self.device)
+        if self.options.split_fetch is not None:  # one collective: every rank of the group configures the same
+            stages.gather.attach([self], self.options.split_fetch, self.device)
         with contract.rollback_on_failure([(self.model, [self])]):
             self._initialize_layer_weights()
             contract.move_non_layer_weights(self.model, self.device)
@@ -415,25 +254,18 @@ class LayerwiseOffloadManager:
         return _native.current_stream_handle(self.device)
 
     def _load(self, i: int, prefetch: bool) -> bool:
-        """Queue the copy of streamed layer i into its slot, unless it is there
-        already (and the arena has not changed since). False when a prefetch
+        """Queue the fetch of streamed layer i into its slot, unless it is there
+        already (and its true bytes have not changed since). False when a prefetch
         finds the slot busy: the layer that computes there keeps it."""
-        s = self._slot_of[i]
-        src = self._src[i]
+        ring, src = self.ring, self._src[i]
         version = src.version()
-        if self._slot_holder[s] == i and self._loaded_version[s] == version:
+        if ring.holds(i, version):
             return True
-        if self._busy[s]:
-            if prefetch:
-                return False
-            raise RuntimeError(
-                f"layerwise: layer {self.layer_name}[{i}] is called while layer "
-                f"{self.layer_name}[{self._slot_holder[s]}], which shares its ring slot {s}, is still computing "
-                "(a block that calls another block of the same list). Keep one of them resident "
-                "(resident_layers) or raise prefetch_depth so that the two get distinct slots."
-            )
-        self._dirty = True  # until the records below match what the engine has queued
-        after = self._slot_event[s]
+        s = ring.slot_of[i]
+        if ring.busy[s] and not ring.may_take(i, prefetch, self.layer_name):
+            return False
+        self._dirty = True  # until the record below matches what the engine has queued
+        after = ring.event[s]
         if after is not None:
             try:
                 after = after.resolve()  # the slot's last fetch (a deferred one is issued now)
@@ -442,25 +274,15 @@ class LayerwiseOffloadManager:
                 after = None
         if self._engine.is_cuda:
             # Everything enqueued on the compute stream so far (the slot's last user
-            # and its forward hooks) and the slot's previous copy come before this one.
+            # and its forward hooks) and the slot's previous fetch come before this one.
             stream = self._stream()
             if after is not None:
                 self._engine.wait(after, stream)
             after = self._engine.record(stream, False)
-        self._slot_gen[s] += 1
-        timing = self._timing
-        ev = src.fetch(i, self._dst[i], after, timing)
-        if timing:
-            self._timed_copies.append((self._steps, ev))
-        self._slot_holder[s] = i
-        self._slot_event[s] = ev
-        self._copy_event[i] = ev
-        self._loaded_version[s] = version
-        self._bytes += src.transfer_bytes
-        self._bytes_raw += src.nbytes
-        self._copies += 1
-        if not prefetch:
-            self._sync_loads += 1
+        ring.gen[s] += 1
+        ev = src.fetch(i, ring.dst[i], after, self.meter.timing)
+        ring.queued(i, version, ev)
+        self.meter.fetched(src, prefetch, ev)
         self._dirty = False
         return True
 
@@ -488,12 +310,11 @@ class LayerwiseOffloadManager:
             if block is src.host:
                 block = block.clone()
             edit(block)
-            self._dirty = self._finalized  # a disk source waits for its reads and rewrites its file
-            if self._finalized:
-                self._chain.flush()  # nothing queued still reads what the write replaces
-            with contract.defer_interrupts():  # the layer's bytes, CRC and version change together
-                src.write(block)
-            self._dirty = False
+            with self._queueing(self._finalized):  # a disk source waits for its reads and rewrites its file
+                if self._finalized:
+                    self._chain.flush()  # nothing queued still reads what the write replaces
+                with contract.defer_interrupts():  # the layer's bytes, CRC and version change together
+                    src.write(block)
         else:
             edit(block)
         contract.arena_written(self, i)
@@ -505,30 +326,19 @@ class LayerwiseOffloadManager:
         try:
             self._engine.synchronize()
         except Exception:  # noqa: BLE001 - a failed copy (after a failed split gather, say): the engine stops
-            # at it, so wait for each slot's last copy instead; failed ones are finished too. Their layers
-            # reload below (nothing computes with their bytes) and fail again, raising, if the cause stays.
-            for ev in self._slot_event:
-                try:
-                    ev = ev.resolve() if ev is not None else None  # (one the chain forgot raises: never queued)
-                    if ev is not None:
-                        ev.synchronize()
-                except Exception:  # noqa: BLE001 - as above
-                    pass
-        start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
-        self._slot_event = [start] * self.num_slots
-        self._slot_holder = [-1] * self.num_slots
-        self._copy_event = [None] * self.num_layers
-        self._slot_gen = [g + 1 for g in self._slot_gen]
+            self.ring.wait_for_fetches()  # at it: wait for each slot's last fetch instead
+        self.ring.reset(self._engine.record(self._stream(), False) if self._engine.is_cuda else None)
         self._dirty = False
 
-    def _fetch_failed(self, i: int, s: int, err: BaseException) -> BaseException:
-        """Waiting for layer i's fetch into slot s raised `err`: the slot reloads at its
-        next use; the error to raise is the source's own where it has one (a split
-        gather's SplitError, which the native event gives back as a ReadError)."""
-        self._slot_holder[s] = -1
-        self._copy_event[i] = None
+    def _fetch_failed(self, i: int, err: BaseException) -> None:
+        """Waiting for layer i's fetch raised `err`: the slot reloads at its next use;
+        raises the source's own error where it has one (a split gather's SplitError,
+        which the native event gives back as a ReadError), else returns (re-raise)."""
+        self.ring.forget(i)
         failed = getattr(self._src[i], "fetch_failed", None)
-        return err if failed is None else failed(err)
+        exc = err if failed is None else failed(err)
+        if exc is not err:
+            raise exc from None
 
     def forget_slots(self) -> None:
         """What the slots hold is unknown (a split-fetch collective failed): the
@@ -537,8 +347,7 @@ class LayerwiseOffloadManager:
 
     def _forget_entered(self) -> None:
         """Forget layers left 'computing' by a forward that an interrupt abandoned."""
-        self._busy = [0] * self.num_slots
-        self._entered = []
+        self.ring.forget_entered()
         self._dirty = True
 
     def _reset_entered(self) -> None:
@@ -554,9 +363,9 @@ class LayerwiseOffloadManager:
         """Issue copies of the next prefetch_depth streamed layers after layer i,
         continuing into the next group (and wrapping around) at the end."""
         want = self.prefetch_depth
-        mgr, pos = self, self._next_pos[i] + (1 if self._slot_of[i] >= 0 else 0)
+        mgr, pos = self, self.ring.next_pos[i] + (1 if self.ring.slot_of[i] >= 0 else 0)
         for _ in range(64):  # a walk over the chain of groups, bounded
-            for j in mgr._streamed[pos : pos + want]:
+            for j in mgr.ring.streamed[pos : pos + want]:
                 if mgr is self and j == i:
                     want = 0
                     break  # wrapped back onto the computing layer
@@ -571,10 +380,10 @@ class LayerwiseOffloadManager:
             self._chain.read_ahead(i)
 
     @contextlib.contextmanager
-    def _queueing(self):
+    def _queueing(self, mark: bool = True):
         """Around a call that queues work the records do not show yet: an exception or
         an interrupt inside leaves the group marked dirty (the next hook resyncs)."""
-        self._dirty = True
+        self._dirty = mark
         yield
         self._dirty = False
 
@@ -584,7 +393,7 @@ class LayerwiseOffloadManager:
         gather); returns the event the compute must wait on, or None."""
         if load:
             self._load(i, prefetch=False)
-        ev = self._copy_event[i]
+        ev = self.ring.fetched[i]
         if ev is None:
             return None
         try:
@@ -592,48 +401,34 @@ class LayerwiseOffloadManager:
                 self._chain.settle()  # collectives queued before this layer's, in order
                 return ev.resolve()
         except BaseException:
-            self._slot_holder[s] = -1  # the next call of the layer fetches it again
-            self._copy_event[i] = None
+            self.ring.forget(i)  # the next call of the layer fetches it again
             raise
 
+    def _wait_ready(self, i: int) -> None:
+        """Layer i in its slot, waited for on the host (an edit in place, contract.editing)."""
+        if self._dirty:
+            self._resync()
+        s = self.ring.slot_of[i]
+        ev = self._ready(i, s)
+        if ev is not None:
+            try:
+                ev.synchronize()
+            except Exception as err:
+                self._fetch_failed(i, err)  # a split gather's failure is a SplitError
+                raise
+            self.ring.fetched[i] = None
+
     def _check_slot_writes(self, s: int) -> None:
-        """Our copies do not bump version counters: a change means someone wrote
-        into the slot in place (a streamed weight edited outside load_state_dict)."""
-        v = self._ring[s]._version
-        if v != self._ring_version[s]:
-            self._ring_version[s] = v
-            holder, self._slot_holder[s] = self._slot_holder[s], -1  # reload the true bytes
-            # Which parameter: those whose bytes in the slot differ from the holder's in the arena (once
-            # the copies queued are done). A prefetch may have overwritten the write already, and a
-            # layer kept elsewhere (disk, encoded, split) has no arena bytes: then name the candidates.
-            lp = self.plan.layers[holder] if 0 <= holder < len(self.plan.layers) else None
-            host = self._host_blocks[holder] if lp is not None and holder < len(self._host_blocks) else None
-            changed = []
-            if host is not None:
-                self._engine.synchronize()
-                changed = [e.qualname for e in lp.params if not torch.equal(
-                    self._ring[s][e.offset : e.offset + e.span_bytes].cpu(), host[e.offset : e.offset + e.span_bytes])]
-            if changed:
-                what = f"{', '.join(map(repr, changed[:6]))}, in ring slot {s}"
-            else:
-                sharing = [i for i, sl in enumerate(self._slot_of) if sl == s]
-                rel = [e.qualname.removeprefix(f"{self.layer_name}.{holder}.") for e in (lp.params if lp else ())]
-                what = (f"one bound to ring slot {s}: {', '.join(rel[:6])}{' ...' if len(rel) > 6 else ''} of "
-                        f"{self.layer_name}.<i> for i in {sharing[:8]}{' ...' if len(sharing) > 8 else ''}")
-            raise RuntimeError(
-                f"layerwise: an in-place write to a streamed parameter ({what}) was detected and discarded: "
-                "streamed weights live in the host arena "
-                "and a write into the device copy would be lost or land on another layer (an optimizer step is "
-                "such a write: training streamed weights is not supported). Change them with "
-                "model.load_state_dict(...), or call layerwise.remove_layerwise_offload(model) first. "
-                "The model computes with the weights it had."
-            )
+        """Our fetches do not bump version counters: a change means someone wrote into
+        the slot in place (a streamed weight edited outside load_state_dict)."""
+        if self.ring.slots[s]._version != self.ring.seen[s]:
+            self.ring.refuse_write_in_place(s, self.plan, self._host.blocks, self._engine, self.layer_name)
 
     def _pre_hook(self, i: int, module, args):
         # Released by the post-hook (which also runs when a forward raises; a hold that
         # a KeyboardInterrupt abandons is taken over by the next thread: contract.ModelLock).
         self._lock.acquire(contract.module_call_frame())
-        if not self._finalized:  # removed while this call waited for the lock: the layer runs plain
+        if self.state is not Lifecycle.STREAMING:  # removed while this call waited for the lock: runs plain
             self._lock.release()
             return
         if self._engine.is_cuda and _stream_capturing(self.device):
@@ -642,43 +437,29 @@ class LayerwiseOffloadManager:
             raise RuntimeError(self._contract_error)
         if self._dirty:
             self._resync()
-        if i == 0 and not self._root_driven:
+        if i == 0 and not self.meter.root_driven:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
         with self._queueing():
             self._chain.pump()
-        s = self._slot_of[i]
+        s = self.ring.slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
             self._load(i, prefetch=False)
-            self._busy[s] += 1
-            self._entered.append(i)
+            self.ring.enter(i)
             ev = self._ready(i, s, load=False)
             if ev is not None:
-                stream = self._stream()
                 try:
-                    if self._timing:
-                        if self._engine.is_cuda:
-                            start = self._engine.record(stream, True)
-                            self._engine.wait(ev, stream)
-                            self._stall_pairs.append((self._steps, start, self._engine.record(stream, True)))
-                        else:
-                            t0 = time.perf_counter()
-                            self._engine.wait(ev, stream)
-                            self._stall_s += time.perf_counter() - t0
-                    else:
-                        self._engine.wait(ev, stream)
+                    self.meter.wait(self._engine, ev, self._stream())
                 except Exception as err:
-                    exc = self._fetch_failed(i, s, err)
-                    if exc is err:
-                        raise
-                    raise exc from None
-                self._copy_event[i] = None
+                    self._fetch_failed(i, err)
+                    raise
+                self.ring.fetched[i] = None
             if torch.is_grad_enabled():
                 ctx = contract.saved_slot_hooks(self)
                 ctx.__enter__()
                 self._grad_hooks.append((threading.get_ident(), ctx))
         else:
-            self._entered.append(i)
+            self.ring.enter(i)
         self._prefetch_after(i)
 
     def _post_hook(self, i: int, module, args, output):
@@ -689,116 +470,26 @@ class LayerwiseOffloadManager:
             if self._finalized and not self._dirty:  # (dirty: what is queued is stale; the next hook resyncs)
                 with self._queueing():  # collectives for the layers prefetched: after this layer's forward
                     self._chain.settle()
-            if self._slot_of[i] >= 0:
-                replaced = self._own_output(output)
-            if i in self._entered:
-                del self._entered[len(self._entered) - 1 - self._entered[::-1].index(i)]
-                s = self._slot_of[i]
-                if s >= 0:
-                    self._busy[s] -= 1
-                    me = threading.get_ident()
-                    for k in range(len(self._grad_hooks) - 1, -1, -1):
-                        if self._grad_hooks[k][0] == me:
-                            self._grad_hooks.pop(k)[1].__exit__(None, None, None)
-                            break
+            if self.ring.slot_of[i] >= 0:
+                replaced = self.ring.own_output(output)
+            if self.ring.leave(i):
+                me = threading.get_ident()
+                for k in range(len(self._grad_hooks) - 1, -1, -1):
+                    if self._grad_hooks[k][0] == me:
+                        self._grad_hooks.pop(k)[1].__exit__(None, None, None)
+                        break
         finally:
             self._lock.release()
         return replaced
 
-    def _own_output(self, output):
-        """A block whose output is a view of its own weights (learned query tokens
-        returned as they are): the output must outlive the slot, which the next
-        copies refill. Copied in that case only; None (output unchanged) otherwise."""
-        def aliased(t):
-            return type(t) in (torch.Tensor, nn.Parameter) and t.device == self.device and \
-                t.untyped_storage().data_ptr() in self._slot_ptrs
-        if isinstance(output, torch.Tensor):
-            return output.clone() if aliased(output) else None
-        if isinstance(output, tuple) and any(aliased(t) for t in output):
-            return tuple(t.clone() if aliased(t) else t for t in output)
-        return None
-
     # ---------------------------------------------------------------- stats
-    # A step is one forward of the model (the root hooks, contract.py), prefetches
-    # for the next one included; for blocks called without the model's forward, it
-    # runs from one layer 0 to the next. On CUDA the compute-stream stall is timed with event pairs on
-    # one step in `stall_sample_every` (each pair costs two events and two native
-    # calls per layer); pairs resolve when they have completed, never by a sync.
-    stall_sample_every = 8
-
     def _reset_stats(self) -> None:
-        self._bytes = self._bytes_raw = self._copies = self._sync_loads = 0
-        self._stall_s = 0.0
-        self._stall_pairs = []  # (step, start event, end event), CUDA
-        self._step_stall: dict[int, float] = {}
-        self._timed_copies = []  # (step, copy event) of the timed steps
-        self._copy_s = 0.0
-        self._step_copy: dict[int, float] = {}
-        self._steps = 0
-        self._step_mark = (0, 0, 0, 0.0, 0, *self._disk_counts())
-        self._step_t0 = None
-        self._step_open = False
-        self._root_driven = False  # steps follow the model's forward (contract._root_*_hook)
-        self._timing = self.measure_stalls
-        self._last_step = None
-        self._recent = collections.deque(maxlen=RECENT_STEPS)  # the last complete steps, oldest first
-
-    def _resolve_stalls(self) -> None:
-        pending = []
-        for step, ev in self._timed_copies:
-            try:
-                done = ev.query()
-            except Exception:  # a failed fetch (a split gather): raised where its layer was needed, not timed
-                continue
-            if not done:
-                pending.append((step, ev))
-                continue
-            ms = ev.copy_ms
-            if ms >= 0:
-                self._copy_s += ms / 1e3
-                self._step_copy[step] = self._step_copy.get(step, 0.0) + ms / 1e3
-        self._timed_copies = pending
-        pending = []
-        for step, a, b in self._stall_pairs:
-            if b.query():
-                dt = a.elapsed_ms(b) / 1e3
-                self._stall_s += dt
-                self._step_stall[step] = self._step_stall.get(step, 0.0) + dt
-            else:
-                pending.append((step, a, b))
-        self._stall_pairs = pending
+        self.meter.reset(cuda=self._finalized and self._engine.is_cuda)
 
     def _new_step(self) -> None:
         if self._handed_out:
             contract.check_handed_out(self)
-        self._resolve_stalls()
-        if self._step_open:
-            self._end_step()
-        self._step_mark = (self._bytes, self._copies, self._sync_loads, self._stall_s, self._bytes_raw,
-                           *self._disk_counts())
-        self._step_t0 = time.perf_counter()
-        self._step_open = True
-        self._steps += 1
-        cuda = self._finalized and self._engine.is_cuda
-        self._timing = self.measure_stalls and (not cuda or self._steps % self.stall_sample_every == 1)
-
-    def _end_step(self) -> None:
-        """Close the step: its figures become the last complete step's."""
-        self._step_open = False
-        now = (self._bytes, self._copies, self._sync_loads, self._stall_s, self._bytes_raw, *self._disk_counts())
-        last = dict(zip(("bytes_copied", "copies", "sync_loads", "stall_s", "bytes_raw", "bytes_read",
-                         "read_wait_s"),
-                        (a - b for a, b in zip(now, self._step_mark))))
-        last["step"] = self._steps
-        last["wall_s"] = time.perf_counter() - self._step_t0  # host time of the step, not of the pause after it
-        last["stall_measured"] = self._timing
-        last["copy_s"] = None  # filled from its copies' timings as they complete (stats())
-        if self._finalized and self._engine.is_cuda:
-            last["stall_s"] = None  # filled from its event pairs as they complete (stats())
-        self._step_stall = {k: v for k, v in self._step_stall.items() if k >= self._steps}
-        self._step_copy = {k: v for k, v in self._step_copy.items() if k >= self._steps}
-        self._last_step = last
-        self._recent.append(last)
+        self.meter.new_step()
 
     def _disk_counts(self) -> tuple:
         chain = getattr(self, "_chain", None)
@@ -817,53 +508,23 @@ class LayerwiseOffloadManager:
             if self._engine.is_cuda:
                 torch.cuda.synchronize(self.device)
         if self._finalized:
-            self._resolve_stalls()
-        last = self._last_step
-        if last is not None and last["stall_measured"] and last["stall_s"] is None:
-            pending = any(step == last["step"] for step, _, _ in self._stall_pairs)
-            if not pending:
-                last["stall_s"] = self._step_stall.get(last["step"], 0.0)
-        if last is not None and last["stall_measured"] and last["copy_s"] is None:
-            if not any(step == last["step"] for step, _ in self._timed_copies):
-                last["copy_s"] = self._step_copy.get(last["step"], 0.0)
-        arena = self._arena
-        # Layers a tier keeps (encoded, ...) are host memory of this group too.
-        tier_bytes = sum(src.stored_bytes for src, blk in zip(self._src, self._host_blocks) if blk is None)
-        chain = self._chain if self._packed else None
-        stage_pinned, stage_pin_error = chain.pinned() if chain is not None else (True, None)
-        pinned = bool(arena.pinned) if arena is not None else False
-        if chain is not None and chain.codec is not None and arena is not None:  # an empty arena does not count
-            pinned = (pinned or not arena.capacity) and stage_pinned
-        stage_stats = chain.stats() if chain is not None else {"compress": None, "disk": None}
+            self.meter.resolve()
+        host = self._host.figures(self._packed)
         out = {
             "group": self.layer_name,
             "device": str(self.device),
             "layers": self.num_layers,
             "resident_layers": list(self.resident),
             "prefetch_depth": self.prefetch_depth,
-            "slots": getattr(self, "num_slots", 0),
-            "ring_bytes": sum(t.numel() for t in getattr(self, "_ring", [])),
+            "slots": self.ring.num_slots if self.ring is not None else 0,
+            "ring_bytes": sum(t.numel() for t in self.ring.slots) if self.ring is not None else 0,
             "resident_bytes": self._resident_bytes,
-            "arena_bytes": (arena.capacity if arena is not None else 0) + tier_bytes,
-            "arena_pinned": pinned,
-            "arena_pin_error": ((getattr(arena, "pin_error", None) or None) if arena is not None else None)
-            or stage_pin_error,
-            "managed_bytes": self._managed_parameter_bytes(),
-            "steps": self._steps,
-            "bytes_copied": self._bytes,  # bytes that crossed the bus (encoded where a layer travels so)
-            "bytes_raw": self._bytes_raw,  # the same loads' bytes as the layers hold them (uncompressed)
-            "copies": self._copies,
-            "sync_loads": self._sync_loads,
-            "stall_s": self._stall_s,
-            "copy_s": self._copy_s,
-            "disk": stage_stats.pop("disk") if self._finalized else None,
-            "last_step": dict(last) if last is not None else None,
-            "recent_steps": [dict(r) for r in self._recent],  # up to RECENT_STEPS, oldest first
-            "compress": stage_stats.pop("compress"),
-            "tier_plan": [r.describe() for r in self._routes] if self._routes is not None else None,
+            **host,  # arena bytes and pinning, and the stages' own figures (compress, disk, split fetch)
+            "managed_bytes": self.plan.managed_bytes,
+            **self.meter.figures(),
         }
-        stage_stats.pop("disk", None)
-        out.update(stage_stats)  # split fetch: its own figures (stages/gather.py)
+        if not self._finalized:
+            out["disk"] = None
         return out
 
     # --------------------------------------------------------------- remove
@@ -879,43 +540,13 @@ class LayerwiseOffloadManager:
         with self._queueing():  # an interrupt in here: the next hook resynchronises
             self._chain.flush()
         self._engine.synchronize()
-        self._resolve_stalls()
-
-    @staticmethod
-    def _span_copy(e, data: torch.Tensor, device) -> torch.Tensor:
-        """A tensor of its own on `device` with `data`'s storage span, shape and strides."""
-        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
-        out = torch.empty(e.span, dtype=e.dtype, device=device)
-        out.copy_(flat)
-        return torch.as_strided(out, e.shape, e.stride)
+        self.meter.resolve()
 
     def _prepare_removal(self, original_devices: bool = False) -> list:
-        """[(entry, new data or None: keep what it has)] for every packed parameter:
-        the data it had before a load (if kept), its resident copy (moved back with
-        original_devices), or its bytes read from the layer's source. Parameters
-        never packed are not touched; a meta parameter had no data to give back."""
+        """[(entry, new data or None)] for every packed parameter (HostLayers.prepare_removal)."""
         self._drain()
         resident = set(self.resident) if self._finalized else set()
-        out = []
-        with torch.no_grad(), torch.inference_mode(False):
-            for lp, src in zip(self.plan.layers, self._src):
-                block = None
-                for e in lp.params:
-                    if not e.packed:
-                        continue
-                    dev = e.orig_device if original_devices else self.device
-                    new = None
-                    if original_devices and e.saved is not None:
-                        new = e.saved
-                    elif lp.index in resident:  # an ordinary device tensor: the truth already
-                        if original_devices and dev.type != "meta" and dev != self.device:
-                            new = e.wrap(self._span_copy(e, local_tensor(e.param.data), dev))
-                    elif dev.type != "meta":
-                        if block is None:
-                            block = src.read()
-                        new = e.wrap(self._materialize(e, block, dev))
-                    out.append((e, new))
-        return out
+        return self._host.prepare_removal(resident, self.device, original_devices)
 
     def _commit_removal(self, prepared: list) -> None:
         """Rebind every parameter to what `_prepare_removal` built, then release the
@@ -928,44 +559,20 @@ class LayerwiseOffloadManager:
                 ctx.__exit__(None, None, None)
             except Exception:  # (a saved-tensor hook stack another thread popped)
                 pass
-        for e, new in prepared:
-            if new is not None:
-                e.param.data = new
-            e.saved = None
-            e.packed = False
+        HostLayers.give_back(prepared)
         # Events hold the tensors their copies read and wrote (ring slices, arena
         # blocks): drop them, or the ring and the pinned arena outlive the removal.
-        self._slot_event, self._copy_event, self._slot_holder, self._stall_pairs = [], [], [], []
-        self._timed_copies = []
+        if self.ring is not None:
+            self.ring.release()
+        self.ring = None
+        self.meter.dropped()
         self._grad_hooks = []
-        self._placeholders = {}
-        self._release_storage()
-        self._ring = []
-        self._dst = []
+        self._host.release()
         self._resident_bytes = 0
         self._engine = None
-        self._finalized = False
+        self.state = Lifecycle.PLANNED
         if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
             del self.plan.module_list._layerwise_manager
-
-    def _release_storage(self) -> None:
-        """Close sources, tiers and files (spill files are deleted): best effort, logged."""
-        def attempt(what, fn, *args):
-            try:
-                fn(*args)
-            except Exception as err:  # a leak at worst; the parameters are whole already
-                log.warning("layerwise: %s of group %r failed while removing: %s", what, self.layer_name, err)
-
-        for src in self._src:
-            attempt("closing a layer source", src.close)
-        if self._chain is not None:
-            self._chain.close(attempt)
-        self._chain = None
-        self._routes = None
-        self._host_blocks = []
-        self._src = []
-        self._arena = None
-        self._packed = False
 
     def _restore_parameters(self, original_devices: bool = False) -> None:
         """Give every packed parameter an ordinary tensor again with its true bytes
@@ -988,3 +595,8 @@ class LayerwiseOffloadManager:
     def __repr__(self) -> str:
         return (f"LayerwiseOffloadManager({self.layer_name!r}, layers={self.num_layers}, device={self.device}, "
                 f"prefetch_depth={self.prefetch_depth}, resident={len(self.resident)}, enabled={self.enabled})")
+
+
+for _name in ("residency_policy", "num_copy_streams", "debug_copy_delay_us", "measure_stalls", "disk_prefetch_depth",
+              "debug_read_delay_us", "split_fetch"):  # the other options, read-only (set them through `options`)
+    setattr(LayerwiseOffloadManager, _name, property(lambda self, _n=_name: getattr(self.options, _n)))

@@ -327,7 +327,7 @@ def _plan_device_budget(parts: list[Component], options: OffloadOptions) -> None
 
     need = {c.name: minimum(c) for c in streamed}
     left = total - whole
-    order = sorted(streamed, key=lambda c: -c.uses * sum(m._managed_parameter_bytes() for m in c.managers))
+    order = sorted(streamed, key=lambda c: -c.uses * sum(m.plan.managed_bytes for m in c.managers))
     for k, c in enumerate(order):
         later = sum(need[o.name] for o in order[k + 1:])  # the least every component after this one needs
         mine = left - later

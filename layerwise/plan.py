@@ -233,3 +233,11 @@ def assign_slots(num_streamed: int, depth: int) -> tuple[list[int], int]:
     sizes = [n // q + (1 if b < n % q else 0) for b in range(q)]
     slots = [c for size in sizes for c in range(size)]
     return slots, max(sizes)
+
+
+def device_bytes(plan: GroupPlan, resident, depth: int) -> int:
+    """Device bytes of a group's slot ring + resident layers for a residency plan."""
+    resident = set(resident)
+    streamed = [lp.nbytes for lp in plan.layers if lp.index not in resident]
+    _, slots = assign_slots(len(streamed), depth)
+    return slots * max(streamed, default=0) + sum(plan.layers[i].nbytes for i in resident)

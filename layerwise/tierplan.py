@@ -166,3 +166,37 @@ def layer_host_bytes(manager) -> dict[int, int]:
 def planned_host_bytes(manager) -> int:
     """Host bytes of the group's layers at the size their tiers keep them."""
     return sum(layer_host_bytes(manager).values()) if manager.enabled else 0
+
+
+class TierChoice:
+    """A group's inputs to its tier plan, set by the planners before packing:
+    split fetch's share store (stages/gather.attach) and the layers the host
+    budget keeps in files (layerwise.hostplan, loading). Fixed once packed."""
+
+    def __init__(self, group: str):
+        self.group = group
+        self.split_store = None  # this rank's ShareStore, or None
+        self.disk_layers: frozenset = frozenset()
+        self.disk_where = "spill"  # "spill" or "checkpoint"
+        self.make_store = None  # make_store(files) -> the file store (stages/chain.py) of the disk layers
+        self.fixed = False
+
+    def _check(self) -> None:
+        if self.fixed:
+            raise RuntimeError(f"{self.group}: the tier plan is fixed once packed")
+
+    def use_split(self, store) -> None:
+        """Split fetch: `store` keeps this rank's shares of the streamed layers."""
+        self._check()
+        self.split_store = store
+
+    def keep_on_disk(self, layers, where: str = "spill", make_store=None) -> None:
+        """`layers` stay in files (`where`); `make_store(files)` gives the file store
+        that keeps them, the files it opens appended to `files`."""
+        self._check()
+        self.disk_layers, self.disk_where, self.make_store = frozenset(layers), where, make_store
+
+    def routes(self, plan, resident, compress, sizes: bool = True) -> list[Route]:
+        store = self.split_store
+        return plan_routes(plan, resident, compress, store.spans if store is not None else None,
+                           self.disk_layers, self.disk_where, sizes)

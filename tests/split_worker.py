@@ -90,8 +90,8 @@ def scenario_equal(rank, world, depth, resident, contract=True):
         assert sf["host_bytes"] <= sf["share_bytes"] + n_split * 4096
         # the group's host memory: the resident layers' arena and this rank's shares, nothing more
         resident_bytes = sum(m.plan.layers[i].nbytes for i in m.resident)
-        assert m._arena.capacity <= resident_bytes + len(m.resident) * 4096 + (0 if m.resident else 4096), s
-        assert s["arena_bytes"] == m._arena.capacity + sf["share_bytes"], s
+        assert m._host.arena.capacity <= resident_bytes + len(m.resident) * 4096 + (0 if m.resident else 4096), s
+        assert s["arena_bytes"] == m._host.arena.capacity + sf["share_bytes"], s
         # over the host link: this rank's shares only; the rest comes from the other ranks
         assert sf["bytes_local"] >= s["bytes_copied"] and sf["bytes_local"] > 0, (s, sf)
         assert sf["bytes_gathered"] >= (world - 1) * sf["bytes_local"] * 0.5, sf
@@ -555,7 +555,7 @@ def scenario_tiers(rank, world, tmp):
                 else:
                     assert last["bytes_copied"] <= last["bytes_raw"] / world + 4096, (what, last)
                 if st["disk"] is not None:
-                    assert last["bytes_read"] <= share + 4096 * len(m.disk_layers) * 4, (what, last, share)
+                    assert last["bytes_read"] <= share + 4096 * len(m.tiers.disk_layers) * 4, (what, last, share)
             sd = model.state_dict()  # collective: the true bytes, gathered
             for k, v in reference.state_dict().items():
                 assert torch.equal(sd[k], v), (what, k)

@@ -16,6 +16,7 @@ from torch import nn
 
 import layerwise
 from layerwise import manager as manager_mod
+from layerwise import packing as packing_mod
 from layerwise.configure import _prepare, managers_of
 from models import Block, TwoGroupModel
 
@@ -87,11 +88,11 @@ def test_failure_at_every_parameter_index_restores_the_model_bitwise(monkeypatch
                 raise exc(f"injected at parameter {k}")
 
         if target:
-            orig = manager_mod.local_tensor
-            monkeypatch.setattr(manager_mod, "local_tensor", lambda t: (boom(), orig(t))[1])
+            orig = packing_mod.local_tensor
+            monkeypatch.setattr(packing_mod, "local_tensor", lambda t: (boom(), orig(t))[1])
         else:
-            orig_ph = manager_mod.LayerwiseOffloadManager._placeholder
-            monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_placeholder",
+            orig_ph = packing_mod.HostLayers.placeholder
+            monkeypatch.setattr(packing_mod.HostLayers, "placeholder",
                                 lambda self, dt: (boom(), orig_ph(self, dt))[1])
         with pytest.raises(exc, match=f"injected at parameter {k}$"):
             layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")

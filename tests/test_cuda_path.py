@@ -84,12 +84,12 @@ def test_copies_split_at_registration_boundaries_stay_exact(cuts, compress):
     # (and disk staging, a share) is split the same way.
     model, ref = configured(debug_copy_delay_us=300, prefetch_depth=2, compress=compress)
     for m in managers_of(model):
-        for i in m._streamed:
+        for i in m.ring.streamed:
             for h in m._src[i].holders():
                 if hasattr(h, "cuts"):
                     h.cuts = tuple(c for c in cuts if 0 < c < h.block.numel())
-        for s in range(m.num_slots):
-            m._slot_holder[s] = -1  # reload everything through the split path
+        for s in range(m.ring.num_slots):
+            m.ring.holder[s] = -1  # reload everything through the split path
     for _ in range(3):
         for a, b in zip(run(model), run(ref)):
             assert torch.equal(a, b)

@@ -105,7 +105,7 @@ def test_a_restored_file_streams_exactly_again(disk_dir, monkeypatch, kind, wher
     disk = disk_layers(m)
     assert_exact(model, ref, x)
     # The layer changed: one that is neither in its ring slot nor staged after a forward.
-    cold = [i for i in disk if m._slot_holder[m._slot_of[i]] != i and not m._src[i].tier._staged(m._src[i])]
+    cold = [i for i in disk if m.ring.holder[m.ring.slot_of[i]] != i and not m._src[i].tier._staged(m._src[i])]
     assert cold and cold[-1] > disk[0], (disk, cold)
     k = cold[-1]
     path, off = region(m, k)

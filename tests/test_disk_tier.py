@@ -628,7 +628,7 @@ def test_disk_tier_and_compression_together(disk_dir):
     model(xs[0])
     model(xs[0])  # (the first step's reads include the configure's)
     st = m.stats(sync=True)["last_step"]
-    raw_disk = sum(m.plan.layers[i].nbytes for i in m.disk_layers)
+    raw_disk = sum(m.plan.layers[i].nbytes for i in m.tiers.disk_layers)
     assert 0 < st["bytes_read"] <= 0.80 * raw_disk, (st["bytes_read"], raw_disk)
     assert st["bytes_copied"] <= 0.80 * st["bytes_raw"], st
     for _ in range(2):

@@ -80,7 +80,7 @@ def test_naive_per_group_order_moves_whole_unpacked_groups():
 def test_managed_parameter_bytes_counts_only_matched_layers():
     model = SizedComponent()
     m = layerwise.LayerwiseOffloadManager(model, "large_blocks", num_layers=2, device="cpu", initialize=False)
-    assert m._managed_parameter_bytes() == 2 * (64 * 64 + 64) * 4
+    assert m.plan.managed_bytes == 2 * (64 * 64 + 64) * 4
     assert m.num_layers == 2 and m.enabled
 
 
@@ -282,10 +282,10 @@ def test_remove_restores_state_dict_and_leaves_no_hooks(device):
     assert hook_count(model) > hooks
     with torch.no_grad():
         model(torch.randn(2, 32, device=device))
-    held = [weakref.ref(t) for m in managers for t in m._ring + m._host_blocks]
+    held = [weakref.ref(t) for m in managers for t in m.ring.slots + [b for b in m._host.blocks if b is not None]]
     out = layerwise.remove_layerwise_offload(model)
     assert out is model and hook_count(model) == hooks and not managers_of(model)
-    assert all(m._arena is None and not m._ring for m in managers)
+    assert all(m._host.arena is None and m.ring is None for m in managers)
     gc.collect()
     assert not any(r() is not None for r in held)  # ring and arena freed, though the managers live on
     for k, v in model.state_dict().items():

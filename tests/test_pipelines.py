@@ -85,7 +85,7 @@ def test_components_stream_and_stay_resident_as_the_report_says(pipe, reference)
         assert rows[name]["placement"].startswith("streamed" if streamed else "resident")
         assert [g["group"] for g in rows[name]["groups"]] == [m.layer_name for m in managers_of(module)]
         # streamed: its block weights are views of the ring slots; resident: ordinary weights only
-        slots = {ptr for m in managers_of(module) for ptr in m._slot_ptrs}
+        slots = {ptr for m in managers_of(module) for ptr in m.ring.ptrs}
         in_ring = [p for p in module.parameters() if p.untyped_storage().data_ptr() in slots]
         assert bool(in_ring) is streamed, name
         assert all(p.shape != (1,) for p in module.parameters())
@@ -300,7 +300,7 @@ def _watch(pipe, names, log, monkeypatch):
     orig = layerwise.LayerwiseOffloadManager._initialize_layer_weights
 
     def record(self, fill=None):
-        log.append(("pack", owner[id(self.model)], self.layer_name, self._managed_parameter_bytes()))
+        log.append(("pack", owner[id(self.model)], self.layer_name, self.plan.managed_bytes))
         return orig(self, fill)
 
     monkeypatch.setattr(layerwise.LayerwiseOffloadManager, "_initialize_layer_weights", record)
@@ -608,7 +608,7 @@ def _kept_bytes(m):
     """Host bytes a packed group holds, each block page-rounded: its arena and its encoded blocks."""
     page = 4096
     own = sum(-(-max(s.stored_bytes, 1) // page) * page for s in m._src if s.kind == "lossless")
-    return m._arena.capacity + own
+    return m._host.arena.capacity + own
 
 
 def test_compressed_layers_count_at_their_encoded_size_in_the_host_and_pin_budgets():

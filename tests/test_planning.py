@@ -318,15 +318,15 @@ def test_planned_host_bytes_count_each_layer_at_its_tier():
     assert tierplan.planned_host_bytes(m) == m._arena_capacity() == sum(raw)
     # split fetch: layers 0-3 are this rank's share (a quarter), layer 7 stays on disk
     share = {i: (0, 0, m.plan.layers[i].nbytes // 4) for i in range(4)}
-    m.use_split(SimpleNamespace(spans=share))
-    m.keep_on_disk({7})
+    m.tiers.use_split(SimpleNamespace(spans=share))
+    m.tiers.keep_on_disk({7})
     per = tierplan.layer_host_bytes(m)
     assert [per[i] for i in range(4)] == [round_up(m.plan.layers[i].nbytes // 4, BLOCK_ALIGN) for i in range(4)]
     assert per[7] == 0 and [per[i] for i in (4, 5, 6)] == raw[4:7]
     assert [r.describe() for r in m.tier_plan()][3:8] == [
         f"arena, share [0, {m.plan.layers[3].nbytes // 4})", "arena", "arena", "arena", "spill"]
-    m.use_split(None)
-    m.keep_on_disk(())
+    m.tiers.use_split(None)
+    m.tiers.keep_on_disk(())
     m.compress = "lossless"  # encoded: at their encoded size, page-rounded
     per = tierplan.layer_host_bytes(m)
     assert all(per[i] == round_up(tierplan.encoded_layer_bytes(lp), BLOCK_ALIGN) < raw[i]

@@ -166,7 +166,7 @@ def hook_count(model: nn.Module) -> int:
 
 def recopied(manager) -> int:
     """Streamed layers that share their ring slot with another one: each is copied in every step."""
-    slots = [manager._slot_of[i] for i in manager._streamed]
+    slots = [manager.ring.slot_of[i] for i in manager.ring.streamed]
     return sum(slots.count(s) > 1 for s in slots)
 
 

@@ -12,6 +12,7 @@ import torch
 
 import layerwise
 from layerwise import manager as manager_mod
+from layerwise import packing as packing_mod
 from layerwise.configure import managers_of
 from layerwise.stages import disk as disk_mod
 from test_contract import assert_fingerprint, fingerprint, inputs, make, no_trace_of_layerwise, run
@@ -76,7 +77,7 @@ def _still_streaming_exactly(model, expect, sd_ref):
 def _fail_materialize_at(monkeypatch, k, exc=RuntimeError) -> list:
     """The (k+1)-th parameter a removal builds raises exc (k None: none does); the
     list returned counts the calls."""
-    orig = manager_mod.LayerwiseOffloadManager._materialize
+    orig = packing_mod.materialize
     calls = [0]
 
     def failing(e, block, device):
@@ -85,7 +86,7 @@ def _fail_materialize_at(monkeypatch, k, exc=RuntimeError) -> list:
             raise exc(f"injected at parameter {k}")
         return orig(e, block, device)
 
-    monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_materialize", staticmethod(failing))
+    monkeypatch.setattr(packing_mod, "materialize", failing)
     return calls
 
 

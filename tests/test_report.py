@@ -201,7 +201,7 @@ def test_table_fits_120_columns_with_long_group_names():
 
 # ------------------------------------------------- issue 21: friction in report()
 def test_step_time_and_averages_over_the_last_steps():
-    from layerwise.manager import RECENT_STEPS
+    from layerwise.meter import RECENT_STEPS
 
     model, managers = streamed_model(steps=5)
     r = layerwise.report(model)

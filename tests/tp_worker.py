@@ -54,7 +54,7 @@ def main(rank, world, port):
     m = managers[0]
     shard_bytes = sum(p.to_local().numel() * p.to_local().element_size() for n, p in reference.named_parameters()
                       if n.startswith("layers."))
-    assert m._managed_parameter_bytes() == shard_bytes  # local shards only
+    assert m.plan.managed_bytes == shard_bytes  # local shards only
     assert all(isinstance(p.data, DTensor) for p in model.layers.parameters())
     torch.manual_seed(1)
     xs = [torch.randn(4, 32) for _ in range(3)]

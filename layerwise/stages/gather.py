@@ -573,7 +573,7 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None, v
     for m in managers:
         if not m.enabled:
             continue
-        m.use_split(ShareStore(m, group))  # its tier plan splits the streamed layers (layerwise.tierplan)
+        m.tiers.use_split(ShareStore(m, group))  # its tier plan splits the streamed layers (layerwise.tierplan)
     return group
 
 

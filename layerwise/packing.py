@@ -1,0 +1,220 @@
+"""packing: a layer group's weights on the host side (DESIGN.md, data flow:
+plan -> pack -> finalise).
+
+`HostLayers.pack` packs every layer of the group by its route (layerwise.tierplan):
+a plain layer into the group's arena (its block *is* its source), any other
+into a scratch block that the chain of stages keeps its way (stages/chain.py);
+every managed parameter becomes a (1,) placeholder. On failure (an exception
+or a KeyboardInterrupt at any point) every parameter packed so far gets its
+exact bytes back and the others were never touched.
+
+The way back (`prepare_removal`, `give_back`, `release`) is the first phase
+of the removal transaction (manager.py): it reads every packed parameter's
+true bytes into ordinary tensors and changes nothing until `give_back`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from torch import nn
+
+from . import _native, stages
+from .plan import BLOCK_ALIGN, local_tensor, round_up
+
+log = logging.getLogger("layerwise")
+
+_PROGRESS_MIN_BYTES = 1 << 30
+
+
+def materialize(e, block: torch.Tensor, device) -> torch.Tensor:
+    """An ordinary tensor of its own with the parameter's bytes, shape and strides."""
+    out = torch.empty(e.span_bytes, dtype=torch.uint8, device=device)
+    out.copy_(block[e.offset : e.offset + e.span_bytes])
+    return torch.as_strided(out.view(e.dtype), e.shape, e.stride)
+
+
+def span_copy(e, data: torch.Tensor, device) -> torch.Tensor:
+    """A tensor of its own on `device` with `data`'s storage span, shape and strides."""
+    flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
+    out = torch.empty(e.span, dtype=e.dtype, device=device)
+    out.copy_(flat)
+    return torch.as_strided(out, e.shape, e.stride)
+
+
+def bind_to_slot(e, view: torch.Tensor) -> None:
+    """Point a streamed parameter at its slot view. `param.data = view` would give
+    it a version counter of its own; swapping in a parameter made from the view
+    (which shares the slot's) keeps the Python object and lets an in-place write
+    into any parameter of the slot show as a change of the slot's version."""
+    p = e.param
+    if e.dspec is None and isinstance(p, nn.Parameter):
+        new = torch.Tensor._make_subclass(type(p), view, p.requires_grad)
+        new.__dict__.update(p.__dict__)  # swap_tensors swaps __dict__ too
+        try:
+            torch.utils.swap_tensors(p, new)
+            return
+        except RuntimeError:  # referenced from C++ or weakly: bind the plain way
+            pass
+    p.data = e.wrap(view)
+
+
+def _plain(route) -> bool:
+    return route.plain or route.where == "device"
+
+
+class HostLayers:
+    """The group's arena, each layer's source and the parameters' placeholders."""
+
+    def __init__(self, plan, group: str, device: torch.device, pin_memory):
+        self.plan, self.group, self.device, self.pin_memory = plan, group, device, pin_memory
+        self.arena = None
+        self.blocks: list = []  # arena blocks (None: the layer lives elsewhere)
+        self.src: list = []  # each layer's source of truth (stages/source.py)
+        self.chain = None  # stages.Chain
+        self.routes = None  # the tier plan packed by
+        self._placeholders: dict = {}
+
+    @staticmethod
+    def capacity(plan, routes) -> int:
+        """The arena bytes of the plain (and resident) layers."""
+        return sum(round_up(lp.nbytes, BLOCK_ALIGN) for lp, r in zip(plan.layers, routes) if _plain(r))
+
+    def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._placeholders:
+            self._placeholders[dtype] = torch.zeros((1,), dtype=dtype, device=self.device)
+        return self._placeholders[dtype]
+
+    def pack(self, routes, chain, fill=None) -> None:
+        """Pack every layer by its route (module doc). `fill(entry, block)`, if given,
+        writes each parameter's values into its place in the layer's block instead of
+        copying the parameter (from a checkpoint, say); a parameter that had data of
+        its own keeps it until the whole configure succeeds (`commit`)."""
+        self.chain = chain
+        total = self.capacity(self.plan, routes)
+        cuda = self.device.type == "cuda"
+        self.arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
+                                       device=self.device.index if cuda else -1)
+        bar = None
+        if total >= _PROGRESS_MIN_BYTES and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"layerwise: packing {self.group}")
+        scratch = None
+        try:
+            for lp, route in zip(self.plan.layers, routes):
+                elsewhere = not _plain(route)
+                if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
+                    if scratch is None:
+                        size = max(self.plan.layers[r.index].nbytes for r in routes if not _plain(r))
+                        scratch = stages.read.aligned_staging(size, pinned=False)
+                    block = scratch[: lp.nbytes]
+                    block.zero_()  # alignment gaps included: the layer's bytes (and CRC) are deterministic
+                    self.blocks.append(None)
+                else:
+                    block = self.arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
+                    self.blocks.append(block)
+                # (for a layer stored elsewhere: what a failure restores from, until stored)
+                self.src.append(stages.ArenaSource(block, None if elsewhere else self.arena))
+                for e in lp.params:
+                    if fill is not None:
+                        fill(e, block)
+                        if not e.param.is_meta:
+                            e.saved = e.param.data  # given back if configure fails later
+                    else:  # the parameter's storage span, byte for byte
+                        data = local_tensor(e.param.data)
+                        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
+                        block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
+                        del data, flat
+                    # Marked before the swap: a rollback that finds the mark restores the
+                    # same bytes from the arena even if the swap below never happened.
+                    e.packed = True
+                    e.param.data = e.wrap(self.placeholder(e.dtype))
+                if elsewhere:
+                    self.src[-1] = chain.keep(lp, route, block)
+                if bar is not None:
+                    bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
+        finally:
+            if bar is not None:
+                bar.close()
+        self.routes = routes
+        # pin_memory=True: pageable memory would silently cost the overlap, an error (the
+        # caller's rollback gives every parameter back); "auto": a warning.
+        _native.check_pinned(self.arena, self.pin_memory, f"layer group {self.group!r}")
+
+    def commit(self) -> None:
+        """The whole configure succeeded: drop what a rollback would have needed."""
+        for lp in self.plan.layers:
+            for e in lp.params:
+                e.saved = None
+
+    def figures(self, packed: bool) -> dict:
+        """The host memory the group takes (its arena and what its stages keep, pinned
+        or not), the stages' own figures and the tier plan, for stats()."""
+        arena = self.arena
+        # Layers a stage keeps (encoded, a share, ...) are host memory of this group too.
+        kept = sum(src.stored_bytes for src, blk in zip(self.src, self.blocks) if blk is None)
+        chain = self.chain if packed else None
+        stage_pinned, stage_pin_error = chain.pinned() if chain is not None else (True, None)
+        pinned = bool(arena.pinned) if arena is not None else False
+        if chain is not None and chain.codec is not None and arena is not None:  # an empty arena does not count
+            pinned = (pinned or not arena.capacity) and stage_pinned
+        return {
+            "arena_bytes": (arena.capacity if arena is not None else 0) + kept,
+            "arena_pinned": pinned,
+            "arena_pin_error": (arena.pin_error or None if arena is not None else None) or stage_pin_error,
+            **(chain.stats() if chain is not None else {"compress": None, "disk": None}),
+            "tier_plan": [r.describe() for r in self.routes] if self.routes is not None else None,
+        }
+
+    # ------------------------------------------------------------ the way back
+    def prepare_removal(self, resident, device, original_devices: bool = False) -> list:
+        """[(entry, new data or None: keep what it has)] for every packed parameter:
+        the data it had before a load (if kept), its resident copy (moved back with
+        original_devices), or its bytes read from the layer's source. Parameters
+        never packed are not touched; a meta parameter had no data to give back."""
+        out = []
+        with torch.no_grad(), torch.inference_mode(False):
+            for lp, src in zip(self.plan.layers, self.src):
+                block = None
+                for e in lp.params:
+                    if not e.packed:
+                        continue
+                    dev = e.orig_device if original_devices else device
+                    new = None
+                    if original_devices and e.saved is not None:
+                        new = e.saved
+                    elif lp.index in resident:  # an ordinary device tensor: the truth already
+                        if original_devices and dev.type != "meta" and dev != device:
+                            new = e.wrap(span_copy(e, local_tensor(e.param.data), dev))
+                    elif dev.type != "meta":
+                        if block is None:
+                            block = src.read()
+                        new = e.wrap(materialize(e, block, dev))
+                    out.append((e, new))
+        return out
+
+    @staticmethod
+    def give_back(prepared: list) -> None:
+        """Rebind every parameter to what prepare_removal built (nothing raises)."""
+        for e, new in prepared:
+            if new is not None:
+                e.param.data = new
+            e.saved = None
+            e.packed = False
+
+    def release(self) -> None:
+        """Close sources, stages and files (spill files are deleted): best effort, logged."""
+        def attempt(what, fn, *args):
+            try:
+                fn(*args)
+            except Exception as err:  # a leak at worst; the parameters are whole already
+                log.warning("layerwise: %s of group %r failed while removing: %s", what, self.group, err)
+
+        for src in self.src:
+            attempt("closing a layer source", src.close)
+        if self.chain is not None:
+            self.chain.close(attempt)
+        self.chain = self.routes = self.arena = None
+        self.blocks, self.src, self._placeholders = [], [], {}
