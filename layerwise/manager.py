@@ -52,7 +52,8 @@ RECENT_STEPS = 16  # complete steps kept for stats()["recent_steps"] (report's a
 
 
 def _stream_capturing(device: torch.device) -> bool:
-    return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):  # the current stream of `device`, which need not be the current device
+        return torch.cuda.is_current_stream_capturing()
 
 
 _CAPTURE_REFUSED = (

@@ -230,8 +230,8 @@ class Read:
     * Staging: one slot per read in flight, each ``aligned_staging`` of the
       largest layer's ``staging_layout`` size; a slot is read into only after
       the copy out of it has completed (``after=`` that copy's event; on CUDA
-      the reader thread host-waits on the CUDA event, which is fine off the
-      Python thread).
+      the reader thread polls the CUDA event with back-off, 20 us to 1 ms,
+      off the Python thread and without spinning a core).
     * CPU backend: ``engine.copy_async(slot_dst, staging, after=read_event)``
       chains as any copy does; a failed read fails the copy's event too.
     * CUDA backend: a stream cannot wait on a host event. Issue the H2D copy
