@@ -74,20 +74,28 @@ struct HostArena::Block {
   const Origin origin;
   int device = -1;
 
-  void unpin_all() {
+  // `in_use`: tensors of the block may be the source of copies in flight (a pin
+  // that failed part way: earlier allocations are out), so wait for the device
+  // first. Not when the block is freed: every copy of the engine holds the
+  // storages it reads until it has completed (engine.h, Event::keepalive), so by
+  // then none reads it, and a freed block costs no device-wide synchronize. (A
+  // copy issued through torch from an arena tensor is its issuer's to finish
+  // before the tensor goes, as for any memory torch's allocator did not pin.)
+  void unpin_all(bool in_use) {
 #ifdef LAYERWISE_WITH_CUDA
     // A forked child has no CUDA context: the parent's registrations are not its to undo.
     if (!cuda_registered.empty() && !origin.forked()) {
-      cuda_wait_for_device(device);  // its pages may be the source of a copy in flight
+      if (in_use) cuda_wait_for_device(device);
       for (void* p : cuda_registered) cuda_host_unregister(p);
     }
 #endif
+    (void)in_use;
     cuda_registered.clear();
     for (auto& r : mlocked) munlock(r.first, r.second);
     mlocked.clear();
   }
   ~Block() {
-    unpin_all();
+    unpin_all(/*in_use=*/false);
     if (base) munmap(base, capacity);
   }
 };
@@ -230,7 +238,7 @@ void HostArena::pin_locked(size_t offset, size_t nbytes) {
     if (!failure.empty()) {
       // Half a pinned arena would hold locked memory and still copy at pageable
       // speed: give it all back and say why.
-      block_->unpin_all();
+      block_->unpin_all(/*in_use=*/true);
       pin_kind_ = PinKind::None;
       pin_error_ = std::move(failure);
       return;

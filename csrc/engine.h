@@ -49,6 +49,11 @@ struct Event {
   virtual ~Event() = default;
   virtual bool query() = 0;
   virtual void synchronize() = 0;
+  // synchronize() for a worker thread that may wait long (a disk reader waiting
+  // for the copy out of its staging slot): it must not spin a core meanwhile.
+  // A CUDA event, made without cudaEventBlockingSync so that the hooks' waits
+  // stay short, is polled with back-off instead (csrc/cuda/engine_cuda.cpp).
+  virtual void host_wait() { synchronize(); }
   // Milliseconds from this event to `end`; both must be complete (CUDA: both
   // recorded with timing enabled).
   virtual double elapsed_ms(Event& end) = 0;
@@ -57,7 +62,10 @@ struct Event {
   virtual double copy_ms() { return -1.0; }
   // The storages of this event's copy (none for a recorded event). Dropping
   // the last reference to a storage may need the GIL: an event is only ever
-  // destroyed on a thread that may take it, never on a copy worker.
+  // destroyed on a thread that may take it, never on a copy worker. They are
+  // held until the copy has completed, even where the event is dropped before
+  // (CUDA: the engine keeps them until then), so that freeing a host block
+  // never has to wait for the device.
   std::unique_ptr<InFlight> keepalive;
   const Origin origin;
 };

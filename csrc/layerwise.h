@@ -26,8 +26,8 @@ namespace layerwise {
 class HostArena {
  public:
   enum class PinKind { None, Mlock, Cuda };
-  // `device`: the CUDA device the arena streams to (its pages are registered and,
-  // before they are unregistered, synchronised there); -1 for the current one.
+  // `device`: the CUDA device the arena streams to (its pages are registered with
+  // it current); -1 for the current one.
   HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda, int device = -1);
   at::Tensor allocate(int64_t nbytes, int64_t alignment);
   void pin_range(int64_t offset, int64_t nbytes);

@@ -419,7 +419,7 @@ class ReaderImpl : public Reader {
         if (read.failure.failed()) f = {"(another piece of this read failed)", 0};  // not reported: that one is
       }
       try {
-        if (!f.failed() && read.after) read.after->synchronize();
+        if (!f.failed() && read.after) read.after->host_wait();  // a CUDA event: polled, not spun on
       } catch (const ReadError& e) {
         f = {std::string("layerwise.Reader: read not done: the event it waited on failed: ") + e.what(), e.err};
       } catch (const std::exception& e) {

@@ -25,7 +25,8 @@
 //
 // Events are CpuEvents (host_event.h), the CPU copy engine's own type, so a
 // CPU copy can wait on a read and a read on a copy; `after` may be any event
-// (a CUDA event too: the reader thread host-waits on it). A read that fails
+// (a CUDA event too: the reader thread waits on it with Event::host_wait, which
+// polls with back-off rather than spin a core in cudaEventSynchronize). A read that fails
 // (an I/O error, a short read, a file changed since it was recorded) completes
 // its event with an error that synchronize() and query() raise (ReadError);
 // the reader carries on with later reads.

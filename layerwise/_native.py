@@ -92,3 +92,17 @@ def current_stream_handle(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.current_stream(device).cuda_stream
     return 0
+
+
+def dedicated_cuda_stream(device: torch.device) -> "torch.cuda.ExternalStream":
+    """A CUDA stream on `device` that nothing else is handed: ``torch.cuda.Stream()``
+    takes one of a pool of 32 per device and priority, round-robin (c10's "stream
+    pool note"), so the model or another library may hold the same stream, and work
+    on it would queue behind theirs. This one is a copy engine's own stream
+    (cudaStreamCreateWithFlags, non-blocking), wrapped for torch; the engine, which
+    destroys it, lives as long as the returned object."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    owner = CopyEngine(f"cuda:{index}")
+    stream = torch.cuda.ExternalStream(owner.stream_handle(0), device=torch.device("cuda", index))
+    stream._layerwise_owner = owner
+    return stream

@@ -41,7 +41,8 @@ log = logging.getLogger("layerwise")
 
 
 def _stream_capturing(device: torch.device) -> bool:
-    return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):  # the current stream of `device`, which need not be the current device
+        return torch.cuda.is_current_stream_capturing()
 
 
 _CAPTURE_REFUSED = (

@@ -34,8 +34,8 @@ def test_share_span_covers_the_block_once_aligned():
             assert all(lo % 512 == 0 or lo == hi == nbytes for _, lo, hi in spans)
 
 
-def run_ranks(world, tmp_path, *scenario):
-    worker = ROOT / "tests" / "split_worker.py"
+def run_ranks(world, tmp_path, *scenario, worker="split_worker.py"):
+    worker = ROOT / "tests" / worker
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world), str(port), str(tmp_path), *scenario],

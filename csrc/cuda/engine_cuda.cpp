@@ -7,8 +7,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <iterator>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace layerwise {
 namespace {
@@ -50,18 +54,69 @@ struct QuietDeviceGuard {  // for destructors: never throws
   }
 };
 
+// Copies whose event was dropped before they completed. Their storages (a host
+// block's pages, a staging buffer) are held here until the copy has completed,
+// so that a host block is freed (and its pages unregistered) only once no copy
+// reads it, without a cudaDeviceSynchronize: a layer rewritten in place drops
+// the old block from a prefetch, the hottest path there is. One list per
+// engine, emptied of completed copies at its next copy, synchronize, shutdown
+// and destruction (Python threads: dropping a storage may take the GIL).
+struct PendingCopies {
+  struct Copy {
+    int device;
+    cudaEvent_t ev, start;
+    std::unique_ptr<InFlight> keep;
+  };
+  std::mutex mu;
+  std::vector<Copy> copies;
+
+  void add(Copy c) {
+    std::lock_guard<std::mutex> l(mu);
+    copies.push_back(std::move(c));
+  }
+  // Drops the copies that have completed.
+  void drain() {
+    std::vector<Copy> done;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (copies.empty()) return;
+      auto keep_end = std::partition(copies.begin(), copies.end(), [](const Copy& c) {
+        QuietDeviceGuard g(c.device);
+        const bool pending = cudaEventQuery(c.ev) == cudaErrorNotReady;  // an error: nothing will complete it
+        cudaGetLastError();
+        return pending;
+      });
+      std::move(keep_end, copies.end(), std::back_inserter(done));
+      copies.erase(keep_end, copies.end());
+    }
+    for (Copy& c : done) {
+      QuietDeviceGuard g(c.device);
+      cudaEventDestroy(c.ev);
+      if (c.start) cudaEventDestroy(c.start);
+    }
+    // `done` goes here, outside the lock: the storages, maybe a host block (cudaHostUnregister).
+  }
+};
+
 struct CudaEvent : Event {
   cudaEvent_t ev = nullptr;
   cudaEvent_t start = nullptr;  // the copy's start, when issued with timing
   int device;
+  std::shared_ptr<PendingCopies> pending;  // a copy's event: where its storages go if dropped early
   CudaEvent(int device, bool timing) : device(device) {
     DeviceGuard g(device);
     LW_CUDA(cudaEventCreateWithFlags(&ev, timing ? cudaEventDefault : cudaEventDisableTiming));
   }
   ~CudaEvent() override {
-    // Safe while pending: freed once it completes. A forked child has no CUDA context to free it in.
+    // A forked child has no CUDA context to free it in.
     if (origin.forked()) return;
     QuietDeviceGuard g(device);
+    if (ev && keepalive && pending && cudaEventQuery(ev) == cudaErrorNotReady) {
+      cudaGetLastError();
+      pending->add({device, ev, start, std::move(keepalive)});  // the copy still reads its storages
+      return;
+    }
+    cudaGetLastError();
     if (ev) cudaEventDestroy(ev);
     if (start) cudaEventDestroy(start);
   }
@@ -81,6 +136,18 @@ struct CudaEvent : Event {
     DeviceGuard g(device);
     LW_CUDA(cudaEventSynchronize(ev));
     completed();
+  }
+  // cudaEventSynchronize spins a core on an event made without cudaEventBlockingSync
+  // (every event here: a hook waiting for its layer wants the shortest wake-up). A
+  // reader thread waits for the copy out of its staging slot, often for milliseconds:
+  // it polls instead, sleeping 20 us, then twice as long each time, up to 1 ms (at
+  // most ~1 ms late, against copies of a layer that take milliseconds).
+  void host_wait() override {
+    auto nap = std::chrono::microseconds(20);
+    while (!query()) {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    }
   }
   double elapsed_ms(Event& end) override {
     auto* e = dynamic_cast<CudaEvent*>(&end);
@@ -129,15 +196,20 @@ class CudaEngine : public CopyEngine {
   }
   ~CudaEngine() override {
     if (origin_.forked()) return;  // the parent's CUDA context: not this process's to touch
-    for (cudaStream_t s : streams_) {
-      cudaStreamSynchronize(s);
-      cudaStreamDestroy(s);
+    {
+      QuietDeviceGuard g(device_);
+      for (cudaStream_t s : streams_) {
+        cudaStreamSynchronize(s);
+        cudaStreamDestroy(s);
+      }
     }
+    pending_->drain();
   }
 
   EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
                       std::unique_ptr<InFlight> keep, bool timing) override {
     check_usable();
+    pending_->drain();
     DeviceGuard g(device_);
     cudaStream_t s = streams_[next_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
     if (after) {
@@ -148,6 +220,7 @@ class CudaEngine : public CopyEngine {
     }
     auto ev = std::make_shared<CudaEvent>(device_, timing);
     ev->keepalive = std::move(keep);
+    ev->pending = pending_;
     if (timing) {
       LW_CUDA(cudaEventCreateWithFlags(&ev->start, cudaEventDefault));
       LW_CUDA(cudaEventRecord(ev->start, s));
@@ -195,6 +268,7 @@ class CudaEngine : public CopyEngine {
       for (cudaStream_t s : streams_) LW_CUDA(cudaStreamSynchronize(s));
     }
     release_tracked();
+    pending_->drain();
   }
 
   void shutdown() override {
@@ -206,6 +280,7 @@ class CudaEngine : public CopyEngine {
     }
     cudaGetLastError();
     release_tracked();
+    pending_->drain();
   }
 
   bool is_cuda() const override { return true; }
@@ -245,6 +320,7 @@ class CudaEngine : public CopyEngine {
   std::mutex mu_;
   std::vector<std::weak_ptr<CudaEvent>> issued_;
   size_t prune_at_ = 64;
+  std::shared_ptr<PendingCopies> pending_ = std::make_shared<PendingCopies>();
 };
 
 }  // namespace

@@ -203,5 +203,7 @@ class Chain:
         if self.disk is not None:
             attempt("closing the disk stage", self.disk.close)
             self.disk = None
+        if self.split is not None:  # (also where no share was kept yet: a configure that failed early)
+            attempt("releasing the split-fetch shares", self.split.release)
         self._disk_of = {}
         self._upcoming = []

@@ -205,7 +205,7 @@ class SplitGroup:
         self.host_pg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
         _LIVE.add(self)  # close() destroys it at exit (_stop_all)
         if self.device.type == "cuda":
-            self.stream = torch.cuda.Stream(self.device)
+            self.stream = _native.dedicated_cuda_stream(self.device)  # not torch's pool: no one else's
         else:
             self.gather_pg = self.host_pg
 
