@@ -29,7 +29,7 @@ import threading
 import torch
 from torch import nn
 
-from . import _native, contract, stages
+from . import _native, contract, gpu_checks, stages
 from .options import OffloadOptions, manager_options, named_options, resolve_resident, validate_depth
 from .meter import Meter
 from .packing import HostLayers, bind_to_slot, materialize
@@ -38,19 +38,6 @@ from .ring import SlotRing
 from .tierplan import TierChoice
 
 log = logging.getLogger("layerwise")
-
-
-def _stream_capturing(device: torch.device) -> bool:
-    with torch.cuda.device(device):  # the current stream of `device`, which need not be the current device
-        return torch.cuda.is_current_stream_capturing()
-
-
-_CAPTURE_REFUSED = (
-    "layerwise: layer {group}[{i}] was called inside CUDA graph capture (torch.cuda.graph, or the CUDA graphs "
-    "of torch.compile(mode='reduce-overhead')). A streamed layer's copies are issued by hooks on the host and "
-    "wait on events recorded outside the capture, so a graph cannot replay them. Run the streamed model "
-    "eagerly or under torch.compile without CUDA graphs (mode='default' or 'max-autotune-no-cudagraphs')."
-)
 
 
 class Lifecycle(enum.Enum):
@@ -432,8 +419,8 @@ class LayerwiseOffloadManager:
         if self.state is not Lifecycle.STREAMING:  # removed while this call waited for the lock: runs plain
             self._lock.release()
             return
-        if self._engine.is_cuda and _stream_capturing(self.device):
-            raise RuntimeError(_CAPTURE_REFUSED.format(group=self.layer_name, i=i))
+        if self._engine.is_cuda and gpu_checks.stream_capturing(self.device):
+            raise RuntimeError(gpu_checks.CAPTURE_REFUSED.format(group=self.layer_name, i=i))
         if self._contract_error is not None:
             raise RuntimeError(self._contract_error)
         if self._dirty:

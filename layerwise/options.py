@@ -69,6 +69,10 @@ class OffloadOptions:
             v["num_copy_streams"], v["debug_copy_delay_us"], v["debug_read_delay_us"])
         v["measure_stalls"] = validate_flag("measure_stalls", v["measure_stalls"])
         v["compress"] = validate_compress(v["compress"])
+        if v["compress"] is not None:  # the decode path of this device, checked now (CUDA: Triton on the GPU)
+            from .gpu_checks import check_decode_path
+
+            check_decode_path(v["device"])
         v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"] = check_disk_options(
             v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"])
         v["split_fetch"] = validate_split_fetch(v["split_fetch"])

@@ -744,7 +744,7 @@ def test_cuda_graph_capture_is_refused_clearly(monkeypatch):
         is_cuda = True
 
     monkeypatch.setattr(m, "_engine", FakeCudaEngine())
-    monkeypatch.setattr(manager_mod, "_stream_capturing", lambda device: True)
+    monkeypatch.setattr(layerwise.gpu_checks, "stream_capturing", lambda device: True)
     with pytest.raises(RuntimeError, match="CUDA graph capture.*without CUDA graphs"):
         run(model, inputs(1))
     monkeypatch.undo()

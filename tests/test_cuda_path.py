@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import layerwise
 from layerwise import _native
-from layerwise import manager as manager_mod
+from layerwise import gpu_checks
 from layerwise.configure import managers_of
 from layerwise.gpu_checks import check_decode_path
 from layerwise.stages.read import aligned_staging
@@ -364,7 +364,7 @@ def test_decode_regrows_its_staging_under_random_copy_delays(device, monkeypatch
 
 # --------------------------------------------- item 6: capture on which device
 def test_capture_check_asks_the_stream_of_the_managed_device(monkeypatch):
-    """_stream_capturing(device) looks at `device`'s current stream, not the current
+    """gpu_checks.stream_capturing(device) looks at `device`'s current stream, not the current
     device's: a graph captured on cuda:1 while cuda:0 is current must be seen."""
     current = [0]
     capturing = {1}
@@ -381,8 +381,8 @@ def test_capture_check_asks_the_stream_of_the_managed_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device", FakeDevice)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] in capturing)
-    assert manager_mod._stream_capturing(torch.device("cuda:1"))
-    assert not manager_mod._stream_capturing(torch.device("cuda:0"))
+    assert gpu_checks.stream_capturing(torch.device("cuda:1"))
+    assert not gpu_checks.stream_capturing(torch.device("cuda:0"))
     assert current == [0]  # the current device is given back
 
 
@@ -396,12 +396,12 @@ def test_capture_check_on_the_gpu():
             x = torch.zeros(1, device=f"cuda:{index}")
             with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
                 with torch.cuda.device(probe):  # another device current while cuda:index captures
-                    seen = {d: manager_mod._stream_capturing(torch.device(f"cuda:{d}"))
+                    seen = {d: gpu_checks.stream_capturing(torch.device(f"cuda:{d}"))
                             for d in range(torch.cuda.device_count())}
                 x += 1
         return seen
 
-    assert not manager_mod._stream_capturing(torch.device("cuda:0"))
+    assert not gpu_checks.stream_capturing(torch.device("cuda:0"))
     assert captured_on(0, 0)[0]
     if torch.cuda.device_count() >= 2:
         seen = captured_on(1, 0)

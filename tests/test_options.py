@@ -226,3 +226,24 @@ def test_offload_pipeline_gives_each_group_its_own_pin_memory():
     assert all(m.options == dataclasses.replace(OffloadOptions.build(device="cpu"), pin_memory=False)
                for m in managers)
     layerwise.remove_pipeline_offload(holder)
+
+
+@pytest.mark.parametrize("door", ["configure_layerwise_offload", "load_offloaded", "offload_pipeline",
+                                  "LayerwiseOffloadManager"])
+def test_the_decode_path_is_checked_at_the_front_door(door, monkeypatch, checkpoint):
+    """Issue 22, CUDA rule 9: compress="lossless" on a CUDA device whose decode path
+    cannot run (here TRITON_INTERPRET=1 on a GPU host, the device simulated) is refused
+    by the options validation, at every front door, before the model changes; not in
+    the first forward's hook."""
+    import layerwise.options as options_mod
+
+    monkeypatch.setattr(options_mod, "resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        OffloadOptions.build(device="cuda", compress="lossless")
+    call, model = door_and_model(door, checkpoint)
+    before = state(model)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET='1' is set"):
+        call(device="cuda", compress="lossless")
+    assert not managers_of(model) and same_state(state(model), before)
+    OffloadOptions.build(device="cuda", compress=None)  # (without compress there is nothing to decode)
