@@ -570,8 +570,95 @@ def scenario_tiers(rank, world, tmp):
             assert not os.listdir(spill), (what, os.listdir(spill))
 
 
+def scenario_sigint(rank, world, tmp):
+    """Issue 22: real SIGINTs, delivered on every rank at the same point (the k-th
+    call of a stage, k drawn from a seed every rank shares), during configure,
+    forward and remove with disk + compress + split: each is interrupted cleanly
+    (configure rolls back, a forward leaves the model streaming, remove leaves it
+    streaming), and the next calls, made in lockstep again, are exact."""
+    import random
+    import signal
+
+    from layerwise import packing
+    from layerwise.stages import transfer
+
+    reference = weight_like()
+    spill = os.path.join(tmp, f"sigint-{rank}")
+    os.makedirs(spill, exist_ok=True)
+    kw = dict(device="cpu", prefetch_depth=1, split_fetch=dist.group.WORLD, compress="lossless",
+              disk_prefetch_depth=1, debug_copy_delay_us=100)
+
+    def configure(budget, **more):
+        model = weight_like()
+        if budget is not None:
+            more.update(host_budget=budget, spill_dir=spill)
+        layerwise.configure_layerwise_offload(model, "blocks", **more)
+        return model
+
+    local = {k: v for k, v in kw.items() if k != "split_fetch"}
+    budget = smallest_budget(lambda b: configure(b, **local))
+    rng = random.Random(1234)  # the same draws on every rank
+
+    def interrupt_at(owner, name, k):
+        """Deliver SIGINT from inside the k-th call of owner.name (every rank alike)."""
+        real = getattr(owner, name)
+        calls = [0]
+
+        def wrapped(*a, **kw_):
+            calls[0] += 1
+            if calls[0] == k:
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(*a, **kw_)
+
+        setattr(owner, name, wrapped)
+        return lambda: setattr(owner, name, real)
+
+    # configure, interrupted while its layers are packed (every rank rolls back)
+    for _ in range(3):
+        undo = interrupt_at(packing, "local_tensor", rng.randint(1, 12))
+        try:
+            configure(budget, **kw)
+            raise AssertionError("the interrupt did not arrive")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            undo()
+        dist.barrier()
+    model = configure(budget, **kw)
+    plan = [r for m in layerwise.contract.managers_of(model) for r in m.stats()["tier_plan"]]
+    assert any(r.startswith("spill, encoded, share") for r in plan), plan
+    # forwards, interrupted at a fetch
+    for _ in range(4):
+        undo = interrupt_at(transfer.Transfer, "copy", rng.randint(1, 10))
+        try:
+            check_bf16(model, reference, rank, steps=2)
+            raise AssertionError("the interrupt did not arrive")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            undo()
+        dist.barrier()
+        check_bf16(model, reference, rank, steps=1)  # in lockstep again: exact
+    # remove, interrupted while it reads the layers back: the model still streams exactly
+    undo = interrupt_at(packing, "materialize", rng.randint(1, 4))
+    try:
+        layerwise.remove_layerwise_offload(model)
+        raise AssertionError("the interrupt did not arrive")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        undo()
+    dist.barrier()
+    check_bf16(model, reference, rank, steps=1)
+    layerwise.remove_layerwise_offload(model)
+    for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), k
+    assert not os.listdir(spill), os.listdir(spill)
+
+
 SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,
-             "gather_error": scenario_gather_error, "tiers": scenario_tiers}
+             "gather_error": scenario_gather_error, "tiers": scenario_tiers,
+             "sigint": scenario_sigint}
 
 
 def main(rank, world, port, tmp, scenario=None):
@@ -582,7 +669,7 @@ def main(rank, world, port, tmp, scenario=None):
     t0 = time.perf_counter()
     if scenario is not None:
         fn = SCENARIOS[scenario]
-        fn(rank, world, tmp) if fn in (scenario_seeds, scenario_tiers) else fn(rank, world)
+        fn(rank, world, tmp) if fn in (scenario_seeds, scenario_tiers, scenario_sigint) else fn(rank, world)
         print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
         os._exit(0)
     scenario_equal(rank, world, depth=1, resident=0)

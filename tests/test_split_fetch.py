@@ -80,6 +80,14 @@ def test_split_composes_with_compression_and_the_disk_tier(world, tmp_path):
 
 
 @needs_gloo
+def test_split_disk_compress_survive_real_sigints_in_configure_forward_and_remove(tmp_path):
+    """Issue 22: real SIGINTs (delivered on every rank at the same, randomly drawn
+    stage call) during configure, forward and remove with disk + compress + split:
+    each is interrupted cleanly and the next calls in lockstep are exact."""
+    run_ranks(2, tmp_path, "sigint")
+
+
+@needs_gloo
 def test_split_ranks_with_different_weights_are_refused(tmp_path):
     """Issue 21, item 5: configure / offload_pipeline compare the streamed layers' bytes."""
     run_ranks(2, tmp_path, "seeds")

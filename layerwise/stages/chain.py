@@ -142,6 +142,8 @@ class Chain:
     def forget(self) -> None:
         """After an interrupt: wait for the reads, drop what is queued and not issued."""
         self.pending.forget()
+        if self.codec is not None:
+            self.codec.forget()
         if self.disk is not None:
             self.disk.forget()
 

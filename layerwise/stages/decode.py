@@ -48,7 +48,7 @@ import torch
 from .. import _native
 from .. import codec as _codec
 from ..plan import BLOCK_ALIGN
-from .result import then
+from .result import is_deferred, then
 
 log = logging.getLogger("layerwise")
 
@@ -256,6 +256,12 @@ class CodecTier:
         if engine.is_cuda:
             self._stream = torch.cuda.ExternalStream(engine.stream_handle(0), device=self.device)
         self.log_summary()
+
+    def forget(self) -> None:
+        """After an interrupt (the chain dropped what was queued and not issued): a
+        staging buffer whose last use was never issued is free again (what was
+        issued is waited for by the engine's synchronize that follows)."""
+        self._last = [None if is_deferred(r) and r.ev is None else r for r in self._last]
 
     def _staging_for(self, k: int, need: int, prev):
         """Staging k, at least `need` bytes, and what a copy into it waits for. A write
