@@ -60,6 +60,16 @@ def managers_of(model: nn.Module) -> list:
     return list(model.__dict__.get(_MANAGERS, []))
 
 
+class GroupGuard:
+    """What the state contract keeps for one streamed group (its own fields; the
+    manager reads `error` in its pre-hook and checks `handed_out` at each step)."""
+
+    def __init__(self):
+        self.handed_out: list = []  # state_dict() tensors that alias the arena (check_handed_out)
+        self.loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks
+        self.error: str | None = None  # a broken contract found outside a forward
+
+
 class ModelLock:
     """One model's reentrant lock, shared by all its groups (prefetch crosses groups).
 
@@ -387,9 +397,9 @@ def _root_pre_hook(model, args):
                 continue
             if m.ring.computing() or any(o == me for o, _ in m._grad_hooks):
                 m._reset_entered()
-            if m._handed_out:
+            if m.guard.handed_out:
                 check_handed_out(m)
-            m.meter.root_driven = True
+            m.meter.follow_root()
             m._new_step()
 
 
@@ -697,7 +707,7 @@ def _state_dict_hook(manager, owned):
                 t, raw = _host_alias(e, host)
                 # The base is held, not the alias: a write through an alias freed since
                 # still shows in the base's version at the next check.
-                manager._handed_out.append((weakref.ref(t), raw, raw._version, i))
+                manager.guard.handed_out.append((weakref.ref(t), raw, raw._version, i))
                 state_dict[key] = e.wrap(t)
 
     return hook
@@ -707,13 +717,13 @@ def check_handed_out(manager) -> None:
     """state_dict() tensors alias the arena; one written in place since it was
     handed out makes its layer reload. O(tensors still alive), usually none."""
     live = []
-    for ref, raw, version, i in manager._handed_out:
+    for ref, raw, version, i in manager.guard.handed_out:
         if raw._version != version:
             arena_written(manager, i)
             version = raw._version
         if ref() is not None:  # checked once more after the alias died, then dropped
             live.append((ref, raw, version, i))
-    manager._handed_out = live
+    manager.guard.handed_out = live
 
 
 def arena_written(manager, i: int) -> None:
@@ -747,7 +757,7 @@ def _load_pre_hook(manager, owned):
                     # Refused on every rank (different values per rank, ranks out of lockstep): raised as
                     # it is. As a message in error_msgs torch would go on and copy the refused value
                     # into the parameter (a ring slot view).
-                    manager._loaded_keys.clear()
+                    manager.guard.loaded_keys.clear()
                     raise
                 except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
                     error_msgs.append(f"While copying the parameter named {key!r}: {err}")
@@ -756,17 +766,17 @@ def _load_pre_hook(manager, owned):
                 # version counter, which says "written in place"), and the post-hook takes
                 # it off the missing keys again.
                 del state_dict[key]
-                manager._loaded_keys.add(key)
+                manager.guard.loaded_keys.add(key)
 
     return hook
 
 
 def _load_post_hook(manager):
     def hook(module, incompatible_keys):
-        if manager._loaded_keys:
+        if manager.guard.loaded_keys:
             missing = incompatible_keys.missing_keys
-            missing[:] = [k for k in missing if k not in manager._loaded_keys]
-            manager._loaded_keys.clear()
+            missing[:] = [k for k in missing if k not in manager.guard.loaded_keys]
+            manager.guard.loaded_keys.clear()
 
     return hook
 
@@ -866,11 +876,11 @@ def _on_register(parent, name, sub):
         return None
     for m in sub.modules():
         _WATCHED[m] = owner
-        manager._hooks.extend(_guard_merge(m))
+        manager.add_hooks(_guard_merge(m))
         if _is_tuner_layer(m):
             problem = _reads_base_weights(manager, m)
             if problem:
-                manager._contract_error = (
+                manager.guard.error = (
                     f"layerwise: an adapter was added to {manager.layer_name}[{owner[1]}] after configure whose "
                     f"initialisation {problem}; outside its block's forward a streamed weight holds whatever its "
                     "ring slot holds, so the adapter was built from the wrong weights. Delete the adapter, call "
@@ -931,7 +941,7 @@ def saved_slot_hooks(manager):
     def unpack(ref):
         if type(ref) is not _SlotRef:
             return ref
-        if manager._finalized and manager._handed_out:
+        if manager._finalized and manager.guard.handed_out:
             check_handed_out(manager)  # a write through state_dict() since the forward
         if manager._finalized and manager.ring.gen[ref.slot] == ref.gen:
             return ref.tensor

@@ -188,9 +188,7 @@ class LayerwiseOffloadManager:
             layers = self.plan.layers
             self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks
             self._dirty = False  # the ring's record may be behind what was queued: the next hook resyncs
-            self._handed_out: list = []  # state_dict() tensors that alias the arena (contract.check_handed_out)
-            self._loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks (contract.py)
-            self._contract_error: str | None = None  # a broken contract found outside a forward
+            self.guard = contract.GroupGuard()  # the state contract's own record of this group
             start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
             self.ring = SlotRing(self.plan, self.resident, self.prefetch_depth, self._src, self.device, start)
             # Resident layers become ordinary device tensors (one storage each, as in a
@@ -392,6 +390,10 @@ class LayerwiseOffloadManager:
             self.ring.forget(i)  # the next call of the layer fetches it again
             raise
 
+    def add_hooks(self, handles) -> None:
+        """Hook handles removed with the group (the contract's guards on modules added later)."""
+        self._hooks.extend(handles)
+
     def _wait_ready(self, i: int) -> None:
         """Layer i in its slot, waited for on the host (an edit in place, contract.editing)."""
         if self._dirty:
@@ -421,8 +423,8 @@ class LayerwiseOffloadManager:
             return
         if self._engine.is_cuda and gpu_checks.stream_capturing(self.device):
             raise RuntimeError(gpu_checks.CAPTURE_REFUSED.format(group=self.layer_name, i=i))
-        if self._contract_error is not None:
-            raise RuntimeError(self._contract_error)
+        if self.guard.error is not None:
+            raise RuntimeError(self.guard.error)
         if self._dirty:
             self._resync()
         if i == 0 and not self.meter.root_driven:
@@ -475,7 +477,7 @@ class LayerwiseOffloadManager:
         self.meter.reset(cuda=self._finalized and self._engine.is_cuda)
 
     def _new_step(self) -> None:
-        if self._handed_out:
+        if self.guard.handed_out:
             contract.check_handed_out(self)
         self.meter.new_step()
 

@@ -79,6 +79,10 @@ class Meter:
         self.stall_pairs, self.timed_copies = [], []
 
     # ------------------------------------------------------------ steps
+    def follow_root(self) -> None:
+        """Steps follow the model's forward from now on (the root hooks, contract.py)."""
+        self.root_driven = True
+
     def new_step(self) -> None:
         self.resolve()
         if self.step_open:
