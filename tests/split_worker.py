@@ -10,6 +10,7 @@ SCENARIO (one of SCENARIOS) runs that check alone; without it, the main ones.
 """
 import copy
 import datetime
+import functools
 import os
 import sys
 import time
@@ -493,6 +494,15 @@ def smallest_budget(offload, start=64 << 10, step=8 << 10):
         return budget
 
 
+def configure_spilled(spill, budget, **options):
+    """A weight_like model streaming "blocks", with host_budget=budget and spill files in `spill` (None: no budget)."""
+    model = weight_like()
+    if budget is not None:
+        options.update(host_budget=budget, spill_dir=spill)
+    layerwise.configure_layerwise_offload(model, "blocks", **options)
+    return model
+
+
 def scenario_tiers(rank, world, tmp):
     """Issue 22: split fetch composes with compression and the disk tier, bitwise, with
     the contract: split + compress (each rank encodes its share), disk + split (each rank
@@ -527,13 +537,7 @@ def scenario_tiers(rank, world, tmp):
                 budget = smallest_budget(lambda b: load(b, **local))
                 model = load(budget, **kw)
             else:
-                def configure(budget, **more):
-                    model = weight_like()
-                    if budget is not None:
-                        more.update(host_budget=budget, spill_dir=spill)
-                    layerwise.configure_layerwise_offload(model, "blocks", **more)
-                    return model
-
+                configure = functools.partial(configure_spilled, spill)
                 budget = None
                 if "spill" in combo:
                     budget = smallest_budget(lambda b: configure(b, **local))
@@ -588,13 +592,7 @@ def scenario_sigint(rank, world, tmp):
     kw = dict(device="cpu", prefetch_depth=1, split_fetch=dist.group.WORLD, compress="lossless",
               disk_prefetch_depth=1, debug_copy_delay_us=100)
 
-    def configure(budget, **more):
-        model = weight_like()
-        if budget is not None:
-            more.update(host_budget=budget, spill_dir=spill)
-        layerwise.configure_layerwise_offload(model, "blocks", **more)
-        return model
-
+    configure = functools.partial(configure_spilled, spill)
     local = {k: v for k, v in kw.items() if k != "split_fetch"}
     budget = smallest_budget(lambda b: configure(b, **local))
     rng = random.Random(1234)  # the same draws on every rank
@@ -613,42 +611,30 @@ def scenario_sigint(rank, world, tmp):
         setattr(owner, name, wrapped)
         return lambda: setattr(owner, name, real)
 
-    # configure, interrupted while its layers are packed (every rank rolls back)
-    for _ in range(3):
-        undo = interrupt_at(packing, "local_tensor", rng.randint(1, 12))
+    def interrupted(owner, name, k, call):
+        """call() with SIGINT at the k-th call of owner.name: it must be interrupted."""
+        undo = interrupt_at(owner, name, k)
         try:
-            configure(budget, **kw)
+            call()
             raise AssertionError("the interrupt did not arrive")
         except KeyboardInterrupt:
             pass
         finally:
             undo()
         dist.barrier()
+
+    # configure, interrupted while its layers are packed (every rank rolls back)
+    for _ in range(3):
+        interrupted(packing, "local_tensor", rng.randint(1, 12), lambda: configure(budget, **kw))
     model = configure(budget, **kw)
     plan = [r for m in layerwise.contract.managers_of(model) for r in m.stats()["tier_plan"]]
     assert any(r.startswith("spill, encoded, share") for r in plan), plan
     # forwards, interrupted at a fetch
     for _ in range(4):
-        undo = interrupt_at(transfer.Transfer, "copy", rng.randint(1, 10))
-        try:
-            check_bf16(model, reference, rank, steps=2)
-            raise AssertionError("the interrupt did not arrive")
-        except KeyboardInterrupt:
-            pass
-        finally:
-            undo()
-        dist.barrier()
+        interrupted(transfer.Transfer, "copy", rng.randint(1, 10), lambda: check_bf16(model, reference, rank, steps=2))
         check_bf16(model, reference, rank, steps=1)  # in lockstep again: exact
     # remove, interrupted while it reads the layers back: the model still streams exactly
-    undo = interrupt_at(packing, "materialize", rng.randint(1, 4))
-    try:
-        layerwise.remove_layerwise_offload(model)
-        raise AssertionError("the interrupt did not arrive")
-    except KeyboardInterrupt:
-        pass
-    finally:
-        undo()
-    dist.barrier()
+    interrupted(packing, "materialize", rng.randint(1, 4), lambda: layerwise.remove_layerwise_offload(model))
     check_bf16(model, reference, rank, steps=1)
     layerwise.remove_layerwise_offload(model)
     for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
