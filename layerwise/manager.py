@@ -362,8 +362,9 @@ class LayerwiseOffloadManager:
             if want <= 0:
                 break
             mgr, pos = mgr.next_manager, 0
-        with self._queueing():  # reads queued and not recorded yet: an interrupt makes the next hook resync
-            self._chain.read_ahead(i)
+        if self._chain.disk is not None:
+            with self._queueing():  # reads queued and not recorded yet: an interrupt makes the next hook resync
+                self._chain.read_ahead(i)
 
     @contextlib.contextmanager
     def _queueing(self, mark: bool = True):
@@ -380,8 +381,8 @@ class LayerwiseOffloadManager:
         if load:
             self._load(i, prefetch=False)
         ev = self.ring.fetched[i]
-        if ev is None:
-            return None
+        if ev is None or (not self._chain.pending.items and not stages.is_deferred(ev)):
+            return ev  # (nothing deferred: the hot path stays free of the context manager)
         try:
             with self._queueing():
                 self._chain.settle()  # collectives queued before this layer's, in order
@@ -429,8 +430,9 @@ class LayerwiseOffloadManager:
             self._resync()
         if i == 0 and not self.meter.root_driven:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
-        with self._queueing():
-            self._chain.pump()
+        if self._chain.disk is not None or self._chain.pending.items:
+            with self._queueing():
+                self._chain.pump()
         s = self.ring.slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
@@ -457,7 +459,7 @@ class LayerwiseOffloadManager:
             return  # this thread's pre-hook never ran (an earlier hook raised)
         replaced = None
         try:
-            if self._finalized and not self._dirty:  # (dirty: what is queued is stale; the next hook resyncs)
+            if self._finalized and not self._dirty and self._chain.pending.items:  # (dirty: stale; the next hook resyncs)
                 with self._queueing():  # collectives for the layers prefetched: after this layer's forward
                     self._chain.settle()
             if self.ring.slot_of[i] >= 0:
