@@ -642,9 +642,118 @@ def scenario_sigint(rank, world, tmp):
     assert not os.listdir(spill), os.listdir(spill)
 
 
+def scenario_write_fails(rank, world, tmp):
+    """Found by attacking the chains (tests/test_chain_attack.py): disk + split, and the
+    spill-file write of a load_state_dict fails on one rank only (its disk is full). The
+    others must hear of it (as they do of a local copy that fails, scenario_gather_error):
+    every rank raises, no rank keeps a share the others do not have, and the group stays
+    usable: state_dict, forwards and remove in lockstep are exact afterwards."""
+    import errno
+
+    from layerwise.stages import disk
+
+    os.environ["LAYERWISE_COLLECTIVE_TIMEOUT_S"] = "10"  # (read at configure: a rank left waiting fails sooner)
+    reference, other = weight_like(), weight_like(seed=5)
+    spill = os.path.join(tmp, f"spill-{rank}")
+    os.makedirs(spill, exist_ok=True)
+    kw = dict(device="cpu", prefetch_depth=1, disk_prefetch_depth=1)
+
+    def configure(budget, **more):
+        model = weight_like()
+        layerwise.configure_layerwise_offload(model, "blocks", host_budget=budget, spill_dir=spill, **kw, **more)
+        return model
+
+    model = configure(smallest_budget(configure), split_fetch=dist.group.WORLD)
+    plan = layerwise.contract.managers_of(model)[0].stats()["tier_plan"]
+    assert any(r.startswith("spill, share") for r in plan), plan
+    check_bf16(model, reference, rank, steps=1)
+    real = disk.DiskSource.write
+
+    def full(self, block):
+        raise OSError(errno.ENOSPC, "injected: No space left on device")
+
+    if rank == 0:
+        disk.DiskSource.write = full
+    try:
+        model.load_state_dict(other.state_dict())
+    except (OSError, gather.SplitError):
+        pass
+    else:
+        raise AssertionError(f"rank {rank}: the load_state_dict that failed on rank 0 raised nothing here")
+    finally:
+        disk.DiskSource.write = real
+    dist.barrier()
+    sd = model.state_dict()  # collective: every rank's share of every layer
+    for k, v in sd.items():  # each weight old or new (load_state_dict stops at the failure, as torch's does)
+        assert torch.equal(v, reference.state_dict()[k]) or torch.equal(v, other.state_dict()[k]), (rank, k)
+    mixed = weight_like()
+    mixed.load_state_dict(sd)
+    check_bf16(model, mixed, rank, steps=1)
+    model.load_state_dict(other.state_dict())  # the retry, disk space back
+    check_bf16(model, other, rank, steps=1)
+    layerwise.remove_layerwise_offload(model)
+    same_weights(model, other)
+    assert not os.listdir(spill), os.listdir(spill)
+
+
+def scenario_read_fails(rank, world, tmp):
+    """Found by attacking the chains (tests/test_chain_attack.py): disk + split (and
+    compress), and rank 0's spill file is modified under it. Its read fails (ReadError,
+    CRC-32 differs); that must reach the other ranks as a local failure (LOCAL_FAILED, as
+    a failed local copy does: scenario_gather_error), not leave them waiting for the
+    timeout, which broke the group for good (no forward, state_dict or remove worked
+    on any rank again). Restored, the file streams exactly again on every rank."""
+    os.environ["LAYERWISE_COLLECTIVE_TIMEOUT_S"] = "20"  # (read at configure)
+    reference = weight_like()
+    for combo in ("spill", "spill+compress"):
+        spill = os.path.join(tmp, f"spill-{rank}-{combo}")
+        os.makedirs(spill, exist_ok=True)
+        kw = dict(device="cpu", prefetch_depth=1, disk_prefetch_depth=1,
+                  compress="lossless" if "compress" in combo else None)
+
+        def configure(budget, **more):
+            model = weight_like()
+            layerwise.configure_layerwise_offload(model, "blocks", host_budget=budget, spill_dir=spill, **kw, **more)
+            return model
+
+        model = configure(smallest_budget(configure), split_fetch=dist.group.WORLD)
+        m = layerwise.contract.managers_of(model)[0]
+        plan = m.stats()["tier_plan"]
+        assert any(r.startswith("spill, encoded, share" if "compress" in combo else "spill, share") for r in plan), plan
+        check_bf16(model, reference, rank, steps=1)
+        (path,) = [os.path.join(spill, f) for f in os.listdir(spill)]
+        original = open(path, "rb").read()
+        if rank == 0:  # the same size, other bytes in the region of a layer read from disk
+            disk_src = [h for src in m._src for h in src.holders() if h.kind == "disk"]
+            with open(path, "r+b") as f:
+                f.seek(disk_src[-1].spill_offset + 64)
+                f.write(bytes(256))
+        dist.barrier()
+        raised = 0
+        for _ in range(3):  # (the first forward may use a read queued before the change)
+            try:
+                check_bf16(model, reference, rank, steps=1)
+            except gather.SplitError as e:
+                raised += 1  # told at once: rank 0's error, not the timeout's (which names no rank)
+                assert "rank 0 wanted to say that its local copy failed" in str(e), (rank, str(e))
+            dist.barrier()
+        assert raised >= 2, (rank, combo, raised)
+        if rank == 0:
+            with open(path, "r+b") as f:
+                f.write(original)
+        dist.barrier()
+        check_bf16(model, reference, rank, steps=2)
+        sd = model.state_dict()
+        for k, v in reference.state_dict().items():
+            assert torch.equal(sd[k], v), (rank, combo, k)
+        layerwise.remove_layerwise_offload(model)
+        same_weights(model, reference)
+        assert not os.listdir(spill), os.listdir(spill)
+
+
 SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,
-             "gather_error": scenario_gather_error, "tiers": scenario_tiers,
-             "sigint": scenario_sigint}
+             "gather_error": scenario_gather_error, "tiers": scenario_tiers, "write_fails": scenario_write_fails,
+             "read_fails": scenario_read_fails, "sigint": scenario_sigint}
 
 
 def main(rank, world, port, tmp, scenario=None):
@@ -655,7 +764,8 @@ def main(rank, world, port, tmp, scenario=None):
     t0 = time.perf_counter()
     if scenario is not None:
         fn = SCENARIOS[scenario]
-        fn(rank, world, tmp) if fn in (scenario_seeds, scenario_tiers, scenario_sigint) else fn(rank, world)
+        with_tmp = (scenario_seeds, scenario_tiers, scenario_sigint, scenario_write_fails, scenario_read_fails)
+        fn(rank, world, tmp) if fn in with_tmp else fn(rank, world)
         print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
         os._exit(0)
     scenario_equal(rank, world, depth=1, resident=0)

@@ -18,7 +18,9 @@ model about once, plus one scratch layer while packing.
 Fetch of an encoded layer (``CodecSource.fetch``), one of ``STAGING_BUFFERS``
 device staging buffers in turn:
 
-    copy    host block -> staging k, after the last decode out of staging k
+    copy    host block -> staging k, after the last decode out of staging k (where
+            that fetch failed or was forgotten: after nothing of it is in flight;
+            its error is its own layer's)
     decode  staging k -> the layer's slot, after the copy and after `after`
             (the slot is free); the returned event completes with the decode
 
@@ -48,7 +50,7 @@ import torch
 from .. import _native
 from .. import codec as _codec
 from ..plan import BLOCK_ALIGN
-from .result import is_deferred, then
+from .result import Recovered, is_deferred, then
 
 log = logging.getLogger("layerwise")
 
@@ -252,6 +254,7 @@ class CodecTier:
         n = STAGING_BUFFERS  # (empty where no layer is encoded: a write may make one so, fetch grows them)
         self._staging = [torch.empty(_round16(biggest), dtype=torch.uint8, device=self.device) for _ in range(n)]
         self._last = [compute_ready] * n
+        self._fresh = [compute_ready] * n  # what a copy into staging k waits on when nothing of it is in flight
         self._stream = None
         if engine.is_cuda:
             self._stream = torch.cuda.ExternalStream(engine.stream_handle(0), device=self.device)
@@ -261,7 +264,7 @@ class CodecTier:
         """After an interrupt (the chain dropped what was queued and not issued): a
         staging buffer whose last use was never issued is free again (what was
         issued is waited for by the engine's synchronize that follows)."""
-        self._last = [None if is_deferred(r) and r.ev is None else r for r in self._last]
+        self._last = [self._fresh[k] if is_deferred(r) and r.ev is None else r for k, r in enumerate(self._last)]
 
     def _staging_for(self, k: int, need: int, prev):
         """Staging k, at least `need` bytes, and what a copy into it waits for. A write
@@ -277,7 +280,19 @@ class CodecTier:
         ready = None
         if self.engine.is_cuda:
             ready = self.engine.record(_native.current_stream_handle(self.device), False)
+        self._fresh[k] = ready
         return self._staging[k], ready
+
+    def _after_failed(self, k: int):
+        """What a copy into staging k waits on where its last user failed (a read that
+        failed, a fetch an interrupt made the manager forget): that fetch's error is its
+        own layer's (raised where that layer is needed), not the next one's. Whatever it
+        queued is waited for (rare: only after a failure)."""
+        try:
+            self.engine.synchronize()
+        except Exception:  # noqa: BLE001 - a failed copy: finished too
+            pass
+        return self._fresh[k]
 
     def fetch(self, src: CodecSource, i: int, dst: torch.Tensor, after, timing: bool):
         """copy (the inner source's fetch) payload -> staging k, after the last decode
@@ -297,7 +312,10 @@ class CodecTier:
             return then(copied, lambda copy_ev: self._decode(staging, dst, pieces, spans, copy_ev, after, timing),
                         self.pending)
 
-        res = self._last[k] = then(self._last[k], issue, self.pending)
+        last = self._last[k]
+        if is_deferred(last):  # its failure is its own layer's, not this one's
+            last = Recovered(last, lambda err: self._after_failed(k))
+        res = self._last[k] = then(last, issue, self.pending)
         return res
 
     def _decode(self, staging, dst, pieces, spans, copy_ev, after, timing):

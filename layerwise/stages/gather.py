@@ -44,7 +44,11 @@ sees buffers of different sizes (it aborts the process then) - and raise
 ``SplitError`` on every rank naming what each wanted. On CPU the collectives
 queued behind a failed one fail too, without being issued, until the failure
 has reached the user (``surfaced``); every manager of the group then reloads its
-slots, so the next calls made in lockstep pair up again and are exact. Cost:
+slots, so the next calls made in lockstep pair up again and are exact. A local
+part that fails on one rank (its copy, or a read of a changed file, when queued
+or when deferred) still goes to its gather, in order, which tells the others
+(``LOCAL_FAILED``: they raise at once) instead of leaving them waiting for the
+timeout (which would leave the group unusable). Cost:
 one small all-gather per collective; on CPU a second thread waits for each
 gather, so the next check overlaps the transfer (BENCHMARKS.md). On CUDA the
 check runs on the host, from the hook, before the local copy and the NCCL
@@ -100,7 +104,7 @@ import torch
 
 from .. import _native
 from ..plan import BLOCK_ALIGN, round_up
-from .result import then
+from .result import Recovered, detached, is_deferred, then
 from .source import ArenaSource
 
 SHARE_ALIGN = 512  # bytes: every rank's part of a slot starts 512-byte aligned (vectorised copies, NCCL)
@@ -732,6 +736,28 @@ class ShareStore:
             self.group.release()
 
 
+class _LocalFailed:
+    """This rank's part of a layer that never reached its slot (its read failed, say):
+    what the gather gets instead of the copy's event. The gather then tells the other
+    ranks (LOCAL_FAILED: they raise at once) instead of leaving them waiting in the
+    lockstep check until the timeout, which would break the group for good."""
+
+    __slots__ = ("error",)
+    copy_ms = -1.0
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def resolve(self):
+        return self
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        raise detached(self.error)
+
+
 class ShareSource:
     """A split layer's source (stages/source.py): this rank's share, kept by the
     source it wraps (`inner`: a host block, encoded or not, or a file); the full
@@ -800,7 +826,16 @@ class ShareSource:
                     pass
         group = self.group
         tag = (GATHER, st.id, i, self.nbytes, self._gen)
-        copied = self.inner.fetch(i, part[:n], after, timing) if n else after
+        copied = after
+        if n:
+            # A local part that fails (a read of a changed file, now or when deferred) is handed to the
+            # gather, which tells the other ranks in order instead of leaving them waiting for the timeout.
+            try:
+                copied = self.inner.fetch(i, part[:n], after, timing)
+            except Exception as err:  # noqa: BLE001 - raised where the layer is needed (fetch_failed)
+                copied = _LocalFailed(err)
+            if is_deferred(copied):  # (a read, the decode after it): its failure too
+                copied = Recovered(copied, _LocalFailed)
         st.local_bytes += self.transfer_bytes
         st.gathered_bytes += self.nbytes - n
         st.gathers += 1
@@ -814,6 +849,8 @@ class ShareSource:
     def _gather(self, engine, i, full, part, copied, tag, timing):
         st, group = self.store, self.group
         if engine.is_cuda:  # the lockstep check first, on the host: nothing is issued if it fails
+            if isinstance(copied, _LocalFailed):
+                self._local_failed(i, copied.error)
             group.agree(*tag)
             return self._gather_cuda(engine, full, part, copied, timing)
         done = _native._C.host_event()

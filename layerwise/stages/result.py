@@ -20,12 +20,18 @@ runs ``fn`` when resolved. A Deferred is registered with its group's
 ``Pending`` queue, which issues the ones whose inputs are ready (``pump``, from
 the hooks, never blocking) and the collective ones in the order they were made
 (``settle``, from the hooks at points every rank reaches alike).
+
+A Deferred that failed raises its error where its own layer is needed. Where a
+stage only waits on it without taking its bytes (the next copy into a codec
+staging buffer; a gather, which must still tell the other ranks), ``Recovered``
+turns that failure into what the next stage gets instead, so that one layer's
+failure is not every later layer's.
 """
 from __future__ import annotations
 
 import copy
 
-__all__ = ["Deferred", "Pending", "detached", "is_deferred", "then"]
+__all__ = ["Deferred", "Pending", "Recovered", "detached", "is_deferred", "then"]
 
 
 def is_deferred(result) -> bool:
@@ -103,6 +109,26 @@ class Deferred:
     @property
     def copy_ms(self) -> float:
         return self.ev.copy_ms if self.done and self.ev is not None else -1.0
+
+
+class Recovered:
+    """A Deferred `prev` as the input of the next stage, where its failure is not the
+    next stage's: resolves to `prev`'s event, or to `on_error(err)` where it failed
+    (what the next stage waits on instead). An interrupt is raised as it is."""
+
+    __slots__ = ("prev", "on_error")
+
+    def __init__(self, prev, on_error):
+        self.prev, self.on_error = prev, on_error
+
+    def ready(self) -> bool:
+        return self.prev.ready()
+
+    def resolve(self):
+        try:
+            return self.prev.resolve()
+        except Exception as err:  # noqa: BLE001 - its own layer raises it; the next stage gets on_error's
+            return self.on_error(err)
 
 
 def then(prev, fn, pending: Pending | None = None, collective: bool = False):
