@@ -97,7 +97,7 @@ class ModelLock:
         self._rl = threading.RLock()
         self._swap = threading.Lock()  # one take-over at a time
         self._owner = None
-        self._holds: list = []  # the owner's holds: (module-call frame id or None, the RLock it holds)
+        self._holds: list = []  # the owner's holds: (module-call frame or None, the RLock it holds)
         self._reset_pending = False
         self.on_take_over = None
         self.taken_over = 0
@@ -108,9 +108,9 @@ class ModelLock:
             return unknown_since is not None and time.monotonic() - unknown_since > self._UNKNOWN_S
         if any(f is None for f, _ in holds):
             return False
-        return not _on_stack(owner, {f for f, _ in holds})
+        return not _on_stack(owner, {id(f) for f, _ in holds})
 
-    def acquire(self, frame: int | None = None) -> bool:
+    def acquire(self, frame=None) -> bool:
         me = threading.get_ident()
         unknown_since = None
         while True:
@@ -121,6 +121,8 @@ class ModelLock:
                     continue
                 if self._owner != me:
                     self._owner, self._holds = me, []
+                elif any(f is not None for f, _ in self._holds):
+                    self._drop_abandoned(me)
                 self._holds.append((frame, rl))
                 if self._reset_pending:
                     self._reset_pending = False
@@ -135,6 +137,20 @@ class ModelLock:
                         self._rl = threading.RLock()
                         self._owner, self._holds, self._reset_pending = None, [], True
                         self.taken_over += 1
+
+    def _drop_abandoned(self, me) -> None:
+        """This thread holds the lock again: its holds from module calls that are no
+        longer on its stack (a block called alone that a KeyboardInterrupt left) are
+        dropped, and what they left marked computing is forgotten (on_take_over)."""
+        live = {id(f) for f in _stack_frames(me)}
+        keep = [(f, rl) for f, rl in self._holds if f is None or id(f) in live]
+        if len(keep) == len(self._holds):
+            return
+        for f, rl in self._holds:
+            if f is not None and id(f) not in live:
+                rl.release()
+        self._holds = keep
+        self._reset_pending = True
 
     def release(self) -> None:
         """Release this thread's last hold (nothing, where it holds none on record)."""
@@ -179,25 +195,28 @@ class ModelLock:
         """(The waiters poll.)"""
 
 
+def _stack_frames(ident):
+    frame = sys._getframe() if ident == threading.get_ident() else sys._current_frames().get(ident)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
 def _on_stack(ident, frame_ids: set) -> bool:
     """Whether thread `ident` is alive and one of `frame_ids` is on its stack."""
-    frame = sys._current_frames().get(ident)
-    while frame is not None:
-        if id(frame) in frame_ids:
-            return True
-        frame = frame.f_back
-    return False
+    return any(id(f) in frame_ids for f in _stack_frames(ident))
 
 
-def module_call_frame() -> int | None:
-    """The id of the frame of torch's module call that runs the calling hook (None
-    where there is none: such a hold is never taken over)."""
+def module_call_frame():
+    """The frame of torch's module call that runs the calling hook (None where there
+    is none: such a hold is never taken over). The frame object itself, held with
+    the hold: an id alone could be reused by the next call at the same depth."""
     frame = sys._getframe(2)
     for _ in range(8):
         if frame is None:
             return None
         if frame.f_code is _CALL_IMPL:
-            return id(frame)
+            return frame
         frame = frame.f_back
     return None
 
@@ -432,7 +451,7 @@ def removing(model: nn.Module):
                     # whose thread died are over.
                     for t, frame in list(forwards["threads"].items()):
                         if t != me and (frame is None and not _threads_alive([t], me)
-                                        or frame is not None and not _on_stack(t, {frame})):
+                                        or frame is not None and not _on_stack(t, {id(frame)})):
                             del forwards["threads"][t]
                     if not any(t != me for t in forwards["threads"]):
                         break
@@ -761,6 +780,10 @@ def _load_pre_hook(manager, owned):
                     raise
                 except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
                     error_msgs.append(f"While copying the parameter named {key!r}: {err}")
+                    # Not left in the state dict: torch would copy the refused value into the ring
+                    # slot view (read as an in-place write at the next forward). The layer keeps its bytes.
+                    del state_dict[key]
+                    manager.guard.loaded_keys.add(key)
                     continue
                 # Taken: torch does not copy it into the slot (that would only bump the slot's
                 # version counter, which says "written in place"), and the post-hook takes

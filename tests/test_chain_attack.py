@@ -109,11 +109,6 @@ def test_an_encoded_spill_file_modified_then_restored_streams_exactly_again(disk
 
 
 # ---------------------------------------------- a load_state_dict whose write fails
-@pytest.mark.xfail(strict=True, reason=(
-    "contract.py:755-757 (_load_pre_hook): a RuntimeError from manager._write_layer is put in error_msgs and "
-    "the key left in the state dict, so torch's own _load_from_state_dict then copies the value into the "
-    "parameter, a ring-slot view: the next forward finds the slot written in place and raises. The key must "
-    "be taken off the state dict (and off the missing keys) there too"))
 def test_a_write_that_fails_in_load_state_dict_leaves_the_next_forward_working(disk_dir, monkeypatch):
     """A host allocation failure while load_state_dict re-encodes a layer (the codec's
     encode runs out of memory): load_state_dict reports it, as torch does for a copy
@@ -165,15 +160,6 @@ def test_a_spill_write_that_fails_on_one_split_rank_leaves_every_rank_usable(tmp
 
 
 # ---------------------------------------------- Ctrl-C inside a block called alone
-@pytest.mark.xfail(strict=True, reason=(
-    "contract.py:112-116 (ModelLock.acquire): an interrupt skips the post-hook (torch runs always_call hooks "
-    "on Exception only), leaving the layer marked computing and its hold of the model lock on record. Another "
-    "thread takes a stale hold over (on_take_over forgets the layers) and the model's own forward resets them "
-    "(_root_pre_hook), but a block called alone on the same thread re-enters the RLock as its owner: the "
-    "abandoned hold (its frame off the stack) is never dropped, so _busy stays set. acquire() should drop this "
-    "thread's holds whose frames are off its stack (releasing their RLock levels) and then run on_take_over; "
-    "the holds must keep the frame objects (contract.py:182 module_call_frame returns id(frame), and the next "
-    "call at the same depth reuses a dead frame's id, so the stale hold looks live)"))
 @pytest.mark.parametrize("tiers", ["plain", "disk+compress"])
 def test_ctrl_c_inside_a_block_called_alone_leaves_the_other_blocks_callable(disk_dir, tiers):
     """A real SIGINT while a block called on its own computes (a notebook user's Ctrl-C):
