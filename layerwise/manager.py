@@ -103,7 +103,7 @@ class LayerwiseOffloadManager:
         self._grad_hooks: list = []
         self._hooks = []
         self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/ring.py), once finalised
-        self.meter = Meter(self.options.measure_stalls, self._disk_counts)  # the group's figures (layerwise/meter.py)
+        self.meter = Meter(self.options.measure_stalls, self._stage_counts)  # the group's figures (layerwise/meter.py)
         if initialize:
             self.initialize()
 
@@ -362,7 +362,7 @@ class LayerwiseOffloadManager:
             if want <= 0:
                 break
             mgr, pos = mgr.next_manager, 0
-        if self._chain.disk is not None:
+        if self._chain.reads_ahead:
             with self._queueing():  # reads queued and not recorded yet: an interrupt makes the next hook resync
                 self._chain.read_ahead(i)
 
@@ -430,7 +430,7 @@ class LayerwiseOffloadManager:
             self._resync()
         if i == 0 and not self.meter.root_driven:
             self._new_step()  # blocks called without the model's forward: a step per layer 0
-        if self._chain.disk is not None or self._chain.pending.items:
+        if self._chain.reads_ahead or self._chain.pending.items:
             with self._queueing():
                 self._chain.pump()
         s = self.ring.slot_of[i]
@@ -483,7 +483,7 @@ class LayerwiseOffloadManager:
             contract.check_handed_out(self)
         self.meter.new_step()
 
-    def _disk_counts(self) -> tuple:
+    def _stage_counts(self) -> tuple:
         chain = getattr(self, "_chain", None)
         return chain.counts() if chain is not None else (0, 0.0)
 

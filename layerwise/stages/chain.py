@@ -110,6 +110,11 @@ class Chain:
             k = bisect.bisect_right(order, i)
             self._upcoming.append([srcs[(k + j) % len(srcs)] for j in range(n)])
 
+    @property
+    def reads_ahead(self) -> bool:
+        """A stage works from the hooks even with nothing queued (the disk stage's reads)."""
+        return self.disk is not None
+
     def pump(self) -> None:
         """Issue the work whose inputs are ready (copies of finished reads, the
         decodes after them), never blocking."""
