@@ -453,3 +453,24 @@ def test_manager_alone_streams_compressed():
         assert torch.equal(out, r)
     assert m.stats()["compress"]["layers"] == 8
     layerwise.remove_layerwise_offload(model)
+
+
+def test_a_payload_block_that_changes_size_keeps_its_version_growing():
+    """ArenaSource.version() (what the slot record compares) grows at every write, in
+    place or into a block of another size: it was the block's own counter plus a count
+    of replacements, so a replacement after two in-place writes went back to a version
+    seen before, and a slot holding the older bytes would have counted as current."""
+    from layerwise import _native
+    from layerwise.stages.source import ArenaSource
+
+    def alloc(n):
+        arena = _native.HostArena(max(n, 1), pinned=False)
+        return arena.allocate(max(n, 1), alignment=4096)[:n], arena
+
+    src = ArenaSource(*alloc(64), alloc=alloc)
+    seen = [src.version()]
+    for n in (64, 64, 64, 48, 48, 80, 80, 80, 80, 32):
+        src.write(torch.full((n,), len(seen), dtype=torch.uint8))
+        assert src.version() > max(seen), (n, src.version(), seen)
+        seen.append(src.version())
+        assert torch.equal(src.read(), torch.full((n,), len(seen) - 1, dtype=torch.uint8))

@@ -91,10 +91,11 @@ class ArenaSource:
             if self.alloc is None:
                 raise ValueError(f"layerwise: internal: a {block.numel()}-byte write into a "
                                  f"{self.block.numel()}-byte block")
+            was = self.version()
             new, arena = self.alloc(block.numel())
             new.copy_(block)
-            self._version += 1
-            self._set(new, arena)  # one assignment each: a copy still reading the old block keeps it alive
+            self._set(new, arena)  # a copy still reading the old block keeps it alive
+            self._version = was + 1 - new._version  # versions only grow (the new block's counter starts over)
         elif block.data_ptr() != self.block.data_ptr():
             self.block.copy_(block)
 
