@@ -446,6 +446,15 @@ def test_refused_o_direct_falls_back(disk_dir, monkeypatch):
 
 
 # ------------------------------------------------------------ memory is bounded
+# The warm-up of the memory scripts: the same code paths once on a small model, so that
+# one-time costs are not counted as the load's (torch.compiler.disable, the hooks, imports
+# torch._dynamo: about 76 MiB of anonymous memory once per process whatever the model; the
+# kernels' code pages). Formatted into the scripts with their width.
+WARM_UP = ("torch.manual_seed(0); small = Net(width={width}, depth=2).to(torch.bfloat16); "
+           "layerwise.configure_layerwise_offload(small, 'blocks', device='cpu'); "
+           "small(torch.randn(8, {width}).to(torch.bfloat16)); layerwise.remove_layerwise_offload(small); del small")
+
+
 RSS_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {here!r})
@@ -462,15 +471,7 @@ RSS_SCRIPT = textwrap.dedent("""
         model = Net(width={width}, depth={depth}).to(torch.bfloat16)
     x = torch.load({x!r})
     want = torch.load({want!r})
-    # Warm up: the same kernels and the same layerwise code paths on a small model, so
-    # that code pages and one-time imports (torch.compiler.disable imports dynamo,
-    # ~160 MB) are not counted as the load's.
-    torch.manual_seed(0)
-    small = Net(width={width}, depth=2).to(torch.bfloat16)
-    layerwise.configure_layerwise_offload(small, "blocks", device="cpu")
-    small(torch.randn(8, {width}).to(torch.bfloat16))
-    layerwise.remove_layerwise_offload(small)
-    del small
+    {warm_up}
     before = hwm()
     (m,) = layerwise.load_offloaded(model, {ckpt!r}, "blocks", device="cpu", host_budget={budget})
     out = [model(x) for _ in range(3)]
@@ -480,8 +481,11 @@ RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_model_four_times_the_budget_streams_within_it(disk_dir):
-    width, depth = 1024, 48  # 48 layers of 2 MiB (bf16): 96 MiB of layers
+def run_memory_script(script, disk_dir, width, depth, **fields):
+    """A model of `depth` layers saved as a checkpoint, its reference output, and
+    `script` run in a fresh process with a host budget of a quarter of the model:
+    (its JSON result, checked equal and with at least half the layers on disk,
+    the budget, the model's bytes)."""
     ref = make(width=width, depth=depth)
     ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
     x = torch.randn(8, width).to(torch.bfloat16)
@@ -489,13 +493,20 @@ def test_a_model_four_times_the_budget_streams_within_it(disk_dir):
     torch.save(ref(x), os.path.join(disk_dir, "want.pt"))
     model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     budget = model_bytes // 4
-    script = RSS_SCRIPT.format(here=HERE, width=width, depth=depth, ckpt=ckpt, budget=budget,
-                               x=os.path.join(disk_dir, "x.pt"), want=os.path.join(disk_dir, "want.pt"))
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    text = script.format(here=HERE, warm_up=WARM_UP.format(width=width), width=width, depth=depth, ckpt=ckpt,
+                         budget=budget, x=os.path.join(disk_dir, "x.pt"), want=os.path.join(disk_dir, "want.pt"),
+                         **fields)
+    out = subprocess.run([sys.executable, "-c", text], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["equal"]
     assert r["disk_layers"] >= depth // 2
+    return r, budget, model_bytes
+
+
+def test_a_model_four_times_the_budget_streams_within_it(disk_dir):
+    width, depth = 1024, 48  # 48 layers of 2 MiB (bf16): 96 MiB of layers
+    r, budget, model_bytes = run_memory_script(RSS_SCRIPT, disk_dir, width, depth)
     assert r["growth"] <= budget + r["staging"] + 0.05 * model_bytes, (r, budget, model_bytes)
 
 
@@ -519,16 +530,7 @@ BUDGET_SCRIPT = textwrap.dedent("""
 
     x = torch.load({x!r})
     want = torch.load({want!r})
-    # Warm up: the same code paths once on a small model, so that one-time costs are
-    # not counted as the load's: torch.compiler.disable (the hooks) imports torch._dynamo,
-    # about 76 MiB of anonymous memory once per process whatever the model; the kernels'
-    # code pages.
-    torch.manual_seed(0)
-    small = Net(width={width}, depth=2).to(torch.bfloat16)
-    layerwise.configure_layerwise_offload(small, "blocks", device="cpu")
-    small(torch.randn(8, {width}).to(torch.bfloat16))
-    layerwise.remove_layerwise_offload(small)
-    del small
+    {warm_up}
     with torch.device("meta"):
         model = Net(width={width}, depth={depth}).to(torch.bfloat16)
     fd = os.open(ckpt, os.O_RDONLY)  # the test wrote it: not the load's page cache
@@ -552,24 +554,11 @@ def test_host_budget_is_kept_as_memory_in_a_fresh_process(disk_dir, spill):
     (a cgroup charges both), measured in a fresh process. On 3e2da62 the load read
     the checkpoint through the page cache and left all of it there: 4x the budget."""
     width, depth = 1024, 64  # 64 layers of 2 MiB (bf16): 128 MiB of layers
-    ref = make(width=width, depth=depth)
-    ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
-    x = torch.randn(8, width).to(torch.bfloat16)
-    torch.save(x, os.path.join(disk_dir, "x.pt"))
-    torch.save(ref(x), os.path.join(disk_dir, "want.pt"))
-    model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
-    budget = model_bytes // 4
     spill_dir = ""
     if spill:
         spill_dir = os.path.join(disk_dir, "spill")
         os.mkdir(spill_dir)
-    script = BUDGET_SCRIPT.format(here=HERE, width=width, depth=depth, ckpt=ckpt, budget=budget, spill_dir=spill_dir,
-                                  x=os.path.join(disk_dir, "x.pt"), want=os.path.join(disk_dir, "want.pt"))
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["equal"]
-    assert r["disk_layers"] >= depth // 2
+    r, budget, model_bytes = run_memory_script(BUDGET_SCRIPT, disk_dir, width, depth, spill_dir=spill_dir)
     # The allowance: what the planner does not count and no budget can hold back, the
     # Python objects of a 64-layer offloaded model (plans, hooks, events) and a CPU
     # forward's activations and workspace; measured at about 1 MiB here.
