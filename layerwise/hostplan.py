@@ -23,12 +23,9 @@ from __future__ import annotations
 import functools
 
 import logging
-import math
-import numbers
-import operator
 
 from .budget import fmt_bytes, non_layer_bytes
-from .plan import BLOCK_ALIGN, round_up
+from .plan import round_up
 
 log = logging.getLogger("layerwise")
 
@@ -36,42 +33,20 @@ PAGE = 4096
 
 
 def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
-    """(bytes, how it was found) for a host_budget argument (a number or "auto")."""
-    if isinstance(host_budget, str):
-        if host_budget != "auto":
-            raise ValueError(f"host_budget must be a number of bytes, 'auto' or None, got {host_budget!r}")
+    """(bytes, how it was found) for a host_budget OffloadOptions has validated: a
+    number of bytes, or "auto" (the tightest of the host's and the cgroup's limits)."""
+    if host_budget == "auto":
         from .hostmem import host_limits
 
         limits = host_limits(held_bytes, lock=False)
         tight = min(limits, key=lambda lim: lim.budget)
         return tight.budget, f"auto: {tight.describe()}"
-    n = _number(host_budget)
-    if n is None or not math.isfinite(n) or n < 0:
-        raise ValueError(f"host_budget must be a number of bytes >= 0 (finite), 'auto' or None, got {host_budget!r}")
-    return int(n), "given"
-
-
-def _number(x):
-    """x as a Python int or float: ints, floats, numpy scalars and one-element
-    tensors are numbers; bools, strings and sequences are not."""
-    if isinstance(x, bool) or isinstance(x, (str, bytes)):
-        return None
-    if isinstance(x, numbers.Integral):
-        return int(x)
-    if isinstance(x, numbers.Real):
-        return float(x)
-    if hasattr(x, "numel") and hasattr(x, "item") and x.numel() == 1 and not x.dtype.is_complex:
-        v = x.item()
-        return None if isinstance(v, bool) else v
-    try:
-        return operator.index(x)
-    except TypeError:
-        return None
+    return int(host_budget), "given"
 
 
 def staging_slots(manager, disk_prefetch_depth) -> int:
-    if disk_prefetch_depth is not None:
-        return int(_number(disk_prefetch_depth))
+    if disk_prefetch_depth is not None:  # (an int: OffloadOptions)
+        return disk_prefetch_depth
     return max(2, manager.prefetch_depth + 1)
 
 

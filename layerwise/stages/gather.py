@@ -824,7 +824,6 @@ class ShareSource:
                     prev.synchronize()
                 except Exception:  # noqa: BLE001 - a failed gather: the layer that waited on it raised
                     pass
-        group = self.group
         tag = (GATHER, st.id, i, self.nbytes, self._gen)
         copied = after
         if n:
