@@ -20,7 +20,6 @@ Rules (see apply_device_budget):
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -173,7 +172,6 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
     need, plans = cost(steps[lo], depth)
     for m, resident in plans:
         m._set_residency(resident, depth)
-        m.options = dataclasses.replace(m.options, prefetch_depth=depth)
     plan = {
         "budget": budget, "needed": need, "non_layer_bytes": fixed, "prefetch_depth": depth,
         "ring_bytes": rings, "resident": {m.layer_name: len(r) for m, r in plans},

@@ -64,14 +64,8 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
     Returns the plan (plan_host_budget)."""
     from .stages.disk import spill_store
 
-    plan = plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes)
-    on_disk = sum(len(m.tiers.disk_layers) for m in managers)
-    if on_disk and spill_dir is None:
-        raise ValueError(
-            f"host_budget={host_budget!r} leaves {on_disk} layer(s) out of host memory, and an in-memory model "
-            "has no file to stream them from: pass spill_dir=<a directory on a local disk> (they are written "
-            "there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
-        )
+    plan = plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes,
+                            disk=spill_dir is not None)
     for m in managers:
         if m.tiers.disk_layers:
             m.tiers.keep_on_disk(m.tiers.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
@@ -79,7 +73,7 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
 
 
 def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
-                     why_not_disk=None, spill: bool = True, cache_bytes: int = 0) -> dict:
+                     why_not_disk=None, spill: bool = True, cache_bytes: int = 0, disk: bool = True) -> dict:
     """Choose each manager's disk layers (`m.tiers.keep_on_disk`) so that host memory
     fits the budget, each layer that stays in memory counted at the size its
     route gives it (layerwise.tierplan: encoded, this rank's share); returns the
@@ -89,7 +83,8 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     process may hold at once (counted with the packing scratch).
 
     `why_not_disk(manager, index) -> str | None`: a reason a layer cannot stay
-    on disk (then it must be in the arena)."""
+    on disk (then it must be in the arena). `disk=False` (an in-memory model
+    without spill_dir): every layer must fit, or a ValueError says what it needs."""
     from .tierplan import layer_host_bytes
 
     budget, how = resolve_host_budget(host_budget, held_bytes)
@@ -118,10 +113,22 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
                    for m, d in disk_sets.items() if d)
 
     every = sum(mem[m][i] for m in enabled for i in streamed[m])
+    figures = {"budget": budget, "how": how, "fixed_bytes": fixed, "every_bytes": every, "needed_bytes": fixed + every}
     if fixed + every <= budget:
         log.info("layerwise: host_budget %s (%s): every layer fits in host memory (%s of layers, %s else)",
                  fmt_bytes(budget), how, fmt_bytes(every), fmt_bytes(fixed))
-        return {"budget": budget, "disk_layers": 0, "disk_bytes": 0, "arena_bytes": every, "staging_bytes": 0}
+        return {**figures, "disk_layers": 0, "disk_bytes": 0, "arena_bytes": every, "staging_bytes": 0}
+    if not disk:
+        raise ValueError(
+            f"host_budget {fmt_bytes(budget)} ({how}) is too small to keep every layer in host memory, and an "
+            f"in-memory model has no file to stream the others from: host memory needs {fmt_bytes(fixed + every)} "
+            f"({fixed + every} bytes: {fmt_bytes(every)} of layers, each counted at the size its tiers keep it (its "
+            "encoded size under compress='lossless', this rank's share under split_fetch), and "
+            f"{fmt_bytes(fixed)} for the packing scratch" + (" and, on a CPU device, the non-layer weights, slot "
+                                                              "rings and resident layers" if on_host_device else "")
+            + "). Pass spill_dir=<a directory on a local disk> (the disk tier: the layers that do not fit are "
+            "written there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
+        )
 
     # Which groups take part in the disk tier: the largest first, as few as work (each one that
     # does costs its staging slots). Staging is counted as if every layer of those groups not
@@ -182,5 +189,5 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
         "layerwise: host_budget %s (%s): %s. Host arena %s, disk %s (read every step), staging %s, other host "
         "memory %s", fmt_bytes(budget), how, per_group, fmt_bytes(kept_bytes), fmt_bytes(disk_bytes),
         fmt_bytes(stage), fmt_bytes(fixed))
-    return {"budget": budget, "disk_layers": sum(len(d) for d in disk.values()), "disk_bytes": disk_bytes,
-            "arena_bytes": kept_bytes, "staging_bytes": stage, "fixed_bytes": fixed}
+    return {**figures, "disk_layers": sum(len(d) for d in disk.values()), "disk_bytes": disk_bytes,
+            "arena_bytes": kept_bytes, "staging_bytes": stage}

@@ -36,7 +36,7 @@ from torch import nn
 from . import contract
 from .budget import record_host_budget
 from .hostplan import plan_host_budget
-from .configure import _build, _prepare, attach_split_fetch
+from .configure import _build, _prepare, split_fetch_attached
 from .options import OffloadOptions, named_options
 from .empty import recompute_buffers, retype, tie_declared, warn_unlike_from_pretrained
 from .formats import safetensors as sft
@@ -215,98 +215,98 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                             options.residency_policy)
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
     entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
-    attach_split_fetch(managers, options.split_fetch, dev, values=_sampled_values(stored, entry_key))
-    if options.host_budget is not None:  # (after split fetch: the budget counts this rank's shares)
-        _plan_disk(model, managers, options, stored, entry_key)
-    share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes
-    total = sum(s.nbytes for s in stored.values())
-    bar = None
-    if total >= 1 << 30:
-        from tqdm.auto import tqdm
+    with split_fetch_attached(managers, options.split_fetch, dev, values=_sampled_values(stored, entry_key)):
+        if options.host_budget is not None:  # (after split fetch: the budget counts this rank's shares)
+            _plan_disk(model, managers, options, stored, entry_key)
+        share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes
+        total = sum(s.nbytes for s in stored.values())
+        bar = None
+        if total >= 1 << 30:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="layerwise: loading")
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="layerwise: loading")
 
-    # ---- change the model (undone on failure)
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        # ---- change the model (undone on failure)
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
 
-    def swap(pid, new: nn.Parameter):
-        for mod, attr in places[pid]:
-            swapped.append((mod, attr, mod._parameters[attr]))
-            mod._parameters[attr] = new
+        def swap(pid, new: nn.Parameter):
+            for mod, attr in places[pid]:
+                swapped.append((mod, attr, mod._parameters[attr]))
+                mod._parameters[attr] = new
 
-    buffers_before = [(mod, attr, mod._buffers[attr]) for mod, attr, _, _ in buffers]
+        buffers_before = [(mod, attr, mod._buffers[attr]) for mod, attr, _, _ in buffers]
 
-    replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
+        replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
 
-    def undo():
-        for p, old in reversed(replaced):
-            p.data = old
-        for mod, attr, old in reversed(swapped):
-            mod._parameters[attr] = old
-        for mod, attr, old in buffers_before:
-            mod._buffers[attr] = old
+        def undo():
+            for p, old in reversed(replaced):
+                p.data = old
+            for mod, attr, old in reversed(swapped):
+                mod._parameters[attr] = old
+            for mod, attr, old in buffers_before:
+                mod._buffers[attr] = old
+            for pid, e in managed.items():
+                e.param = params[pid]
+
+        # A meta parameter cannot take host data (set_data refuses): packed ones get
+        # a fresh Parameter object, in every module that shares it.
         for pid, e in managed.items():
-            e.param = params[pid]
+            if e.param.is_meta:
+                new = nn.Parameter(torch.empty((1,), dtype=e.dtype), requires_grad=e.param.requires_grad)
+                swap(pid, new)
+                e.param = new
 
-    # A meta parameter cannot take host data (set_data refuses): packed ones get
-    # a fresh Parameter object, in every module that shares it.
-    for pid, e in managed.items():
-        if e.param.is_meta:
-            new = nn.Parameter(torch.empty((1,), dtype=e.dtype), requires_grad=e.param.requires_grad)
-            swap(pid, new)
-            e.param = new
-
-    def fill(e, block):
-        s = stored[entry_key[id(e)]]
-        dst = e.view_in(block)
-        if id(e) in share_of and dst.is_contiguous():
-            _read_share(s, e, block, *share_of[id(e)])
-        elif dst.is_contiguous() and s.dtype == e.dtype:
-            sft.read_into(s, dst)
-        else:  # strided, or cast while reading: copy_ rounds exactly as .to(dtype) does
-            dst.copy_(sft.host_tensor(s).view(e.shape))
-        if bar is not None:
-            bar.update(s.nbytes)
-
-    def place_non_layer():
-        for pid, names in param_names.items():
-            if pid in managed:
-                continue
-            p = params[pid]
-            s = stored[source_key(names)]
-            t = sft.host_tensor(s, p.dtype).to(dev)
-            if p.is_meta:
-                swap(pid, nn.Parameter(t, requires_grad=p.requires_grad))
-            else:
-                replaced.append((p, p.data))  # given back if the load fails later
-                p.data = t
+        def fill(e, block):
+            s = stored[entry_key[id(e)]]
+            dst = e.view_in(block)
+            if id(e) in share_of and dst.is_contiguous():
+                _read_share(s, e, block, *share_of[id(e)])
+            elif dst.is_contiguous() and s.dtype == e.dtype:
+                sft.read_into(s, dst)
+            else:  # strided, or cast while reading: copy_ rounds exactly as .to(dtype) does
+                dst.copy_(sft.host_tensor(s).view(e.shape))
             if bar is not None:
                 bar.update(s.nbytes)
-        for mod, attr, full, persistent in buffers:
-            b = mod._buffers[attr]
-            if persistent and full in stored:
-                mod._buffers[attr] = sft.host_tensor(stored[full], want(b)).to(dev)
-            elif full in recomputed:
-                mod._buffers[attr] = recomputed[full][0].to(want(b)).to(dev)
-            elif want(b) != b.dtype:
-                mod._buffers[attr] = b.to(want(b))
 
-    fds = {path: os.open(path, os.O_RDONLY) for path in files}
-    evict = None if options.host_budget is None else PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers))
-    for st in stored.values():
-        st.fd = fds[st.path]
-        st.evict = evict
-    try:
-        return _build(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
-    finally:
+        def place_non_layer():
+            for pid, names in param_names.items():
+                if pid in managed:
+                    continue
+                p = params[pid]
+                s = stored[source_key(names)]
+                t = sft.host_tensor(s, p.dtype).to(dev)
+                if p.is_meta:
+                    swap(pid, nn.Parameter(t, requires_grad=p.requires_grad))
+                else:
+                    replaced.append((p, p.data))  # given back if the load fails later
+                    p.data = t
+                if bar is not None:
+                    bar.update(s.nbytes)
+            for mod, attr, full, persistent in buffers:
+                b = mod._buffers[attr]
+                if persistent and full in stored:
+                    mod._buffers[attr] = sft.host_tensor(stored[full], want(b)).to(dev)
+                elif full in recomputed:
+                    mod._buffers[attr] = recomputed[full][0].to(want(b)).to(dev)
+                elif want(b) != b.dtype:
+                    mod._buffers[attr] = b.to(want(b))
+
+        fds = {path: os.open(path, os.O_RDONLY) for path in files}
+        evict = None if options.host_budget is None else PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers))
+        for st in stored.values():
+            st.fd = fds[st.path]
+            st.evict = evict
         try:
-            if evict is not None:
-                evict.close()
+            return _build(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
         finally:
-            for fd in fds.values():
-                os.close(fd)
-        if bar is not None:
-            bar.close()
+            try:
+                if evict is not None:
+                    evict.close()
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            if bar is not None:
+                bar.close()
 
 
 def _streams_from_file(e, s: Stored) -> str | None:

@@ -21,6 +21,7 @@ when someone wrote to a slot (refused) or to a layer's true bytes (it reloads).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from . import _native, contract, gpu_checks, stages
-from .options import OffloadOptions, manager_options, named_options, resolve_resident, validate_depth
+from .options import OffloadOptions, manager_options, named_options, resolve_resident
 from .meter import Meter
 from .packing import HostLayers, bind_to_slot, materialize
 from .plan import GroupPlan, build_group_plan, device_bytes
@@ -112,7 +113,8 @@ class LayerwiseOffloadManager:
         if self._finalized:
             raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
         self.resident = sorted(resident)
-        self.prefetch_depth = validate_depth(prefetch_depth)
+        self.prefetch_depth = prefetch_depth  # (the device-budget planner's choice, from validated options)
+        self.options = dataclasses.replace(self.options, prefetch_depth=prefetch_depth)
 
     def _device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
         """Device bytes of ring + resident layers for a residency plan (default: the current one)."""

@@ -45,9 +45,9 @@ from torch import nn
 
 from . import contract
 from .hostmem import PinBudget, pinnable_host_bytes
-from .hostplan import plan_spill, resolve_host_budget
+from .hostplan import plan_spill
 from .budget import apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget
-from .configure import _prepare, attach_split_fetch, configure_models, managers_of
+from .configure import _prepare, configure_models, managers_of, split_fetch_attached
 from .options import OffloadOptions, named_options, validate_bytes
 from .plan import local_tensor
 from .tierplan import planned_host_bytes
@@ -357,9 +357,9 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         pinnable_host_bytes) or None (no limit). Groups that do not fit are
         pageable, and exact.
     host_budget: bytes (or "auto") the streamed weights may take in host
-        memory; with `spill_dir`, the layers that do not fit go to spill files
-        there (the disk tier, as configure_layerwise_offload), else a budget
-        smaller than the arenas is an error.
+        memory, counted as every front door counts it (layerwise.hostplan); with
+        `spill_dir`, the layers that do not fit go to spill files there (the
+        disk tier), else a budget that would leave a layer out is an error.
     device_budget: bytes or "auto", shared by every component (budget.py plans
         resident layers; the denoiser gets them first).
     options: resident_layers, residency_policy, pin_memory ("auto" default,
@@ -414,14 +414,27 @@ def _offload(pipe, options: OffloadOptions, components, pin_budget, uses) -> dic
         c.uses, c.uses_source = _uses(pipe, c, uses)
     _plan_device_budget(parts, options)
     streamed_managers = [m for c in parts for m in c.managers]
-    # split_fetch: one collective over every group of every component (configure.attach_split_fetch);
+    # split_fetch: one collective over every group of every component (configure.split_fetch_attached);
     # first, so that the host budget counts this rank's shares
-    attach_split_fetch(streamed_managers, options.split_fetch, dev)
-    host_budget, spill_dir = options.host_budget, options.spill_dir
-    if host_budget is not None and spill_dir is not None:
-        plan = plan_spill([c.module for c in parts], streamed_managers, dev, host_budget, spill_dir,
+    with split_fetch_attached(streamed_managers, options.split_fetch, dev):
+        budget = _plan_and_configure(pipe, parts, kept, streamed_managers, options, pin_budget, uses)
+    pinned = [f"{c.name}.{g.layer_name}" for c in parts for g in c.groups if g.manager.stats()["arena_pinned"]]
+    log.info("layerwise: %s offloaded to %s: streamed %s, whole on the device %s; pin budget %s (%s); pinned %s",
+             type(pipe).__name__, dev, [c.name for c in parts if c.managers],
+             [c.name for c in parts if not c.managers],
+             "none" if budget is None else fmt_bytes(budget.bytes), "no limit" if budget is None else budget.source,
+             pinned or "nothing")
+    return {c.name: list(c.managers) for c in parts if c.managers}
+
+
+def _plan_and_configure(pipe, parts, kept, streamed_managers, options: OffloadOptions, pin_budget, uses):
+    """offload_pipeline once split fetch is attached: the host budget, the pin plan,
+    then every component packed and the pipeline patched; returns the pin budget."""
+    dev = options.device
+    if options.host_budget is not None:  # one meaning for every front door (layerwise.hostplan)
+        plan = plan_spill([c.module for c in parts], streamed_managers, dev, options.host_budget, options.spill_dir,
                           options.disk_prefetch_depth, _held_bytes(parts))
-        record_host_budget(streamed_managers, host_budget, plan["budget"])
+        record_host_budget(streamed_managers, options.host_budget, plan["budget"])
     for c in parts:
         for m in c.managers:
             if not m.enabled:
@@ -434,9 +447,6 @@ def _offload(pipe, options: OffloadOptions, components, pin_budget, uses) -> dic
             c.groups.append(GroupPin(m.layer_name, m, planned_host_bytes(m), streamed, n, source))
         if c.groups and any(g.uses_source == "counted in a warm-up call" for g in c.groups):
             c.uses, c.uses_source = max(g.uses for g in c.groups), "counted in a warm-up call"
-    arena = sum(g.arena_bytes for c in parts for g in c.groups)
-    if spill_dir is None and host_budget is not None:
-        record_host_budget(streamed_managers, host_budget, _check_host_budget(host_budget, arena, _held_bytes(parts)))
     budget = _resolve_pin_budget(pin_budget, _held_bytes(parts))
     _plan_pins(parts, budget, options.pin_memory)
     for c in parts:
@@ -458,13 +468,7 @@ def _offload(pipe, options: OffloadOptions, components, pin_budget, uses) -> dic
             raise
 
     configure_models([(c.module, c.managers) for c in parts], dev, finish=finish)
-    pinned = [f"{c.name}.{g.layer_name}" for c in parts for g in c.groups if g.manager.stats()["arena_pinned"]]
-    log.info("layerwise: %s offloaded to %s: streamed %s, whole on the device %s; pin budget %s (%s); pinned %s",
-             type(pipe).__name__, dev, [c.name for c in parts if c.managers],
-             [c.name for c in parts if not c.managers],
-             "none" if budget is None else fmt_bytes(budget.bytes), "no limit" if budget is None else budget.source,
-             pinned or "nothing")
-    return {c.name: list(c.managers) for c in parts if c.managers}
+    return budget
 
 
 def _held_bytes(parts: list[Component]) -> int:
@@ -477,20 +481,6 @@ def _held_bytes(parts: list[Component]) -> int:
                     if e.param.device.type == "cpu":
                         total += e.span_bytes
     return total
-
-
-def _check_host_budget(host_budget, arena_bytes: int, held: int) -> int:
-    """The budget in bytes, or a ValueError if the arenas do not fit it."""
-    budget, how = resolve_host_budget(host_budget, held)
-    if arena_bytes > budget:
-        raise ValueError(
-            f"host_budget {fmt_bytes(budget)} ({how}) is too small: the streamed components' host arenas need "
-            f"{fmt_bytes(arena_bytes)} ({arena_bytes} bytes; layers kept encoded by compress='lossless' counted at "
-            "their encoded size, split layers at this rank's share). Pass spill_dir=<a directory on a local disk> "
-            "to keep the layers that do not fit on disk (the disk tier), raise host_budget, or stream fewer components "
-            "(components=...)"
-        )
-    return budget
 
 
 def _offload_with_warmup(pipe, warmup: Callable, components, pin_budget, options: OffloadOptions) -> dict[str, list]:

@@ -190,6 +190,11 @@ class TierChoice:
         self._check()
         self.split_store = store
 
+    def release(self) -> None:
+        """A front door failed: let go of what the planners attached (idempotent)."""
+        if self.split_store is not None:
+            self.split_store.release()
+
     def keep_on_disk(self, layers, where: str = "spill", make_store=None) -> None:
         """`layers` stay in files (`where`); `make_store(files)` gives the file store
         that keeps them, the files it opens appended to `files`."""

@@ -64,8 +64,9 @@ CPU_TESTS="tests/test_native.py tests/test_manager.py tests/test_contract.py
 #                                                    but the main one, compute-bound forward: < 0.5 core
 #   pinned blocks freed under a copy in flight, no cudaDeviceSynchronize:
 #     test_a_freed_pinned_block_keeps_its_bytes_until_its_copy_completes[cuda]
-#   decode (Triton) with a staging regrow under random copy delays (sleeps on the copy streams):
-#     test_decode_regrows_its_staging_under_random_copy_delays[cuda]
+#   decode (Triton) with a staging regrow under random delays: sleeps on the copy streams,
+#   on the compute stream (rule 1: staging and slots wait on the compute stream's last use), both:
+#     test_decode_regrows_its_staging_under_random_copy_delays[cuda-copies|cuda-compute|cuda-both]
 #   split fetch (NCCL, one GPU per rank: these skip with fewer than 2 GPUs, and NCCL
 #   refuses two ranks on one GPU, so a 1-GPU host cannot run them):
 #     test_split_fetch_beside_an_all_to_all_on_the_same_group[cuda]   + the gather stream is

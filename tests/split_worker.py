@@ -213,6 +213,13 @@ def scenario_mismatch(rank, world):
     for k, p in model.named_parameters():
         assert p is before[k][0] and torch.equal(p.data, before[k][1]), k
     assert not layerwise.managers_of(model) if hasattr(layerwise, "managers_of") else True
+    # refused after the split check (a host budget too small): nothing of the split group is held
+    torch.manual_seed(0)
+    model = Net()
+    expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
+        model, ["blocks", "extra"], device="cpu", host_budget=1 << 12, split_fetch=dist.group.WORLD),
+        ["host_budget", "spill_dir="])
+    assert all(g._users == 0 for g in gather._LIVE), [g._users for g in gather._LIVE]
     # same model, a different prefetch depth on one rank
     model = Net()
     expect_refused(rank, lambda: layerwise.configure_layerwise_offload(

@@ -321,10 +321,28 @@ def delayed_copies(device, monkeypatch) -> dict:
     return {}
 
 
-def test_decode_regrows_its_staging_under_random_copy_delays(device, monkeypatch):
+def lagging_compute(model, device, seed=0):
+    """Rule 1's debug mode: the compute side runs behind the host by a random delay
+    before each block (a sleep on the compute stream on CUDA: the host queues the
+    next fetches and frees activations the stream still uses; a host sleep on CPU,
+    where compute is synchronous and only the hooks' order is exercised)."""
+    rng = random.Random(seed)
+    if device == "cuda":
+        cycles = gpu_sleep_cycles(300e-6)
+        lag = lambda: torch.cuda._sleep(rng.randrange(cycles))  # noqa: E731
+    else:
+        lag = lambda: time.sleep(rng.random() * 300e-6)  # noqa: E731
+    return [b.register_forward_pre_hook(lambda *a: lag()) for b in model.blocks]
+
+
+@pytest.mark.parametrize("lag", ["copies", "compute", "both"])
+def test_decode_regrows_its_staging_under_random_copy_delays(device, monkeypatch, lag):
     """Layers of zeros at configure (the codec's smallest encoding), then rewritten
     with real weights that encode larger than the device staging sized at start:
-    it regrows in a fetch while copies and decodes of other layers are in flight."""
+    it regrows in a fetch while copies and decodes of other layers are in flight.
+    `lag`: random delays on the copy side, on the compute side (rule 1: a staging
+    buffer or slot written before the compute stream is done with that memory
+    gives wrong outputs), or both."""
     from test_compress import linear_stack, xs_for
 
     if device == "cuda":
@@ -336,8 +354,11 @@ def test_decode_regrows_its_staging_under_random_copy_delays(device, monkeypatch
                 p.zero_()
     zeros = copy.deepcopy(model).to(device)
     real = linear_stack(torch.bfloat16, n=6, d=256, seed=1).to(device)
+    delays = delayed_copies(device, monkeypatch) if lag in ("copies", "both") else {}
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=device, prefetch_depth=2,
-                                                 compress="lossless", **delayed_copies(device, monkeypatch))
+                                                 compress="lossless", **delays)
+    if lag in ("compute", "both"):
+        lagging_compute(model, device)
     xs = [x.to(device) for x in xs_for(256, torch.bfloat16)]
     with torch.no_grad():
         for x in xs:

@@ -471,7 +471,7 @@ def test_bad_arguments_fail_before_anything_changes(pipe):
         (dict(components="all"), ValueError, "components"),
         (dict(pin_budget=-1), ValueError, "pin_budget"),
         (dict(pin_budget="lots"), ValueError, "pin_budget"),
-        (dict(host_budget=1024), ValueError, "disk tier"),
+        (dict(host_budget=1024), ValueError, "spill_dir="),
         (dict(uses={"transformer": -1}), ValueError, "uses"),
         (dict(uses={"unet": 3}), ValueError, "unet"),
         (dict(pin_memory=True, pin_budget=0), ValueError, "pin_memory=True"),
@@ -490,13 +490,43 @@ def test_bad_arguments_fail_before_anything_changes(pipe):
         layerwise.offload_pipeline(pipe, device="cpu")
 
 
-def test_host_budget_that_holds_the_arenas_is_accepted(pipe, reference):
-    sizes = sum(_arena(ms) for ms in layerwise.offload_pipeline(pipe, device="cpu").values())
+def _needed_host_bytes(pipe):
+    """What a pipeline's streamed weights take of host memory with every layer in memory,
+    counted from what a streamed pipeline holds (report: arenas, and on a CPU device the
+    non-layer weights, rings and resident layers) plus the packing scratch (its largest layer)."""
+    managers = [m for ms in layerwise.offload_pipeline(pipe, device="cpu", host_budget=1 << 40).values() for m in ms]
+    used = layerwise.report(pipe)["host_budget"]["used_bytes"]
+    scratch = max(lp.nbytes for m in managers for lp in m.plan.layers)
     layerwise.remove_pipeline_offload(pipe)
-    with pytest.raises(ValueError, match="disk tier"):
-        layerwise.offload_pipeline(pipe, device="cpu", host_budget=sizes - 1)
-    layerwise.offload_pipeline(pipe, device="cpu", host_budget=sizes)
+    return used + scratch
+
+
+def test_host_budget_means_what_it_means_for_configure(pipe, reference):
+    """One meaning of host_budget at every front door (issue 22): the pipeline's budget
+    counts what configure_layerwise_offload's does, not only the arenas."""
+    needed = _needed_host_bytes(pipe)
+    arenas = sum(_arena(ms) for ms in layerwise.offload_pipeline(pipe, device="cpu").values())
+    layerwise.remove_pipeline_offload(pipe)
+    assert needed > arenas  # (the arenas alone were what the pipeline counted before)
+    before = state_dicts(pipe)
+    with pytest.raises(ValueError, match=f"needs {pipelines.fmt_bytes(needed)} \\({needed} bytes.*spill_dir="):
+        layerwise.offload_pipeline(pipe, device="cpu", host_budget=needed - 1)
+    assert not pipelines.is_offloaded_pipeline(pipe)
+    assert_state_dicts_equal(pipe, before)
+    layerwise.offload_pipeline(pipe, device="cpu", host_budget=needed)
     assert torch.equal(generate(pipe, SIZE), reference)
+    assert layerwise.report(pipe)["host_budget"]["used_bytes"] <= needed
+    layerwise.remove_pipeline_offload(pipe)
+    # configure_layerwise_offload on one model counts it the same way: what it holds, and the scratch
+    m, groups = pipe.transformer, ["transformer_blocks", "single_transformer_blocks"]
+    ms = layerwise.configure_layerwise_offload(m, groups, device="cpu", host_budget=1 << 40)
+    one = layerwise.report(m)["host_budget"]["used_bytes"] + max(lp.nbytes for g in ms for lp in g.plan.layers)
+    layerwise.remove_layerwise_offload(m)
+    with pytest.raises(ValueError, match=f"needs {pipelines.fmt_bytes(one)} \\({one} bytes.*spill_dir="):
+        layerwise.configure_layerwise_offload(m, groups, device="cpu", host_budget=one - 1)
+    layerwise.configure_layerwise_offload(m, groups, device="cpu", host_budget=one)
+    assert torch.equal(generate(pipe, SIZE), reference)
+    layerwise.remove_layerwise_offload(m)
 
 
 def test_device_budget_is_shared_and_the_denoiser_gets_resident_layers_first(pipe, reference):
@@ -625,16 +655,18 @@ def test_compressed_layers_count_at_their_encoded_size_in_the_host_and_pin_budge
     assert sum(planned) == kept  # the plan counted each layer exactly as packing kept it
     before = state_dicts(pipe)
     # The raw arenas exceed the budget, the encoded ones fit: planned as fitting.
-    layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless", host_budget=kept)
+    other = _needed_host_bytes(pipe) - raw  # scratch, non-layer weights, rings (the device is host memory)
+    need = kept + other
+    layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless", host_budget=need)
     assert torch.equal(generate(pipe, SIZE), reference)
     rep = layerwise.report(pipe)  # the host budget in force, and what the components use of it
-    assert rep["host_budget"]["bytes"] == kept and rep["host_budget"]["source"] == "given"
-    assert f"host budget {pipelines.fmt_bytes(kept)} (given)" in str(rep)
+    assert rep["host_budget"]["bytes"] == need and rep["host_budget"]["source"] == "given"
+    assert f"host budget {pipelines.fmt_bytes(need)} (given)" in str(rep)
     layerwise.remove_pipeline_offload(pipe)
     with pytest.raises(ValueError, match="too small"):  # without compress the same budget is refused
-        layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, host_budget=kept)
+        layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, host_budget=need)
     with pytest.raises(ValueError, match="encoded size"):  # and below the encoded size too, saying how it counted
-        layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless", host_budget=kept - 1)
+        layerwise.offload_pipeline(pipe, device="cpu", pin_budget=0, compress="lossless", host_budget=need - 1)
     assert not pipelines.is_offloaded_pipeline(pipe)
     assert_state_dicts_equal(pipe, before)
     # A pin budget that holds every encoded arena chooses every group for pinning.
