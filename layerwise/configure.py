@@ -3,14 +3,13 @@ first, then ONE move of the non-layer weights, then finalised in declaration
 order. Startup device memory therefore never depends on the order in which the
 groups are named (DESIGN.md, "the multi-group startup bug")."""
 from __future__ import annotations
-import contextlib
 
 import logging
 from collections.abc import Sequence
 
 from torch import nn
 
-from . import contract
+from . import contract, stages
 from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
 from .manager import LayerwiseOffloadManager
 from .hostplan import plan_spill
@@ -102,34 +101,13 @@ def configure_layerwise_offload(
 
         apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
                             options.residency_policy)
-    with split_fetch_attached(managers, options.split_fetch, dev):  # first: the host budget counts the shares
+    with stages.attached(managers, options):  # split fetch first: the host budget counts this rank's shares
         if options.host_budget is not None:
             held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
             plan = plan_spill(model, managers, dev, options.host_budget, options.spill_dir,
                               options.disk_prefetch_depth, held)
             record_host_budget(managers, options.host_budget, plan["budget"])
         return _build(model, managers, dev)
-
-
-@contextlib.contextmanager
-def split_fetch_attached(managers, split_fetch, dev, values=None):
-    """split_fetch: one collective validates every group of every rank (the streamed
-    layers' values too: `values` as in stages.gather.layer_values), then each
-    manager keeps only this rank's shares (before packing: nothing changed on error).
-    The block is the rest of the front door: if it fails, the share stores are
-    released (a manager that never streams holds nothing of the split group)."""
-    if split_fetch is None:
-        yield
-        return
-    from .stages import gather
-
-    gather.attach(managers, split_fetch, dev, values=values)
-    try:
-        yield
-    except BaseException:
-        for m in managers:
-            m.tiers.release()
-        raise
 
 
 def _prepare(model, layer_names, options: OffloadOptions) -> list[LayerwiseOffloadManager]:

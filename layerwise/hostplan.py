@@ -26,6 +26,7 @@ import logging
 
 from .budget import fmt_bytes, non_layer_bytes
 from .plan import round_up
+from .stages.disk import spill_store, staging_slots
 
 log = logging.getLogger("layerwise")
 
@@ -44,12 +45,6 @@ def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
     return int(host_budget), "given"
 
 
-def staging_slots(manager, disk_prefetch_depth) -> int:
-    if disk_prefetch_depth is not None:  # (an int: OffloadOptions)
-        return disk_prefetch_depth
-    return max(2, manager.prefetch_depth + 1)
-
-
 def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
     """A disk layer's staging size: its bytes rounded to a page in a spill file;
     from a checkpoint, an upper bound (a page of head and tail per tensor: its
@@ -62,8 +57,6 @@ def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_de
     """An in-memory model's (or pipeline's) disk tier: plan against the budget, then
     the layers that do not fit go to spill files in `spill_dir` as they are packed.
     Returns the plan (plan_host_budget)."""
-    from .stages.disk import spill_store
-
     plan = plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes,
                             disk=spill_dir is not None)
     for m in managers:
@@ -109,7 +102,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     forced = {m: [i for i in streamed[m] if (m, i) in reasons] for m in enabled}
 
     def staging(disk_sets):
-        return sum(staging_slots(m, disk_prefetch_depth) * staging_slot_bytes(m, d, spill)
+        return sum(staging_slots(m.prefetch_depth, disk_prefetch_depth) * staging_slot_bytes(m, d, spill)
                    for m, d in disk_sets.items() if d)
 
     every = sum(mem[m][i] for m in enabled for i in streamed[m])

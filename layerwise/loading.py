@@ -33,10 +33,10 @@ import os
 import torch
 from torch import nn
 
-from . import contract
+from . import contract, stages
 from .budget import record_host_budget
 from .hostplan import plan_host_budget
-from .configure import _build, _prepare, split_fetch_attached
+from .configure import _build, _prepare
 from .options import OffloadOptions, named_options
 from .empty import recompute_buffers, retype, tie_declared, warn_unlike_from_pretrained
 from .formats import safetensors as sft
@@ -215,7 +215,7 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                             options.residency_policy)
     managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
     entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
-    with split_fetch_attached(managers, options.split_fetch, dev, values=_sampled_values(stored, entry_key)):
+    with stages.attached(managers, options, values=_sampled_values(stored, entry_key)):
         if options.host_budget is not None:  # (after split fetch: the budget counts this rank's shares)
             _plan_disk(model, managers, options, stored, entry_key)
         share_of = _share_ranges(managers)  # split layers' parameters: read only this rank's bytes

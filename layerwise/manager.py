@@ -151,22 +151,17 @@ class LayerwiseOffloadManager:
         if self._packed or not self.enabled:
             return
         routes = self.tier_plan(sizes=False)
-        tiers = self.tiers
-        chain = stages.Chain(self.layer_name, self.device, self.pin_memory, self.compress, tiers.split_store,
-                             disk_prefetch_depth=self.options.disk_prefetch_depth,
-                             debug_read_delay_us=self.options.debug_read_delay_us)
+        chain = stages.Chain.for_group(self.layer_name, self.device, self.pin_memory, self.options, self.tiers)
         self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory)
         with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
             try:
-                if tiers.disk_layers:
-                    chain.file_store = tiers.make_store(chain.files)
                 self._host.pack(routes, chain, fill)
             except BaseException:
                 with contract.defer_interrupts():
                     self._host.chain = chain  # (its files, closed with it)
                     self._restore_parameters(original_devices=True)
                 raise
-        self.state, tiers.fixed = Lifecycle.PACKED, True
+        self.state, self.tiers.fixed = Lifecycle.PACKED, True
         self.plan.module_list._layerwise_manager = self
 
     def _commit(self) -> None:
@@ -205,10 +200,7 @@ class LayerwiseOffloadManager:
                     bind_to_slot(e, e.view_in(self.ring.slots[self.ring.slot_of[i]]))
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
-            from .hostplan import staging_slots
-
-            self._chain.start(self._engine, self._src, self.ring.streamed,
-                              staging_slots(self, self.options.disk_prefetch_depth), start)
+            self._chain.start(self._engine, self._src, self.ring.streamed, self.prefetch_depth, start)
             for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -230,9 +222,7 @@ class LayerwiseOffloadManager:
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
         contract.check_configurable(self.model, [self])
-        if self.options.split_fetch is not None:  # one collective: every rank of the group configures the same
-            stages.gather.attach([self], self.options.split_fetch, self.device)
-        with contract.rollback_on_failure([(self.model, [self])]):
+        with stages.attached([self], self.options), contract.rollback_on_failure([(self.model, [self])]):
             self._initialize_layer_weights()
             contract.move_non_layer_weights(self.model, self.device)
             self._finalize_initialization()
@@ -503,7 +493,7 @@ class LayerwiseOffloadManager:
                 torch.cuda.synchronize(self.device)
         if self._finalized:
             self.meter.resolve()
-        host = self._host.figures(self._packed)
+        host = self._host.figures(self._packed, self._finalized)
         out = {
             "group": self.layer_name,
             "device": str(self.device),
@@ -517,8 +507,6 @@ class LayerwiseOffloadManager:
             "managed_bytes": self.plan.managed_bytes,
             **self.meter.figures(),
         }
-        if not self._finalized:
-            out["disk"] = None
         return out
 
     # --------------------------------------------------------------- remove

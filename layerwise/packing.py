@@ -149,9 +149,10 @@ class HostLayers:
             for e in lp.params:
                 e.saved = None
 
-    def figures(self, packed: bool) -> dict:
+    def figures(self, packed: bool, streaming: bool) -> dict:
         """The host memory the group takes (its arena and what its stages keep, pinned
-        or not), the stages' own figures and the tier plan, for stats()."""
+        or not), the stages' own figures (the disk stage's once streaming) and the
+        tier plan, for stats()."""
         arena = self.arena
         # Layers a stage keeps (encoded, a share, ...) are host memory of this group too.
         kept = sum(src.stored_bytes for src, blk in zip(self.src, self.blocks) if blk is None)
@@ -164,7 +165,8 @@ class HostLayers:
             "arena_bytes": (arena.capacity if arena is not None else 0) + kept,
             "arena_pinned": pinned,
             "arena_pin_error": (arena.pin_error or None if arena is not None else None) or stage_pin_error,
-            **(chain.stats() if chain is not None else {"compress": None, "disk": None}),
+            **(chain.stats() if chain is not None else {"compress": None}),
+            **({} if streaming else {"disk": None}),
             "tier_plan": [r.describe() for r in self.routes] if self.routes is not None else None,
         }
 

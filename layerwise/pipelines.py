@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import contract
+from . import contract, stages
 from .hostmem import PinBudget, pinnable_host_bytes
 from .hostplan import plan_spill
 from .budget import apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget
-from .configure import _prepare, configure_models, managers_of, split_fetch_attached
+from .configure import _prepare, configure_models, managers_of
 from .options import OffloadOptions, named_options, validate_bytes
 from .plan import local_tensor
 from .tierplan import planned_host_bytes
@@ -414,9 +414,9 @@ def _offload(pipe, options: OffloadOptions, components, pin_budget, uses) -> dic
         c.uses, c.uses_source = _uses(pipe, c, uses)
     _plan_device_budget(parts, options)
     streamed_managers = [m for c in parts for m in c.managers]
-    # split_fetch: one collective over every group of every component (configure.split_fetch_attached);
+    # split_fetch: one collective over every group of every component (stages.attached);
     # first, so that the host budget counts this rank's shares
-    with split_fetch_attached(streamed_managers, options.split_fetch, dev):
+    with stages.attached(streamed_managers, options):
         budget = _plan_and_configure(pipe, parts, kept, streamed_managers, options, pin_budget, uses)
     pinned = [f"{c.name}.{g.layer_name}" for c in parts for g in c.groups if g.manager.stats()["arena_pinned"]]
     log.info("layerwise: %s offloaded to %s: streamed %s, whole on the device %s; pin budget %s (%s); pinned %s",

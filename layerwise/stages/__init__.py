@@ -20,7 +20,7 @@ module of this package:
                   (layerwise.tierplan), starts them, runs their work at the hooks
 """
 from . import gather
-from .chain import Chain
+from .chain import Chain, attached
 from .decode import CodecSource, CodecTier
 from .disk import DiskSource, DiskTier, ReadCopy, SpillFile
 from .result import Deferred, Pending, is_deferred, then

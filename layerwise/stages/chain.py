@@ -20,12 +20,13 @@ what is ready (`pump`), the collectives (`settle`), the reads ahead
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 
 import torch
 
 from .decode import CodecSource, CodecTier, segments_of
-from .disk import DiskSource, DiskTier
+from .disk import DiskSource, DiskTier, staging_slots
 from .result import Pending
 from .source import ArenaSource
 from .transfer import Transfer
@@ -50,6 +51,21 @@ class Chain:
         self.transfer: Transfer | None = None
         self._disk_of: dict[int, DiskSource] = {}  # layer index -> the disk source in its chain
         self._upcoming: list = []
+
+    @classmethod
+    def for_group(cls, group: str, device, pin_memory, options, tiers) -> "Chain":
+        """The chain of a group whose tier plan is `tiers` (layerwise.tierplan.TierChoice,
+        set by the planners): its codec, its share store, the store of its disk layers
+        (whose files it opens: closed with it)."""
+        chain = cls(group, device, pin_memory, options.compress, tiers.split_store,
+                    disk_prefetch_depth=options.disk_prefetch_depth, debug_read_delay_us=options.debug_read_delay_us)
+        if tiers.disk_layers:
+            try:
+                chain.file_store = tiers.make_store(chain.files)
+            except BaseException:
+                chain.close()
+                raise
+        return chain
 
     # ------------------------------------------------------------ pack time
     def keep(self, lp, route, block: torch.Tensor):
@@ -80,11 +96,11 @@ class Chain:
         return src
 
     # ------------------------------------------------------------ run time
-    def start(self, engine, sources: list, streamed: list[int], staging_slots: int, compute_ready=None) -> None:
+    def start(self, engine, sources: list, streamed: list[int], prefetch_depth: int, compute_ready=None) -> None:
         """Give every stage what it needs (once the group is packed): `sources` every
-        layer's source, `streamed` the streamed layers in order, `compute_ready` an
-        event on the compute stream (CUDA) that the first write into new device
-        buffers waits on."""
+        layer's source, `streamed` the streamed layers in order, `prefetch_depth` the
+        ring's (the disk stage's staging slots follow it), `compute_ready` an event on
+        the compute stream (CUDA) that the first write into new device buffers waits on."""
         self.transfer = Transfer(engine)
         for src in sources:
             for h in src.holders():
@@ -98,7 +114,8 @@ class Chain:
         if not order:
             return
         srcs = [self._disk_of[i] for i in order]
-        self.disk = DiskTier(engine, staging_slots, max(s.staging_size for s in srcs), self.device,
+        slots = staging_slots(prefetch_depth, self.disk_prefetch_depth)
+        self.disk = DiskTier(engine, slots, max(s.staging_size for s in srcs), self.device,
                              pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
         for s in srcs:
             s.tier = self.disk
@@ -214,3 +231,25 @@ class Chain:
             attempt("releasing the split-fetch shares", self.split.release)
         self._disk_of = {}
         self._upcoming = []
+
+
+@contextlib.contextmanager
+def attached(managers, options, values=None):
+    """The stages a group joins before it is packed, for every front door: split
+    fetch (stages.gather.attach: one collective validates every group of every rank,
+    the streamed layers' values too, `values` as in gather.layer_values; then each
+    manager keeps only this rank's shares, so that the host budget counts them).
+    The block is the rest of the front door: if it fails, what they hold is released
+    (a manager that never streams keeps nothing of the split group)."""
+    if options.split_fetch is None:
+        yield
+        return
+    from . import gather
+
+    gather.attach(managers, options.split_fetch, options.device, values=values)
+    try:
+        yield
+    except BaseException:
+        for m in managers:
+            m.tiers.release()
+        raise

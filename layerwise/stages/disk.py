@@ -63,6 +63,13 @@ def crc_of(block: torch.Tensor) -> int:
     return zlib.crc32(memoryview(block.numpy()))
 
 
+def staging_slots(prefetch_depth: int, disk_prefetch_depth) -> int:
+    """The disk stage's staging slots: disk_prefetch_depth, or one more than the ring reads ahead."""
+    if disk_prefetch_depth is not None:  # (an int: OffloadOptions)
+        return disk_prefetch_depth
+    return max(2, prefetch_depth + 1)
+
+
 class DiskFile:
     """A file the tier reads: opened once, with the size, mtime and ctime it had;
     after a failed read it is reopened (`revalidate`) and its generation bumped,
