@@ -9,11 +9,14 @@ mismatched configurations are refused on every rank without hanging.
 SCENARIO (one of SCENARIOS) runs that check alone; without it, the main ones.
 """
 import copy
+import dataclasses
 import datetime
 import functools
 import os
+import re
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -487,101 +490,185 @@ def check_bf16(model, reference, rank, steps=2):
 
 
 def smallest_budget(offload, start=64 << 10, step=8 << 10):
-    """The smallest host_budget (in `step`s) that `offload(budget)` accepts without
-    split fetch (then every streamed layer but what must stay is on disk); rank-local."""
+    """The smallest host_budget (start plus a multiple of `step`) that `offload(budget)`
+    accepts (then every streamed layer but what must stay is on disk): a refused one
+    names what host memory needs, the next try is that. Rank-local without split
+    fetch; with it, every rank makes the same calls (the ranks' plans are alike)."""
     budget = start
     while True:
         try:
             model = offload(budget)
         except ValueError as e:
-            assert "too small" in str(e), e
-            budget += step
+            need = re.search(r"host memory needs [^(]*\((\d+) bytes", str(e))
+            assert "too small" in str(e) and need, e
+            nxt = start + -(-(int(need[1]) - start) // step) * step
+            assert nxt > budget, (budget, str(e))  # what it named is more than what it refused
+            budget = nxt
             continue
         layerwise.remove_layerwise_offload(model)
         return budget
 
 
-def configure_spilled(spill, budget, **options):
-    """A weight_like model streaming "blocks", with host_budget=budget and spill files in `spill` (None: no budget)."""
-    model = weight_like()
+@dataclasses.dataclass
+class Subject:
+    """A model the tier scenarios stream: `build(seed)` gives it with weight-like bf16
+    layers, `empty()` the same on meta (for load_offloaded), `groups` the streamed
+    block lists; `check(model, reference, rank, steps)` asserts bitwise outputs on
+    inputs of this rank's own; `rounds`: (tiers, prefetch_depth, resident_layers) to
+    run, the tiers split fetch is composed with ("ckpt": load_offloaded, its disk
+    layers read from the checkpoint, or with "spill" from spill files of their own);
+    `recopies`: every group re-copies streamed layers in every step."""
+    name: str
+    build: Callable[[int], nn.Module]
+    empty: Callable[[], nn.Module]
+    groups: object
+    check: Callable
+    rounds: tuple = tuple((combo, depth, resident) for combo in (("compress",), ("spill",), ("spill", "compress"),
+                                                                  ("ckpt",), ("ckpt", "compress"))
+                          for depth, resident in ((1, 0), (2, 1)))
+    recopies: bool = False
+
+
+NET16 = Subject("Net16", lambda seed=0: weight_like(seed), lambda: layerwise.empty_model(Net16), "blocks", check_bf16)
+
+
+def real_subject(name):
+    """A tiny real architecture of tests/test_real_models.py in bf16, its block lists'
+    weights normal with std 0.02 (as trained ones: what the codec shrinks). Flux gets
+    6 dual-stream blocks (and its 7 single ones) so that at the depths and resident
+    layers of its rounds both groups re-copy layers through shared slots in every step."""
+    import test_real_models as real
+
+    arch = real.ARCHS[name]
+    if name == "flux":
+        arch = dataclasses.replace(arch, build=functools.partial(real._flux, num_layers=6))
+
+    def build(seed=0):
+        torch.manual_seed(seed)
+        model = arch.build().eval().to(torch.bfloat16)
+        with torch.no_grad():
+            for g in arch.groups:
+                for p in model.get_submodule(g).parameters():
+                    p.normal_(0, 0.02)
+        return model
+
+    def check(model, reference, rank, steps=2):
+        for _ in range(steps):
+            for seed in (100 + rank, 200 + rank):  # different inputs on every rank
+                out, ref = real.run_bf16(arch, model, seed), real.run_bf16(arch, reference, seed)
+                assert torch.equal(out, ref), (name, rank, seed, (out.float() - ref.float()).abs().max().item())
+
+    empty = lambda: layerwise.empty_model(lambda: arch.build().eval().to(torch.bfloat16))
+    # Every tier at depth 1 or 2, all three at both (wall time). A checkpoint's staging slot
+    # takes two pages per tensor more than the layer: for layers this small the disk tier
+    # saves nothing, so load_offloaded spills its disk layers.
+    rounds = ((("compress",), 1, 1), (("spill",), 2, 0), (("spill", "compress"), 1, 1), (("spill", "compress"), 2, 0),
+              (("ckpt", "spill", "compress"), 2, 0))
+    return Subject(name, build, empty, arch.groups, check, rounds=rounds, recopies=True)
+
+
+def configure_spilled(spill, budget, subject=NET16, **options):
+    """subject's model streaming its groups, with host_budget=budget and spill files in `spill` (None: no budget)."""
+    model = subject.build()
     if budget is not None:
         options.update(host_budget=budget, spill_dir=spill)
-    layerwise.configure_layerwise_offload(model, "blocks", **options)
+    layerwise.configure_layerwise_offload(model, subject.groups, **options)
     return model
 
 
-def scenario_tiers(rank, world, tmp):
+def scenario_tiers(rank, world, tmp, subjects=(NET16,)):
     """Issue 22: split fetch composes with compression and the disk tier, bitwise, with
     the contract: split + compress (each rank encodes its share), disk + split (each rank
     reads only its share, from its spill file or from the checkpoint), all three."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_model
 
-    reference = weight_like()
-    ckpt = os.path.join(tmp, f"tiers-{world}.safetensors")
-    if rank == 0:
-        save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, ckpt)
-    dist.barrier()
-    spill = os.path.join(tmp, f"spill-{rank}")
-    os.makedirs(spill, exist_ok=True)
-    combos = [("compress",), ("spill",), ("spill", "compress"), ("ckpt",), ("ckpt", "compress")]
-    for combo in combos:
-        for depth, resident in ((1, 0), (2, 1)):
-            what = f"{combo} depth {depth} resident {resident}"
-            # One group with one staging slot: the staging a disk tier costs stays below what the
-            # shares save, so a budget just above the smallest keeps some layers in memory.
-            kw = dict(device="cpu", prefetch_depth=depth, resident_layers=resident, split_fetch=dist.group.WORLD,
-                      debug_copy_delay_us=200, compress="lossless" if "compress" in combo else None)
-            if "ckpt" in combo or "spill" in combo:
-                kw.update(disk_prefetch_depth=1)
-            local = {k: v for k, v in kw.items() if k != "split_fetch"}
-            if "ckpt" in combo:
-                def load(budget, **more):
-                    model = layerwise.empty_model(Net16)
-                    layerwise.load_offloaded(model, ckpt, "blocks", host_budget=budget, **more)
-                    return model
-
-                # just above the smallest budget: with shares half as large, some layers stay in memory
-                budget = smallest_budget(lambda b: load(b, **local))
-                model = load(budget, **kw)
-            else:
-                configure = functools.partial(configure_spilled, spill)
-                budget = None
-                if "spill" in combo:
-                    budget = smallest_budget(lambda b: configure(b, **local))
-                model = configure(budget, **kw)
-            managers = layerwise.contract.managers_of(model)
-            plan = [r for m in managers for r in m.stats()["tier_plan"]]
-            if "spill" in combo or "ckpt" in combo:
-                assert any(r.startswith("spill" if "spill" in combo else "checkpoint") for r in plan), (what, plan)
-            assert all("share" in r for r in plan if not r.startswith("device")), (what, plan)
-            check_bf16(model, reference, rank)
-            check_bf16(model, reference, rank, steps=1)
-            for m in managers:
-                st = m.stats(sync=True)
-                last = st["last_step"]
-                share = st["split_fetch"]["share_bytes"]
-                # this rank copies (and reads) only its share: encoded, at most 0.80x of it
-                if "compress" in combo and not ("ckpt" in combo):
-                    assert last["bytes_copied"] <= 0.80 * last["bytes_raw"] / world + 4096, (what, last)
-                else:
-                    assert last["bytes_copied"] <= last["bytes_raw"] / world + 4096, (what, last)
-                if st["disk"] is not None:
-                    assert last["bytes_read"] <= share + 4096 * len(m.tiers.disk_layers) * 4, (what, last, share)
-            sd = model.state_dict()  # collective: the true bytes, gathered
-            for k, v in reference.state_dict().items():
-                assert torch.equal(sd[k], v), (what, k)
-            if "ckpt" not in combo:  # (checkpoint layers are read-only)
-                other = weight_like(seed=5)
-                model.load_state_dict(other.state_dict())
-                check_bf16(model, other, rank, steps=1)
-                model.load_state_dict(reference.state_dict())
-            layerwise.remove_layerwise_offload(model)
-            for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-                assert torch.equal(p, q), (what, k)
+    for subject in subjects:
+        reference = subject.build()
+        ckpt = os.path.join(tmp, f"tiers-{subject.name}-{world}.safetensors")
+        if rank == 0:
+            save_model(reference, ckpt)  # (drops duplicate names of tied tensors, as real checkpoints do)
+        dist.barrier()
+        spill = os.path.join(tmp, f"spill-{rank}")
+        os.makedirs(spill, exist_ok=True)
+        for combo, depth, resident in subject.rounds:
+            what = f"{subject.name} {combo} depth {depth} resident {resident}"
+            t0 = time.perf_counter()
+            tier_round(rank, world, subject, reference, combo, depth, resident, ckpt, spill, what)
+            print(f"{what}: {time.perf_counter() - t0:.1f} s", flush=True)
             assert not os.listdir(spill), (what, os.listdir(spill))
 
 
-def scenario_sigint(rank, world, tmp):
+def tier_round(rank, world, subject, reference, combo, depth, resident, ckpt, spill, what):
+    """One round of scenario_tiers: subject streamed with split fetch and the tiers in
+    `combo` at one depth, checked on this rank, then removed."""
+    import test_real_models as real
+
+    # One staging slot per group: the staging a disk tier costs stays below what the
+    # shares save, so a budget just above the smallest keeps some layers in memory.
+    kw = dict(device="cpu", prefetch_depth=depth, resident_layers=resident, split_fetch=dist.group.WORLD,
+              debug_copy_delay_us=200, compress="lossless" if "compress" in combo else None)
+    if "ckpt" in combo or "spill" in combo:
+        kw.update(disk_prefetch_depth=1)
+    local = {k: v for k, v in kw.items() if k != "split_fetch"}
+    if "ckpt" in combo:
+        def load(budget, **more):
+            model = subject.empty()
+            layerwise.load_offloaded(model, ckpt, subject.groups, host_budget=budget,
+                                     spill_dir=spill if "spill" in combo else None, **more)
+            return model
+
+        # just above the smallest budget: with shares half as large, some layers stay in memory
+        budget = smallest_budget(lambda b: load(b, **local))
+        model = load(budget, **kw)
+    else:
+        configure = functools.partial(configure_spilled, spill, subject=subject)
+        budget = None
+        if "spill" in combo:
+            budget = smallest_budget(lambda b: configure(b, **local))
+        model = configure(budget, **kw)
+    as_stored = "ckpt" in combo and "spill" not in combo  # disk layers read from the checkpoint as stored
+    managers = layerwise.contract.managers_of(model)
+    assert len(managers) == (1 if isinstance(subject.groups, str) else len(subject.groups)), (what, managers)
+    plan = [r for m in managers for r in m.stats()["tier_plan"]]
+    if "spill" in combo or "ckpt" in combo:
+        assert any(r.startswith("spill" if "spill" in combo else "checkpoint") for r in plan), (what, plan)
+    assert all("share" in r for r in plan if not r.startswith("device")), (what, plan)
+    subject.check(model, reference, rank)
+    subject.check(model, reference, rank, steps=1)
+    for m in managers:
+        st = m.stats(sync=True)
+        last = st["last_step"]
+        share = st["split_fetch"]["share_bytes"]
+        if subject.recopies:  # every group streams: layers re-copied, and gathered, in every step
+            assert real.recopied(m) > 0 and last["bytes_raw"] > 0, (what, m.layer_name, last)
+        # this rank copies (and reads) only its share: encoded, at most 0.80x of it
+        if "compress" in combo and not as_stored:
+            assert last["bytes_copied"] <= 0.80 * last["bytes_raw"] / world + 4096, (what, m.layer_name, last)
+        else:
+            assert last["bytes_copied"] <= last["bytes_raw"] / world + 4096, (what, m.layer_name, last)
+        if st["disk"] is not None:
+            assert last["bytes_read"] <= share + 4096 * len(m.tiers.disk_layers) * 4, (what, last, share)
+    sd = model.state_dict()  # collective: the true bytes, gathered
+    ref_sd = reference.state_dict()
+    assert sd.keys() == ref_sd.keys(), what
+    for k, v in ref_sd.items():
+        assert torch.equal(sd[k], v), (what, k)
+    if not as_stored:  # (checkpoint layers are read-only)
+        other = subject.build(5)
+        model.load_state_dict(other.state_dict())
+        subject.check(model, other, rank, steps=1)
+        model.load_state_dict(reference.state_dict())
+    layerwise.remove_layerwise_offload(model)
+    for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), (what, k)
+
+
+def scenario_real_tiers(rank, world, tmp):
+    """Issue 22 on real architectures: scenario_tiers on a tiny Flux (two groups) and Llama."""
+    scenario_tiers(rank, world, tmp, subjects=(real_subject("flux"), real_subject("llama")))
+
+
+def scenario_sigint(rank, world, tmp, subject=NET16):
     """Issue 22: real SIGINTs, delivered on every rank at the same point (the k-th
     call of a stage, k drawn from a seed every rank shares), during configure,
     forward and remove with disk + compress + split: each is interrupted cleanly
@@ -593,13 +680,16 @@ def scenario_sigint(rank, world, tmp):
     from layerwise import packing
     from layerwise.stages import transfer
 
-    reference = weight_like()
-    spill = os.path.join(tmp, f"sigint-{rank}")
+    # Python's own handler, even where the rank started with SIGINT ignored (started in the
+    # background by a shell without job control: the interrupts would never arrive)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    reference = subject.build()
+    spill = os.path.join(tmp, f"sigint-{subject.name}-{rank}")
     os.makedirs(spill, exist_ok=True)
     kw = dict(device="cpu", prefetch_depth=1, split_fetch=dist.group.WORLD, compress="lossless",
               disk_prefetch_depth=1, debug_copy_delay_us=100)
 
-    configure = functools.partial(configure_spilled, spill)
+    configure = functools.partial(configure_spilled, spill, subject=subject)
     local = {k: v for k, v in kw.items() if k != "split_fetch"}
     budget = smallest_budget(lambda b: configure(b, **local))
     rng = random.Random(1234)  # the same draws on every rank
@@ -616,14 +706,15 @@ def scenario_sigint(rank, world, tmp):
             return real(*a, **kw_)
 
         setattr(owner, name, wrapped)
-        return lambda: setattr(owner, name, real)
+        return lambda: setattr(owner, name, real), calls
 
     def interrupted(owner, name, k, call):
         """call() with SIGINT at the k-th call of owner.name: it must be interrupted."""
-        undo = interrupt_at(owner, name, k)
+        undo, calls = interrupt_at(owner, name, k)
         try:
             call()
-            raise AssertionError("the interrupt did not arrive")
+            raise AssertionError(f"rank {rank}: the interrupt did not arrive ({name} called {calls[0]} times, "
+                                 f"SIGINT at call {k})")
         except KeyboardInterrupt:
             pass
         finally:
@@ -638,15 +729,21 @@ def scenario_sigint(rank, world, tmp):
     assert any(r.startswith("spill, encoded, share") for r in plan), plan
     # forwards, interrupted at a fetch
     for _ in range(4):
-        interrupted(transfer.Transfer, "copy", rng.randint(1, 10), lambda: check_bf16(model, reference, rank, steps=2))
-        check_bf16(model, reference, rank, steps=1)  # in lockstep again: exact
+        interrupted(transfer.Transfer, "copy", rng.randint(1, 10), lambda: subject.check(model, reference, rank, steps=2))
+        subject.check(model, reference, rank, steps=1)  # in lockstep again: exact
     # remove, interrupted while it reads the layers back: the model still streams exactly
     interrupted(packing, "materialize", rng.randint(1, 4), lambda: layerwise.remove_layerwise_offload(model))
-    check_bf16(model, reference, rank, steps=1)
+    subject.check(model, reference, rank, steps=1)
     layerwise.remove_layerwise_offload(model)
     for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(p, q), k
     assert not os.listdir(spill), os.listdir(spill)
+
+
+def scenario_real_sigint(rank, world, tmp):
+    """Issue 22: scenario_sigint on the two-group Flux and on Llama."""
+    for name in ("flux", "llama"):
+        scenario_sigint(rank, world, tmp, subject=real_subject(name))
 
 
 def scenario_write_fails(rank, world, tmp):
@@ -760,7 +857,8 @@ def scenario_read_fails(rank, world, tmp):
 
 SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,
              "gather_error": scenario_gather_error, "tiers": scenario_tiers, "write_fails": scenario_write_fails,
-             "read_fails": scenario_read_fails, "sigint": scenario_sigint}
+             "read_fails": scenario_read_fails, "sigint": scenario_sigint,
+             "real_tiers": scenario_real_tiers, "real_sigint": scenario_real_sigint}
 
 
 def main(rank, world, port, tmp, scenario=None):
@@ -771,7 +869,8 @@ def main(rank, world, port, tmp, scenario=None):
     t0 = time.perf_counter()
     if scenario is not None:
         fn = SCENARIOS[scenario]
-        with_tmp = (scenario_seeds, scenario_tiers, scenario_sigint, scenario_write_fails, scenario_read_fails)
+        with_tmp = (scenario_seeds, scenario_tiers, scenario_sigint, scenario_write_fails, scenario_read_fails,
+                    scenario_real_tiers, scenario_real_sigint)
         fn(rank, world, tmp) if fn in with_tmp else fn(rank, world)
         print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
         os._exit(0)

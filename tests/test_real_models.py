@@ -33,11 +33,11 @@ class Arch:
     layers: dict  # group -> number of blocks
 
 
-def _flux():
+def _flux(num_layers=2):
     from diffusers import FluxTransformer2DModel
 
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=7, attention_head_dim=16,
+        patch_size=1, in_channels=8, num_layers=num_layers, num_single_layers=7, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(4, 6, 6),
     )
 
@@ -146,6 +146,14 @@ def run(arch: Arch, model: nn.Module, seed: int, device: str = "cpu") -> torch.T
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with torch.no_grad():
         return arch.output(model(*args, **kwargs))
+
+
+def run_bf16(arch: Arch, model: nn.Module, seed: int) -> torch.Tensor:
+    """run() with the floating-point inputs cast to bf16, for a bf16 model."""
+    args, kwargs = arch.inputs(seed)
+    cast = lambda v: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    with torch.no_grad():
+        return arch.output(model(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()}))
 
 
 def clone_state(model: nn.Module) -> dict:
@@ -584,20 +592,14 @@ def test_real_architectures_disk_and_compress_compose_bitwise(name, depth, resid
                                               debug_read_delay_us=150)
         return model
 
-    def run(arch, model, seed):  # bf16 inputs for a bf16 model
-        args, kwargs = arch.inputs(seed)
-        cast = lambda v: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-        with torch.no_grad():
-            return arch.output(model(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()}))
-
     _, model = _smallest_host_budget(offload)
     managers = managers_of(model)
     plan = [r for m in managers for r in m.stats()["tier_plan"]]
     assert any(r == "spill, encoded" for r in plan), plan
-    refs = [run(arch, ref, s) for s in SEEDS[:2]]
+    refs = [run_bf16(arch, ref, s) for s in SEEDS[:2]]
     for _ in range(2):
         for s, r in zip(SEEDS, refs):
-            assert torch.equal(run(arch, model, s), r), (name, s)
+            assert torch.equal(run_bf16(arch, model, s), r), (name, s)
     moved = [m.stats(sync=True)["last_step"] for m in managers]
     assert sum(last["bytes_read"] for last in moved) > 0, moved  # some layers streamed from their spill file
     for last in moved:
@@ -605,7 +607,7 @@ def test_real_architectures_disk_and_compress_compose_bitwise(name, depth, resid
             assert last["bytes_copied"] < last["bytes_raw"], last  # encoded on the way (random weights: < 1x)
     assert_state_equal(model, sd)
     model.load_state_dict(other.state_dict())
-    assert torch.equal(run(arch, model, SEEDS[0]), run(arch, other, SEEDS[0]))
+    assert torch.equal(run_bf16(arch, model, SEEDS[0]), run_bf16(arch, other, SEEDS[0]))
     model.load_state_dict(sd)
     layerwise.remove_layerwise_offload(model)
     assert_state_equal(model, sd)

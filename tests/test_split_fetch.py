@@ -2,6 +2,7 @@
 ranks on CPU, each holding and copying ~1/N of every streamed layer. The checks
 run inside the ranks (tests/split_worker.py); a rank that hangs fails the test
 at the timeout instead of blocking CI."""
+import importlib.util
 import os
 import socket
 import subprocess
@@ -85,6 +86,31 @@ def test_split_disk_compress_survive_real_sigints_in_configure_forward_and_remov
     stage call) during configure, forward and remove with disk + compress + split:
     each is interrupted cleanly and the next calls in lockstep are exact."""
     run_ranks(2, tmp_path, "sigint")
+
+
+needs_real_models = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("diffusers", "transformers")),
+    reason="the real-architecture tests need the diffusers and transformers test extras")
+
+
+@needs_gloo
+@needs_real_models
+def test_split_composes_with_the_tiers_on_flux_and_llama(tmp_path):
+    """Issue 22 on real architectures (tiny Flux, its two block lists streamed, and
+    Llama; bf16, weight-like): split + compress, split + spill, split + spill + compress,
+    and load_offloaded (each rank reads its share of the checkpoint) + spill + compress:
+    bitwise on every rank with its own inputs, depth 1 and 2, resident layers, copy
+    delays; each rank copies at most its share (encoded: <= 0.80x); state_dict,
+    load_state_dict, remove (spill files deleted)."""
+    run_ranks(2, tmp_path, "real_tiers")
+
+
+@needs_gloo
+@needs_real_models
+def test_split_disk_compress_survive_real_sigints_on_flux_and_llama(tmp_path):
+    """Issue 22: the SIGINTs of the test above (configure, forward, remove with disk +
+    compress + split), on the two-group Flux and on Llama."""
+    run_ranks(2, tmp_path, "real_sigint")
 
 
 @needs_gloo
