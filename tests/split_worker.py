@@ -746,58 +746,79 @@ def scenario_real_sigint(rank, world, tmp):
         scenario_sigint(rank, world, tmp, subject=real_subject(name))
 
 
+def exact_then_removed(model, reference, rank, spill, what):
+    """state_dict (collective) gives `reference`'s weights; remove leaves them in the
+    model and no spill file behind."""
+    sd = model.state_dict()
+    for k, v in reference.state_dict().items():
+        assert torch.equal(sd[k], v), (rank, what, k)
+    layerwise.remove_layerwise_offload(model)
+    same_weights(model, reference)
+    assert not os.listdir(spill), (what, os.listdir(spill))
+
+
 def scenario_write_fails(rank, world, tmp):
-    """Found by attacking the chains (tests/test_chain_attack.py): disk + split, and the
-    spill-file write of a load_state_dict fails on one rank only (its disk is full). The
-    others must hear of it (as they do of a local copy that fails, scenario_gather_error):
-    every rank raises, no rank keeps a share the others do not have, and the group stays
-    usable: state_dict, forwards and remove in lockstep are exact afterwards."""
+    """Found by attacking the chains (tests/test_chain_attack.py): a load_state_dict whose
+    write of a split layer's share fails on one rank only: disk + split with that rank's
+    disk full (its spill-file write), split + compress with its re-encode out of memory (an
+    in-memory layer), and all three. The others must hear of it (as they do of a local copy
+    that fails, scenario_gather_error) and undo their own write: every rank raises the same
+    SplitError naming the rank and what failed, no rank keeps a share the others do not
+    have, and the group stays usable: state_dict, forwards, a retried load_state_dict and
+    remove in lockstep are exact afterwards."""
     import errno
 
-    from layerwise.stages import disk
+    from layerwise.stages import decode, disk
 
     os.environ["LAYERWISE_COLLECTIVE_TIMEOUT_S"] = "10"  # (read at configure: a rank left waiting fails sooner)
     reference, other = weight_like(), weight_like(seed=5)
-    spill = os.path.join(tmp, f"spill-{rank}")
-    os.makedirs(spill, exist_ok=True)
-    kw = dict(device="cpu", prefetch_depth=1, disk_prefetch_depth=1)
 
-    def configure(budget, **more):
-        model = weight_like()
-        layerwise.configure_layerwise_offload(model, "blocks", host_budget=budget, spill_dir=spill, **kw, **more)
-        return model
-
-    model = configure(smallest_budget(configure), split_fetch=dist.group.WORLD)
-    plan = layerwise.contract.managers_of(model)[0].stats()["tier_plan"]
-    assert any(r.startswith("spill, share") for r in plan), plan
-    check_bf16(model, reference, rank, steps=1)
-    real = disk.DiskSource.write
-
-    def full(self, block):
+    def full(self, *a, **kw):
         raise OSError(errno.ENOSPC, "injected: No space left on device")
 
-    if rank == 0:
-        disk.DiskSource.write = full
-    try:
-        model.load_state_dict(other.state_dict())
-    except (OSError, gather.SplitError):
-        pass
-    else:
-        raise AssertionError(f"rank {rank}: the load_state_dict that failed on rank 0 raised nothing here")
-    finally:
-        disk.DiskSource.write = real
-    dist.barrier()
-    sd = model.state_dict()  # collective: every rank's share of every layer
-    for k, v in sd.items():  # each weight old or new (load_state_dict stops at the failure, as torch's does)
-        assert torch.equal(v, reference.state_dict()[k]) or torch.equal(v, other.state_dict()[k]), (rank, k)
-    mixed = weight_like()
-    mixed.load_state_dict(sd)
-    check_bf16(model, mixed, rank, steps=1)
-    model.load_state_dict(other.state_dict())  # the retry, disk space back
-    check_bf16(model, other, rank, steps=1)
-    layerwise.remove_layerwise_offload(model)
-    same_weights(model, other)
-    assert not os.listdir(spill), os.listdir(spill)
+    def no_memory(self, *a, **kw):
+        raise RuntimeError("injected: DefaultCPUAllocator: not enough memory")
+
+    # (combo, the rank whose write fails, what fails there, the words its error has)
+    cases = [("spill", 0, (disk.DiskSource, "write", full), "No space left on device"),
+             ("compress", world - 1, (decode.CodecTier, "keep", no_memory), "not enough memory"),
+             ("spill+compress", 0, (disk.DiskSource, "write", full), "No space left on device")]
+    for combo, bad, (owner, name, fails), words in cases:
+        spill = os.path.join(tmp, f"spill-{rank}-{combo}")
+        os.makedirs(spill, exist_ok=True)
+        kw = dict(device="cpu", prefetch_depth=1, compress="lossless" if "compress" in combo else None)
+        if "spill" in combo:
+            kw.update(disk_prefetch_depth=1)
+
+        def configure(budget, **more):
+            return configure_spilled(spill, budget, **kw, **more)
+
+        budget = smallest_budget(configure) if "spill" in combo else None
+        model = configure(budget, split_fetch=dist.group.WORLD)
+        plan = layerwise.contract.managers_of(model)[0].stats()["tier_plan"]
+        want = {"spill": "spill, share", "compress": "arena, encoded, share", "spill+compress": "spill, encoded, share"}
+        assert any(r.startswith(want[combo]) for r in plan), (combo, plan)
+        check_bf16(model, reference, rank, steps=1)
+        real = getattr(owner, name)
+        if rank == bad:
+            setattr(owner, name, fails)
+        try:
+            message = expect_split_error(rank, lambda: model.load_state_dict(other.state_dict()),
+                                         [f"rank {bad}", words, "Nothing of it was changed"])
+        finally:
+            setattr(owner, name, real)
+        said = [None] * world
+        dist.all_gather_object(said, message)
+        assert all(m == message for m in said), (rank, combo, said)  # the same error on every rank
+        sd = model.state_dict()  # collective: every rank's share of every layer
+        for k, v in sd.items():  # each weight old or new (load_state_dict stops at the failure, as torch's does)
+            assert torch.equal(v, reference.state_dict()[k]) or torch.equal(v, other.state_dict()[k]), (rank, combo, k)
+        mixed = weight_like()
+        mixed.load_state_dict(sd)
+        check_bf16(model, mixed, rank, steps=1)
+        model.load_state_dict(other.state_dict())  # the retry, disk space (memory) back
+        check_bf16(model, other, rank, steps=1)
+        exact_then_removed(model, other, rank, spill, combo)
 
 
 def scenario_read_fails(rank, world, tmp):
@@ -847,12 +868,7 @@ def scenario_read_fails(rank, world, tmp):
                 f.write(original)
         dist.barrier()
         check_bf16(model, reference, rank, steps=2)
-        sd = model.state_dict()
-        for k, v in reference.state_dict().items():
-            assert torch.equal(sd[k], v), (rank, combo, k)
-        layerwise.remove_layerwise_offload(model)
-        same_weights(model, reference)
-        assert not os.listdir(spill), os.listdir(spill)
+        exact_then_removed(model, reference, rank, spill, combo)
 
 
 SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,

@@ -1,8 +1,8 @@
 """Faults injected into the chains of stages (issue 22): disk + compress, a
 failure or a real SIGINT at each point of a chain, writes that change a
 payload's size, split ranks whose disk fails. Each test here is a bug found by
-attacking the chain (CPU backend, spill files on a real file system); the ones
-marked xfail name the fix they wait for (outside layerwise/stages, or larger)."""
+attacking the chain (CPU backend, spill files on a real file system), kept as
+the regression test of its fix."""
 import os
 import signal
 
@@ -144,16 +144,15 @@ def test_a_write_that_fails_in_load_state_dict_leaves_the_next_forward_working(d
 
 
 # ---------------------------------------------- disk + split: a write that fails on one rank
-@pytest.mark.xfail(strict=True, reason=(
-    "stages/gather.py:966 (ShareSource.write): the ranks agree on the new values, then each writes its share "
-    "(self.inner.write) with no agreement after it: where it fails on one rank (a full disk), that rank raises "
-    "and leaves, the others write theirs, bump _gen and wait in the next collective until the timeout, which "
-    "breaks the group for good (state_dict, forwards and even remove raise SplitError on every rank; the spill "
-    "files stay). Needs a second tag exchange after the local write (ok / failed, like LOCAL_FAILED for copies) "
-    "and an undo of the ranks whose write succeeded (a DiskSource keeps the old region as its spare)"))
 def test_a_spill_write_that_fails_on_one_split_rank_leaves_every_rank_usable(tmp_path):
-    """load_state_dict with disk + split, rank 0's disk full: every rank raises, the
-    group stays usable (state_dict, forward, a retried load and remove work)."""
+    """load_state_dict with disk + split, one rank's disk full: that rank raised and left,
+    the others wrote their shares and waited in the next collective until the timeout,
+    which broke the group for good (state_dict, forwards and even remove raised SplitError
+    on every rank; the spill files stayed). The same with split + compress where one rank's
+    re-encode runs out of memory (an in-memory layer), and with all three. Now every rank
+    raises the same SplitError naming the rank and what failed, the ranks whose write
+    succeeded undo it, and the group stays usable (state_dict, forward, a retried load and
+    remove work)."""
     from test_split_fetch import run_ranks
 
     run_ranks(2, tmp_path, "write_fails")

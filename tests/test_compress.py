@@ -455,22 +455,46 @@ def test_manager_alone_streams_compressed():
     layerwise.remove_layerwise_offload(model)
 
 
+def _host_block(n):
+    from layerwise import _native
+
+    arena = _native.HostArena(max(n, 1), pinned=False)
+    return arena.allocate(max(n, 1), alignment=4096)[:n], arena
+
+
 def test_a_payload_block_that_changes_size_keeps_its_version_growing():
     """ArenaSource.version() (what the slot record compares) grows at every write, in
     place or into a block of another size: it was the block's own counter plus a count
     of replacements, so a replacement after two in-place writes went back to a version
     seen before, and a slot holding the older bytes would have counted as current."""
-    from layerwise import _native
     from layerwise.stages.source import ArenaSource
 
-    def alloc(n):
-        arena = _native.HostArena(max(n, 1), pinned=False)
-        return arena.allocate(max(n, 1), alignment=4096)[:n], arena
-
-    src = ArenaSource(*alloc(64), alloc=alloc)
+    src = ArenaSource(*_host_block(64), alloc=_host_block)
     seen = [src.version()]
     for n in (64, 64, 64, 48, 48, 80, 80, 80, 80, 32):
         src.write(torch.full((n,), len(seen), dtype=torch.uint8))
         assert src.version() > max(seen), (n, src.version(), seen)
         seen.append(src.version())
         assert torch.equal(src.read(), torch.full((n,), len(seen) - 1, dtype=torch.uint8))
+
+
+def test_an_undone_payload_write_puts_the_old_bytes_back_and_its_version_grows():
+    """write(block, undo=True) (a split write that failed on another rank): the undo
+    restores the old bytes, in place or into a block of another size, and the version
+    never goes back (a slot holding the written bytes must not count as current)."""
+    from layerwise.stages.source import ArenaSource
+
+    src = ArenaSource(*_host_block(64), alloc=_host_block)
+    src.block.copy_(torch.arange(64, dtype=torch.uint8))
+    seen = [src.version()]
+    for n in (64, 48, 64, 80):
+        old = src.read().clone()
+        undo = src.write(torch.full((n,), 200, dtype=torch.uint8), undo=True)
+        assert src.version() > max(seen) and src.read().numel() == n
+        seen.append(src.version())
+        undo()
+        assert src.version() > max(seen), (n, src.version(), seen)
+        seen.append(src.version())
+        assert torch.equal(src.read(), old), n
+        src.write(torch.full((n,), len(seen), dtype=torch.uint8))  # the next size to undo from
+        seen.append(src.version())

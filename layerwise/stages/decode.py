@@ -168,17 +168,26 @@ class CodecSource:
             _codec.decode(payload[p.enc_off : p.enc_off + p.enc_n], out[p.dst_off : p.dst_off + p.dst_n])
         return out
 
-    def write(self, block: torch.Tensor) -> None:
+    def write(self, block: torch.Tensor, undo: bool = False):
         if block.numel() != self.nbytes:
             raise ValueError(f"layerwise: layer {self.tier.group}[{self.index}] has {self.nbytes} bytes here, "
                              f"got a block of {block.numel()}")
-        was = self.encoded
+        was = self.pieces
         payload, pieces = self.tier.keep(self.segments, block)
-        self.inner.write(payload)  # (the callers hold Ctrl-C back: payload and pieces change together)
+        # (the callers hold Ctrl-C back: payload and pieces change together)
+        inner_undo = self.inner.write(payload, undo)
         self._set_pieces(pieces)
-        if was != self.encoded:
+        if (was is None) != (pieces is None):
             log.info("layerwise: %s[%d] now travels %s after a write", self.tier.group, self.index,
                      "encoded" if self.encoded else "raw (its new weights do not compress)")
+        if not undo:
+            return None
+
+        def back():
+            inner_undo()
+            self._set_pieces(was)
+
+        return back
 
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
         if self.pieces is None:

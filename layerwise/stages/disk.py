@@ -657,11 +657,22 @@ class DiskSource:
                 "files of their own, which can be changed), or a host_budget that holds the layer."
             )
 
-    def write(self, block: torch.Tensor) -> None:
+    def _switch(self, offset: int, capacity: int, n: int, crc: int) -> None:
+        """Read the layer from the region at `offset` (its `n` bytes, CRC-32 `crc`)
+        from now on; the region it leaves becomes the spare."""
+        self.spare, self.spill_offset, self.capacity = (self.spill_offset, self.capacity), offset, capacity
+        self.nbytes = self.transfer_bytes = self.read_bytes = n
+        self.parts[0].extents = [(offset, n, 0)]
+        self.copies = [(0, 0, n)]
+        self.crc = crc
+        self._version += 1
+
+    def write(self, block: torch.Tensor, undo: bool = False):
         """Replace the payload (a spill layer; its size may change: an encoded one).
         Written to the layer's other region (appended where it has none, or where
         the bytes do not fit it), then switched to: a write that fails half way (a
-        full disk) leaves the current bytes whole."""
+        full disk) leaves the current bytes whole, and `undo` switches back to the
+        old region (the spare now), which the write left as it was."""
         self.refuse_write()
         tier = self.tier
         if tier is not None:
@@ -677,13 +688,10 @@ class DiskSource:
                 self.spill.write_at(self.spare[0], staging[:n])
             finally:
                 self.spill.refresh()
-        self.spare, (self.spill_offset, cap) = (self.spill_offset, self.capacity), self.spare
-        self.capacity = cap
-        self.nbytes = self.transfer_bytes = self.read_bytes = n
-        self.parts[0].extents = [(self.spill_offset, n, 0)]
-        self.copies = [(0, 0, n)]
-        self.crc = crc_of(block)
-        self._version += 1
+        old = self.spill_offset, self.capacity, self.nbytes, self.crc
+        self._switch(*self.spare, n, crc_of(block))
+        # (nothing reads the new region before an undo: the write and its undo are one call of ShareSource.write)
+        return (lambda: self._switch(*old)) if undo else None
 
     def holders(self):
         yield self

@@ -71,7 +71,12 @@ same order, or they raise SplitError: at once where the ranks disagree, after
     load_state_dict()  and peft merge/unmerge: the layer is gathered, edited and
                        the edited bytes compared across ranks (a digest); ranks
                        that loaded different values refuse on every rank, the
-                       model unchanged
+                       model unchanged. Then each rank writes its share and the
+                       ranks agree on how that went (WRITTEN); where one failed
+                       (a full disk, an encode out of memory) the others undo
+                       theirs (Source.write(undo=True)) and every rank raises the
+                       same SplitError, naming the rank and its error, the layer
+                       unchanged on every rank and the group usable
     remove_layerwise_offload()  gathers every layer to give back full parameters
     a backward that needs a layer's weights again (rare: after its slot refilled)
 
@@ -149,14 +154,16 @@ class SplitError(RuntimeError):
 # tag saying what it is (the lockstep check): ranks that would gather different
 # layers (or a layer and a host read) find out there, before a byte of the layer
 # moves and before gloo sees buffers of different sizes, and raise on every rank.
-GATHER, READ, COMPARE, LOAD, LOCAL_FAILED = 1, 2, 3, 4, 5
+GATHER, READ, COMPARE, LOAD, LOCAL_FAILED, WRITTEN = 1, 2, 3, 4, 5, 6
 _KIND = {GATHER: "a forward's gather of", READ: "a host read (state_dict, load_state_dict, remove) of",
          COMPARE: "the check of new values (load_state_dict, an edit) of",
          LOAD: "the check of a load_state_dict's values for",
-         LOCAL_FAILED: "to say that its local copy failed, a forward's gather of"}
+         LOCAL_FAILED: "to say that its local copy failed, a forward's gather of",
+         WRITTEN: "the check that every rank wrote its share (load_state_dict, an edit) of"}
 _MAGIC = 0x4C57_5350  # "LWSP": a tag, not a stray tensor
 _TAG = 8  # int64s: magic, kind, layer group, layer, bytes, version, and two words of payload (a digest)
 _SAME = 6  # the fields every rank must agree on
+_WHY_BYTES = 1024  # a failed write's error text, per rank (gathered only where a write failed)
 
 
 # ------------------------------------------------------------------ the group
@@ -946,7 +953,11 @@ class ShareSource:
     def write(self, block: torch.Tensor) -> None:
         """Keep this rank's share of `block`: COLLECTIVE. The ranks compare a digest
         of `block` first; if they differ (different values loaded on different
-        ranks), every rank refuses and nothing changes."""
+        ranks), every rank refuses and nothing changes. Then every rank writes its
+        share and the ranks agree on how that went (WRITTEN: ok or failed); where
+        it failed on any rank (a full disk, an encode out of memory), the ranks
+        whose write succeeded undo it and every rank raises the same SplitError
+        (naming the ranks and their errors), the layer unchanged everywhere."""
         g = self.group
         digest = hashlib.blake2b(block.numpy(), digest_size=16).digest()
         payload = (int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:], "little", signed=True))
@@ -958,9 +969,46 @@ class ShareSource:
                 f"[{self.index}] (load_state_dict or an edit); ranks with this rank's values: {same}. With "
                 "split_fetch every rank holds the same weights: load the same state dict on every rank. "
                 "Nothing was changed.")
-        self.inner.write(block[self.lo : self.hi].clone())
+        undo = failed = None
+        try:
+            undo = self.inner.write(block[self.lo : self.hi].clone(), undo=True)
+        except Exception as err:  # noqa: BLE001 - told to the others below; the old bytes stay (Source.write)
+            failed = err
+        try:
+            why = g.call(lambda: self._written(failed))
+        except BaseException:  # the exchange itself failed (a rank left): keep what the layer had
+            if undo is not None:
+                undo()
+            raise
+        if why:
+            if undo is not None:
+                undo()
+            raise SplitError(
+                f"layerwise split fetch: writing layer {self.store.layer_name}[{self.index}] (load_state_dict or an "
+                f"edit) failed on rank{'s' if len(why) > 1 else ''} {', '.join(map(str, why))} of the {g.world} "
+                f"ranks of the split_fetch group ({'; '.join(f'rank {r}: {t}' for r, t in why.items())}). Nothing "
+                "of it was changed: the ranks whose write succeeded put their old bytes back, so the layer keeps "
+                "its old values on every rank and the model streams on (layers written before it keep their new "
+                "values). Fix what failed there (its error says what) and load again, on every rank.") from failed
         self._gen += 1
         g.last_read = (self, self._gen, block)  # the caller's fresh block: what every rank now holds
+
+    def _written(self, failed: Exception | None) -> dict:
+        """The tag exchange after every rank wrote its share (on the group's thread): {rank:
+        its error} of the ranks whose write failed (their texts gathered only then)."""
+        g = self.group
+        rows = g.agree(WRITTEN, self.store.id, self.index, self.nbytes, self._gen, (int(failed is not None), 0))
+        if not any(r[_SAME] for r in rows):
+            return {}
+        mine = torch.zeros(_WHY_BYTES, dtype=torch.uint8)
+        if failed is not None:
+            text = f"{type(failed).__name__}: {failed}".encode()[:_WHY_BYTES]
+            mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        out = torch.empty(g.world * _WHY_BYTES, dtype=torch.uint8)
+        g.wait(_gather(out, mine, g.host_pg, async_op=True),
+               f"telling the ranks why writing {self.store.layer_name}[{self.index}] failed")
+        texts = out.view(g.world, _WHY_BYTES).numpy()
+        return {r: bytes(texts[r]).rstrip(b"\0").decode(errors="ignore") for r in range(g.world) if rows[r][_SAME]}
 
     def close(self) -> None:
         if self.inner is None:

@@ -45,9 +45,13 @@ class Source(Protocol):
     def read(self) -> torch.Tensor:
         """The plan-layout bytes, host uint8: `host` itself or a fresh copy."""
 
-    def write(self, block: torch.Tensor) -> None:
+    def write(self, block: torch.Tensor, undo: bool = False):
         """Replace the true bytes (plan layout, host uint8, nbytes); raises, naming
-        why and what to do, where it cannot be written."""
+        why and what to do, where it cannot be written. A write that raises leaves
+        the old bytes. `undo=True` (asked of the stages a split layer's ShareSource
+        wraps, stages/gather.py): returns a callable that puts the old bytes back
+        where the write failed on another rank, with no I/O and no allocation; the
+        version grows again."""
 
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
         """Queue what makes the bytes land in `dst` (device uint8) once `after` has
@@ -86,18 +90,29 @@ class ArenaSource:
     def read(self) -> torch.Tensor:
         return self.block
 
-    def write(self, block: torch.Tensor) -> None:
+    def _replace(self, block: torch.Tensor, arena) -> None:
+        was = self.version()
+        self._set(block, arena)  # a copy still reading the old block keeps it alive
+        self._version = was + 1 - block._version  # versions only grow (another block's counter is its own)
+
+    def write(self, block: torch.Tensor, undo: bool = False):
         if block.numel() != self.block.numel():
             if self.alloc is None:
                 raise ValueError(f"layerwise: internal: a {block.numel()}-byte write into a "
                                  f"{self.block.numel()}-byte block")
-            was = self.version()
+            old = self.block, self.arena
             new, arena = self.alloc(block.numel())
             new.copy_(block)
-            self._set(new, arena)  # a copy still reading the old block keeps it alive
-            self._version = was + 1 - new._version  # versions only grow (the new block's counter starts over)
-        elif block.data_ptr() != self.block.data_ptr():
-            self.block.copy_(block)
+            self._replace(new, arena)
+            return (lambda: self._replace(*old)) if undo else None
+        if block.data_ptr() == self.block.data_ptr():  # edited in place: nothing to copy
+            if undo:
+                raise ValueError("layerwise: internal: an undoable write of a block into itself (its old bytes "
+                                 "are gone)")
+            return None
+        old = self.block.clone() if undo else None  # (a split share: this rank's part of the layer)
+        self.block.copy_(block)
+        return (lambda: self.block.copy_(old)) if undo else None
 
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
         return self.transfer.copy(dst[: self.nbytes], self.block, after, timing, self.cuts)
