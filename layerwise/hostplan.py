@@ -46,11 +46,18 @@ def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
 
 
 def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
-    """A disk layer's staging size: its bytes rounded to a page in a spill file;
-    from a checkpoint, an upper bound (a page of head and tail per tensor: its
-    runs start anywhere in a page)."""
+    """A disk layer's staging size: the bytes its route keeps in the file (this rank's
+    share under split fetch; raw, the most an encoding keeps) rounded to a page in a
+    spill file; from a checkpoint, an upper bound (a page of head and tail per tensor:
+    its runs start anywhere in a page)."""
+    routes = manager.tier_plan(sizes=False)
     pad = (lambda i: 0) if spill else (lambda i: 2 * PAGE * (len(manager.plan.layers[i].params) + 1))
-    return max((round_up(manager.plan.layers[i].nbytes, PAGE) + pad(i) for i in layers), default=0)
+
+    def payload(i):
+        split = routes[i].split
+        return manager.plan.layers[i].nbytes if split is None else split[2] - split[1]
+
+    return max((round_up(payload(i), PAGE) + pad(i) for i in layers), default=0)
 
 
 def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_depth, held_bytes: int) -> dict:

@@ -23,7 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 import layerwise
+from layerwise.hostplan import staging_slot_bytes
 from layerwise.stages import gather
+from layerwise.stages.disk import staging_slots
 
 
 class Block(nn.Module):
@@ -648,6 +650,13 @@ def tier_round(rank, world, subject, reference, combo, depth, resident, ckpt, sp
             assert last["bytes_copied"] <= last["bytes_raw"] / world + 4096, (what, m.layer_name, last)
         if st["disk"] is not None:
             assert last["bytes_read"] <= share + 4096 * len(m.tiers.disk_layers) * 4, (what, last, share)
+            # the host plan counted the staging this rank allocates: its shares, not whole layers
+            # (exactly for raw layers in spill files; encoded ones and checkpoint reads: at most)
+            planned = staging_slots(m.prefetch_depth, m.options.disk_prefetch_depth) * staging_slot_bytes(
+                m, m.tiers.disk_layers, spill=m.tiers.disk_where == "spill")
+            staged = st["disk"]["staging_bytes"]
+            exact = m.tiers.disk_where == "spill" and m.options.compress is None
+            assert staged <= planned and (planned == staged or not exact), (what, planned, staged)
     sd = model.state_dict()  # collective: the true bytes, gathered
     ref_sd = reference.state_dict()
     assert sd.keys() == ref_sd.keys(), what
