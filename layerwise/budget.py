@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from .plan import assign_slots
+from .plan import assign_slots, param_bytes
 from .options import resolve_resident
 
 log = logging.getLogger("layerwise")
@@ -38,7 +38,7 @@ def non_layer_bytes(model, managers) -> int:
     for p in model.parameters():
         if id(p) not in managed and id(p) not in seen:
             seen.add(id(p))
-            total += p.numel() * p.element_size()
+            total += param_bytes(p)
     for b in model.buffers():
         total += b.numel() * b.element_size()
     return total

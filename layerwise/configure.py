@@ -15,7 +15,7 @@ from .manager import LayerwiseOffloadManager
 from .hostplan import plan_spill
 from .budget import record_host_budget, warn_if_streaming_saves_nothing
 from .options import OffloadOptions, named_options, note_cpu_threads, resolve_resident
-from .plan import resolve_group
+from .plan import param_bytes, resolve_group
 
 log = logging.getLogger("layerwise")
 
@@ -103,7 +103,7 @@ def configure_layerwise_offload(
                             options.residency_policy)
     with stages.attached(managers, options):  # split fetch first: the host budget counts this rank's shares
         if options.host_budget is not None:
-            held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+            held = sum(param_bytes(p) for p in model.parameters() if p.device.type == "cpu")
             plan = plan_spill(model, managers, dev, options.host_budget, options.spill_dir,
                               options.disk_prefetch_depth, held)
             record_host_budget(managers, options.host_budget, plan["budget"])
@@ -197,7 +197,7 @@ def _log_summary(model, managers, dev) -> None:
         for dt, n in m.plan.bytes_per_dtype().items():
             per_dtype[dt] = per_dtype.get(dt, 0) + n
     managed = {id(e.param) for m in managers for lp in m.plan.layers for e in lp.params}
-    non_layer = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in managed)
+    non_layer = sum(param_bytes(p) for p in model.parameters() if id(p) not in managed)
     stats = [m.stats() for m in managers]
     log.info(
         "layerwise: %d group(s) %s, %d layers to %s; packed %s; arena %.1f MiB (%s); ring %.1f MiB; "

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from . import packing, stages
-from .plan import local_tensor
+from .formats import quantized
+from .plan import Wrapped, local_tensor
 
 _MANAGERS = "_layerwise_managers"
 _LOCK = "_layerwise_lock"
@@ -273,6 +274,12 @@ def move_non_layer_weights(model: nn.Module, device: torch.device) -> None:
 
 def check_configurable(model: nn.Module, managers) -> None:
     """Refuse, before anything changes, what packing cannot do exactly."""
+    for m in managers:
+        if m.options.split_fetch is not None:
+            refuse_quantized([m], "split_fetch", "configure without split_fetch")
+        if m.options.host_budget is not None or m.options.spill_dir is not None:
+            refuse_quantized([m], "the disk tier (host_budget / spill_dir)",
+                             "configure without host_budget and spill_dir")
     for name, p in model.named_parameters():
         if p.is_meta:
             raise ValueError(
@@ -286,6 +293,21 @@ def check_configurable(model: nn.Module, managers) -> None:
                 f"buffer {name!r} is on the meta device: give it real values before configuring "
                 "(layerwise.load_offloaded fills buffers from the checkpoint)."
             )
+
+
+def refuse_quantized(managers, what: str, remedy: str) -> None:
+    """Quantized wrapper parameters in a group, with a path that does not stream them
+    yet: a ValueError naming the parameter, its library type and what to do."""
+    for m in managers:
+        for lp in m.plan.layers:
+            for e in lp.params:
+                if e.wrapped is not None:
+                    raise ValueError(
+                        f"layer group {m.layer_name!r}: parameter {e.qualname!r} is a {e.wrapped.library_type} "
+                        f"(a quantized wrapper tensor); {what} does not stream quantized wrappers yet. "
+                        f"{remedy[:1].upper()}{remedy[1:]}, or keep the quantized modules out of the streamed "
+                        "groups. The model is unchanged."
+                    )
 
 
 # ------------------------------------------------------------- interrupts
@@ -590,13 +612,14 @@ def _guarded_apply(model: nn.Module, mod: nn.Module, name: str):
 # ------------------------------------------------- state_dict, load, edits
 def _owned(manager):
     """{module: [(attr, entry, layer index)]} for the streamed parameters each
-    module holds directly."""
+    module holds directly (a quantized wrapper: its `Wrapped` record in place of
+    the entry)."""
     out: dict = {}
     streamed = set(manager.ring.streamed)
     for lp in manager.plan.layers:
         if lp.index not in streamed:
             continue  # resident layers are ordinary device tensors: nothing to guard
-        by_id = {id(e.param): e for e in lp.params}
+        by_id = {id(e.param): e if e.wrapped is None else e.wrapped for e in lp.params}
         for mod in lp.module.modules():
             for attr, p in mod._parameters.items():
                 if p is not None and id(p) in by_id:
@@ -608,6 +631,7 @@ def install_layer_hooks(manager) -> list:
     """state_dict / load_state_dict hooks on every module that holds streamed
     parameters, and peft merge guards in every streamed layer."""
     handles = _split_load_guards(manager)  # first: they refuse before any write hook ran
+    handles += _quantized_load_guards(manager)
     for mod, owned in _owned(manager).items():
         handles.append(_guard_save(mod, manager, owned))
         handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
@@ -657,13 +681,20 @@ def _read_only_guards(manager) -> list:
     outermost module it was called on, before any tensor was copied."""
     fixed = {id(e.param): i for i in manager.ring.streamed if not manager._src[i].writable
              for e in manager.plan.layers[i].params}
-    if not fixed:
+    return _load_guards(manager, fixed, _refuse_read_only)
+
+
+def _load_guards(manager, chosen: dict, make_hook) -> list:
+    """A load_state_dict pre-hook `make_hook(manager, [(relative name, chosen[id(p)])])`
+    on every module of the model that holds one of the parameters `chosen` names
+    ({id(parameter): what the hook needs of it})."""
+    if not chosen:
         return []
     handles = []
     for name, mod in manager.model.named_modules():
-        inner = [(rel, fixed[id(p)]) for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in fixed]
+        inner = [(rel, chosen[id(p)]) for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in chosen]
         if inner:
-            handles.append(mod.register_load_state_dict_pre_hook(_refuse_read_only(manager, inner)))
+            handles.append(mod.register_load_state_dict_pre_hook(make_hook(manager, inner)))
     return handles
 
 
@@ -691,18 +722,65 @@ def _guard_save(mod, manager, owned):
     """state_dict() of a module that holds streamed parameters: what torch (or the
     module's library) saves and the true bytes that replace its slot views, both under
     the model's lock, so that a removal on another thread happens wholly before or
-    wholly after a module's entries are taken, never in between."""
+    wholly after a module's entries are taken, never in between. A quantized
+    wrapper is saved by the module's own code (torch's, or quanto's, which saves
+    derived tensors under keys of its own) while it is bound to its true bytes."""
     original = mod._save_to_state_dict  # bound: the class's, or a library's override
     fix = _state_dict_hook(manager, owned)
+    wrapped = [(attr, w, i) for attr, w, i in owned if isinstance(w, Wrapped)]
 
     def _save_to_state_dict(destination, prefix, keep_vars):
         with manager._lock:
-            original(destination, prefix, keep_vars)
+            if wrapped and manager._finalized:
+                with _bound_to_truth(manager, wrapped, destination, prefix):
+                    original(destination, prefix, keep_vars)
+            else:
+                original(destination, prefix, keep_vars)
             fix(mod, destination, prefix, None)
 
     _save_to_state_dict._layerwise = True
     mod.__dict__["_save_to_state_dict"] = _save_to_state_dict
     return _Unwrap(mod, ("_save_to_state_dict",))
+
+
+def _true_tensor(manager, e, i, copies):
+    """Entry e's true bytes (layer i) as a tensor: an alias of the arena (handed out:
+    a write through it reaches the model), or a copy where the truth is elsewhere."""
+    host = manager._layer_host(i)
+    if host is None:
+        # A copy of the true bytes (a layer on disk, say): a write into it does not
+        # reach the model; load_state_dict does.
+        if i not in copies:
+            copies[i] = manager._read_layer(i)
+        return packing.materialize(e, copies[i], "cpu")
+    t, raw = _host_alias(e, host)
+    # The base is held, not the alias: a write through an alias freed since
+    # still shows in the base's version at the next check.
+    manager.guard.handed_out.append((weakref.ref(t), raw, raw._version, i))
+    return t
+
+
+@contextlib.contextmanager
+def _bound_to_truth(manager, wrapped, destination, prefix):
+    """The quantized wrappers `wrapped` ([(attr, Wrapped, layer index)]) rebuilt
+    over their true bytes while the body runs (a module's own save), then bound to
+    their slot views again; a wrapper the body put in `destination` itself
+    (keep_vars) is replaced by one over the true bytes, which outlives the body."""
+    with torch.inference_mode(False):
+        copies: dict = {}
+        truth = {id(w): {e.leaf: _true_tensor(manager, e, i, copies) for e in w.entries} for _, w, i in wrapped}
+    try:
+        with defer_interrupts():
+            for _, w, _ in wrapped:
+                packing.bind_leaves([(e, truth[id(w)][e.leaf]) for e in w.entries])
+        yield
+    finally:
+        with defer_interrupts():
+            ring = manager.ring
+            for attr, w, i in wrapped:
+                packing.bind_layer_to_slot(w.entries, ring.slots[ring.slot_of[i]])
+                if destination.get(prefix + attr) is w.param:
+                    destination[prefix + attr] = quantized.rebuild(w.form, truth[id(w)])
 
 
 def _state_dict_hook(manager, owned):
@@ -713,7 +791,7 @@ def _state_dict_hook(manager, owned):
             copies = {}  # layers whose truth is not in host memory: read once per call
             for attr, e, i in owned:
                 key = prefix + attr
-                if key not in state_dict:
+                if isinstance(e, Wrapped) or key not in state_dict:  # (a wrapper: saved over its truth)
                     continue
                 host = manager._layer_host(i)
                 if host is None:
@@ -761,6 +839,9 @@ def _load_pre_hook(manager, owned):
                 key = prefix + attr
                 value = state_dict.get(key)
                 param = module._parameters.get(attr)
+                if isinstance(e, Wrapped):
+                    _load_wrapped(manager, module, attr, e, i, key, value, state_dict)
+                    continue
                 if not isinstance(value, torch.Tensor) or param is None or value.shape != param.shape:
                     continue  # torch reports it, as for a resident model
                 if assign and value.dtype != e.dtype:
@@ -794,6 +875,89 @@ def _load_pre_hook(manager, owned):
     return hook
 
 
+def _load_wrapped(manager, module, attr, w, i, key, value, state_dict) -> None:
+    """load_state_dict into a streamed quantized wrapper (its form checked first, at
+    the outermost call: _quantized_load_guards): a wrapper under its key (torchao)
+    is written leaf by leaf into the layer's true bytes; a parameter the module's
+    library built from keys of its own and set in place of ours (quanto) is taken
+    the same way, and ours is put back."""
+    new = module._parameters.get(attr)
+    if new is not w.param and quantized.is_wrapper(new):
+        source, what = new, f"{key} (as {type(module).__qualname__} loaded it)"
+        module._parameters[attr] = w.param
+    elif quantized.is_wrapper(value):
+        source, what = value, key
+    else:
+        return  # not in this state dict (or a plain tensor: refused by the guard at the outermost call)
+    why = w.form.mismatch(quantized.structure(source))
+    if why:
+        raise RuntimeError(_quantized_mismatch(w, what, why))
+    leaves = quantized.leaf_tensors(source)
+
+    def edit(block):
+        for e in w.entries:
+            e.view_in(block).copy_(leaves[e.leaf])
+
+    manager._write_layer(i, edit)
+    if source is value:
+        del state_dict[key]  # taken: torch does not copy it into the slot views
+    manager.guard.loaded_keys.add(key)
+
+
+def _quantized_mismatch(w, key, why) -> str:
+    return (f"layerwise: load_state_dict: {key} cannot be loaded into the streamed {w.library_type} parameter "
+            f"{w.qualname}: {why}. Quantize the model the same way the state dict was made (or call "
+            "layerwise.remove_layerwise_offload(model) first). The model is unchanged.")
+
+
+def _quantized_load_guards(manager) -> list:
+    """A load_state_dict whose quantized values do not have the form of the model's
+    streamed wrappers is refused where it starts, before anything is written: a
+    wrapper under the parameter's key (torchao) must flatten the same way; the
+    tensors a library saves under keys of its own (quanto: `weight._data`, ...)
+    must have the dtypes and shapes the module's own state_dict gives."""
+    wrapped = {}
+    for lp in manager.plan.layers:
+        if lp.index in manager.ring.streamed:
+            for e in lp.params:
+                if e.wrapped is not None:
+                    wrapped[id(e.param)] = e.wrapped
+    return _load_guards(manager, wrapped, _check_quantized_load)
+
+
+def _check_quantized_load(manager, inner):
+    def hook(module, state_dict, prefix, *args):
+        if not manager._finalized or (prefix and module is not manager.model):
+            return  # inside a load that started above: checked there
+        for rel, w in inner:
+            key = prefix + rel
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor):
+                if not quantized.is_wrapper(value):
+                    raise RuntimeError(_quantized_mismatch(
+                        w, key, f"it is a plain {value.dtype}{list(value.shape)} tensor, not a quantized wrapper"))
+                why = w.form.mismatch(quantized.structure(value))
+                if why:
+                    raise RuntimeError(_quantized_mismatch(w, key, why))
+                continue
+            own_keys = [k for k in state_dict if k.startswith(key + ".")]
+            if not own_keys:
+                continue
+            parent, _, attr = rel.rpartition(".")
+            holder = module.get_submodule(parent) if parent else module
+            own: dict = {}
+            holder._save_to_state_dict(own, "", False)  # (the true bytes: _guard_save)
+            for k in own_keys:
+                mine = own.get(k[len(prefix) + len(parent) + (1 if parent else 0):])
+                theirs = state_dict[k]
+                if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and (
+                        mine.dtype != theirs.dtype or mine.shape != theirs.shape):
+                    raise RuntimeError(_quantized_mismatch(
+                        w, k, f"it is {theirs.dtype}{list(theirs.shape)}, the model's is {mine.dtype}{list(mine.shape)}"))
+
+    return hook
+
+
 def _load_post_hook(manager):
     def hook(module, incompatible_keys):
         if manager.guard.loaded_keys:
@@ -818,13 +982,13 @@ def editing(manager, i: int):
         if s >= 0:
             manager._wait_ready(i)
             ring.pin(i)
-        views = [(e, e.param.data) for e in lp.params]
+        views = [(e, e.source() if e.wrapped is not None else e.param.data) for e in lp.params]
         try:
             yield
         finally:
             try:
                 for e, view in views:
-                    now = e.param.data
+                    now = e.source() if e.wrapped is not None else e.param.data
                     if now.data_ptr() != view.data_ptr() or now.stride() != view.stride():
                         if now.shape != view.shape or now.dtype != view.dtype:
                             raise RuntimeError(
@@ -832,7 +996,7 @@ def editing(manager, i: int):
                                 f"streamed parameter keeps {view.dtype}{list(view.shape)} while offloaded"
                             )
                         view.copy_(now)
-                        e.param.data = view
+                        packing.assign([(e, view)])
                 if s >= 0:
                     if manager.device.type == "cuda":
                         torch.cuda.current_stream(manager.device).synchronize()

@@ -103,6 +103,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             stored[key] = s
 
     managers = _prepare(model, layer_names, options)  # (a configured model, bad paths) before anything changes
+    contract.refuse_quantized(managers, "load_offloaded", "quantize a model built with its weights, then call "
+                              "layerwise.configure_layerwise_offload")
     if dtype is not None:
         warn_unlike_from_pretrained(model, dtype)
     # Ties and dtype change which parameter objects the model holds (and so the

@@ -33,7 +33,7 @@ from torch import nn
 from . import _native, contract, gpu_checks, stages
 from .options import OffloadOptions, manager_options, named_options, resolve_resident
 from .meter import Meter
-from .packing import HostLayers, bind_to_slot, materialize
+from .packing import HostLayers, assign, bind_layer_to_slot, materialize
 from .plan import GroupPlan, build_group_plan, device_bytes
 from .ring import SlotRing
 from .tierplan import TierChoice
@@ -192,12 +192,10 @@ class LayerwiseOffloadManager:
             # resident model); streamed ones are bound to views of their slot.
             for i in self.resident:
                 block = self._src[i].read()
-                for e in layers[i].params:
-                    e.param.data = e.wrap(materialize(e, block, self.device))
+                assign([(e, e.wrap(materialize(e, block, self.device))) for e in layers[i].params])
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
             for i in self.ring.streamed:
-                for e in layers[i].params:
-                    bind_to_slot(e, e.view_in(self.ring.slots[self.ring.slot_of[i]]))
+                bind_layer_to_slot(layers[i].params, self.ring.slots[self.ring.slot_of[i]])
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
             self._chain.start(self._engine, self._src, self.ring.streamed, self.prefetch_depth, start)

@@ -21,11 +21,18 @@ import torch
 from torch import nn
 
 from . import _native, stages
+from .formats import quantized
 from .plan import BLOCK_ALIGN, local_tensor, round_up
 
 log = logging.getLogger("layerwise")
 
 _PROGRESS_MIN_BYTES = 1 << 30
+
+
+def source_of(e) -> torch.Tensor:
+    """The plain tensor whose bytes entry `e` packs: the parameter's data (a DTensor's
+    local shard), or a quantized wrapper's leaf."""
+    return local_tensor(e.param.data) if e.leaf is None else quantized.leaf(e.param, e.leaf)
 
 
 def materialize(e, block: torch.Tensor, device) -> torch.Tensor:
@@ -60,6 +67,42 @@ def bind_to_slot(e, view: torch.Tensor) -> None:
     p.data = e.wrap(view)
 
 
+def bind_layer_to_slot(entries, slot: torch.Tensor) -> None:
+    """Point every parameter of a layer at its view of `slot` (a quantized wrapper:
+    rebuilt once over its leaves' views)."""
+    leaves = []
+    for e in entries:
+        if e.leaf is None:
+            bind_to_slot(e, e.view_in(slot))
+        else:
+            leaves.append((e, e.view_in(slot)))
+    bind_leaves(leaves)
+
+
+def assign(pairs) -> None:
+    """[(entry, data)]: each parameter's .data becomes its data (a quantized
+    wrapper: rebuilt once over its leaves' tensors)."""
+    leaves = []
+    for e, t in pairs:
+        if e.leaf is None:
+            e.param.data = t
+        else:
+            leaves.append((e, t))
+    bind_leaves(leaves)
+
+
+def bind_leaves(pairs) -> None:
+    """[(leaf entry, tensor)]: every quantized wrapper named rebuilt once over the
+    tensors given for its leaves (the others keep what they have) and swapped into
+    the same parameter object (formats/quantized.py, [Note: swap, not setattr])."""
+    wrappers: dict = {}
+    for e, t in pairs:
+        wrappers.setdefault(id(e.wrapped), (e.wrapped, {}))[1][e.leaf] = t
+    for w, given in wrappers.values():
+        tensors = {x.leaf: given[x.leaf] if x.leaf in given else x.source() for x in w.entries}
+        quantized.rebind(w.param, w.form, tensors)
+
+
 def _plain(route) -> bool:
     return route.plain or route.where == "device"
 
@@ -85,6 +128,12 @@ class HostLayers:
         if dtype not in self._placeholders:
             self._placeholders[dtype] = torch.zeros((1,), dtype=dtype, device=self.device)
         return self._placeholders[dtype]
+
+    def leaf_placeholder(self, e) -> torch.Tensor:
+        """A quantized wrapper's leaf while packed: the dtype's placeholder at the leaf's
+        shape with zero strides (no memory), since libraries check their leaves' shapes
+        when a wrapper is built (torchao's IntxUnpackedToInt8Tensor does)."""
+        return torch.as_strided(self.placeholder(e.dtype), e.shape, (0,) * len(e.shape))
 
     def pack(self, routes, chain, fill=None) -> None:
         """Pack every layer by its route (module doc). `fill(entry, block)`, if given,
@@ -117,20 +166,28 @@ class HostLayers:
                     self.blocks.append(block)
                 # (for a layer stored elsewhere: what a failure restores from, until stored)
                 self.src.append(stages.ArenaSource(block, None if elsewhere else self.arena))
+                wrapped = []  # quantized wrappers' leaves: copied here, rebound together below
                 for e in lp.params:
                     if fill is not None:
                         fill(e, block)
                         if not e.param.is_meta:
                             e.saved = e.param.data  # given back if configure fails later
                     else:  # the parameter's storage span, byte for byte
-                        data = local_tensor(e.param.data)
+                        data = source_of(e)
                         flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
                         block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
                         del data, flat
+                    if e.leaf is not None:
+                        wrapped.append(e)
+                        continue
                     # Marked before the swap: a rollback that finds the mark restores the
                     # same bytes from the arena even if the swap below never happened.
                     e.packed = True
                     e.param.data = e.wrap(self.placeholder(e.dtype))
+                for e in wrapped:  # (marked before the rebind, as above)
+                    e.packed = True
+                assign([(e, self.leaf_placeholder(e)) for e in wrapped])
+                del wrapped
                 if elsewhere:
                     self.src[-1] = chain.keep(lp, route, block)
                 if bar is not None:
@@ -189,7 +246,7 @@ class HostLayers:
                         new = e.saved
                     elif lp.index in resident:  # an ordinary device tensor: the truth already
                         if original_devices and dev.type != "meta" and dev != device:
-                            new = e.wrap(span_copy(e, local_tensor(e.param.data), dev))
+                            new = e.wrap(span_copy(e, e.source(), dev))
                     elif dev.type != "meta":
                         if block is None:
                             block = src.read()
@@ -200,9 +257,8 @@ class HostLayers:
     @staticmethod
     def give_back(prepared: list) -> None:
         """Rebind every parameter to what prepare_removal built (nothing raises)."""
-        for e, new in prepared:
-            if new is not None:
-                e.param.data = new
+        assign([(e, new) for e, new in prepared if new is not None])
+        for e, _ in prepared:
             e.saved = None
             e.packed = False
 

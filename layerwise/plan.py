@@ -7,6 +7,13 @@ the span of its storage that it covers (for a contiguous tensor: its elements;
 for a transposed or permuted one: the same elements in storage order), so
 that on the device it is rebuilt as a strided *view* of the received block:
 strides survive and no gather or scatter is needed.
+
+A quantized wrapper parameter (torchao, optimum-quanto: layerwise/formats/quantized.py)
+is planned as its plain inner tensors: one entry per leaf, each placed in its
+dtype's segment like a plain parameter, so that layout, codec segments, byte
+counts and the alias check all see the bytes that are stored, never the
+wrapper's outer dtype and shape. The entries of one wrapper share a `Wrapped`
+record (the parameter, its form), through which they are bound together.
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .formats import quantized
 
 log = logging.getLogger("layerwise")
 
@@ -39,6 +48,21 @@ def storage_span(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
+@dataclass(eq=False)
+class Wrapped:
+    """A quantized wrapper parameter: its form (formats/quantized.Structure) and
+    the entries of its leaves, in flatten order."""
+
+    qualname: str
+    param: torch.Tensor
+    form: quantized.Structure
+    entries: list = field(default_factory=list, repr=False)
+
+    @property
+    def library_type(self) -> str:
+        return quantized.library_type(self.param)
+
+
 @dataclass
 class ParamEntry:
     qualname: str
@@ -52,10 +76,26 @@ class ParamEntry:
     dspec: tuple | None = None  # DTensor: (device mesh, placements, global shape, global stride)
     packed: bool = False  # its bytes are in the arena (what a rollback restores)
     saved: torch.Tensor | None = None  # data it had before a checkpoint load, until configure succeeds
+    leaf: tuple | None = None  # a quantized wrapper's inner tensor: its attribute path (formats/quantized.py)
+    wrapped: Wrapped | None = field(default=None, repr=False)  # (with `leaf`) the wrapper parameter it is a leaf of
 
     @property
     def span_bytes(self) -> int:
         return self.span * self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def source(self) -> torch.Tensor:
+        """The plain tensor whose bytes this entry covers, as the parameter holds it now
+        (a DTensor's local shard, a wrapper's leaf)."""
+        if self.leaf is not None:
+            return quantized.leaf(self.param, self.leaf)
+        return local_tensor(self.param.data)
 
     def view_in(self, block: torch.Tensor) -> torch.Tensor:
         """This parameter (its local shard, for a DTensor) as a strided view of a
@@ -108,7 +148,7 @@ class GroupPlan:
 
     @property
     def managed_bytes(self) -> int:
-        return sum(local_tensor(e.param).numel() * e.dtype.itemsize for lp in self.layers for e in lp.params)
+        return sum(e.numel * e.dtype.itemsize for lp in self.layers for e in lp.params)
 
     def bytes_per_dtype(self) -> dict:
         out: dict = {}
@@ -173,13 +213,14 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
     # Parameters whose bytes overlap (b = a[2:6]) would come apart once each is packed on
     # its own: they stay resident, like tied ones. (Parameters that merely share a storage
     # without overlapping, as tensors sliced out of one checkpoint mmap do, are packed.)
+    # A quantized wrapper has no storage of its own: its leaves' storages count.
     by_storage: dict = {}
     for pid, p in objects.items():
-        t = local_tensor(p.data)
-        if t.device.type != "meta" and t.numel():
-            start = t.storage_offset() * t.element_size()
-            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
-                (start, start + storage_span(t) * t.element_size(), pid))
+        for t in _storage_tensors(p):
+            if t.device.type != "meta" and t.numel():
+                start = t.storage_offset() * t.element_size()
+                by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
+                    (start, start + storage_span(t) * t.element_size(), pid))
     aliased = set()
     for spans in by_storage.values():
         spans.sort()
@@ -198,8 +239,17 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
             shared.extend(nm for nm in pnames if pattern.match(nm))
             continue
         p = objects[pid]
+        if quantized.is_wrapper(p):
+            layers[owned[0]].params.extend(_leaf_entries(pnames[0], p))
+            continue
         d = p.data
         t = local_tensor(d)
+        if quantized.is_wrapper(t):
+            raise ValueError(
+                f"parameter {pnames[0]!r} is a DTensor of a {quantized.library_type(t)} (a tensor-parallel quantized "
+                "weight): layerwise does not stream those yet. Keep that module out of the streamed groups (or "
+                "quantize after sharding with plain local shards). The model is unchanged."
+            )
         dspec = None
         if t is not d:
             dspec = (d.device_mesh, tuple(d.placements), tuple(d.shape), tuple(d.stride()))
@@ -212,6 +262,34 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
     if shared:
         log.info("layerwise: %s: %d tied parameter name(s) stay resident: %s", path, len(shared), ", ".join(shared))
     return GroupPlan(path, module_list, n, layers, shared)
+
+
+def _storage_tensors(p) -> list[torch.Tensor]:
+    """The plain tensors whose storages a parameter's bytes live in."""
+    if quantized.is_wrapper(p):
+        return list(quantized.leaf_tensors(p).values())
+    t = local_tensor(p.data)
+    return list(quantized.leaf_tensors(t).values()) if quantized.is_wrapper(t) else [t]
+
+
+def param_bytes(p) -> int:
+    """The bytes a parameter holds: numel x itemsize, or for a quantized wrapper its
+    plain leaves' (never its outer dtype and shape)."""
+    if not quantized.is_wrapper(p):
+        return p.numel() * p.element_size()
+    return sum(t.numel() * t.element_size() for t in _storage_tensors(p))
+
+
+def _leaf_entries(name: str, p) -> list[ParamEntry]:
+    """One entry per plain inner tensor of a quantized wrapper parameter."""
+    form = quantized.structure(p)
+    quantized.check_rebindable(name, p, form)
+    wrapped = Wrapped(name, p, form)
+    for leaf in form.leaves():
+        t = quantized.leaf(p, leaf.path)
+        wrapped.entries.append(ParamEntry(name, p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t),
+                                          orig_device=t.device, leaf=leaf.path, wrapped=wrapped))
+    return wrapped.entries
 
 
 def assign_slots(num_streamed: int, depth: int) -> tuple[list[int], int]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import codec as _codec
-from .plan import BLOCK_ALIGN, local_tensor, round_up
+from .plan import BLOCK_ALIGN, round_up
 
 _ALIGN = 16  # every codec stream starts at a multiple of 16 bytes
 _MAX_WIDTH = {torch.bfloat16: 5, torch.float16: 4}
@@ -74,7 +74,7 @@ def _histogram(entries, dtype: torch.dtype, seg_bytes: int) -> torch.Tensor | No
     hist = torch.zeros(n_sym, dtype=torch.int64)
     values = 0
     for e in entries:
-        data = local_tensor(e.param.data)
+        data = e.source()
         if data.is_meta or data.dtype != dtype:
             return None
         flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset()).view(torch.int16)

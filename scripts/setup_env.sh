@@ -13,6 +13,9 @@ TORCH_SPEC=${LAYERWISE_TORCH_SPEC:-torch==2.13.0}
 PACKAGES=(triton:triton pybind11:pybind11 ninja:ninja pytest:pytest numpy:numpy safetensors:safetensors
           tqdm:tqdm psutil:psutil matplotlib:matplotlib rich:rich setuptools:setuptools wheel:wheel
           diffusers:diffusers transformers:transformers accelerate:accelerate peft:peft)
+# The quantization libraries the tests stream (module:package). Installed with --no-deps, on their
+# own: an unpinned dependency of theirs would pull a second (CUDA) torch over the one above.
+QUANT_PACKAGES=(torchao:torchao optimum.quanto:optimum-quanto bitsandbytes:bitsandbytes gguf:gguf)
 start=$SECONDS
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -23,7 +26,8 @@ VPY="$VENV/bin/python"
 
 # One interpreter checks everything: torch by importing it (a broken install
 # counts as missing), the rest by locating the module without importing it.
-missing=$("$VPY" - "${PACKAGES[@]}" <<'EOF'
+find_missing() {  # module:package ... -> the packages whose module is not found (and torch, if broken)
+  "$VPY" - "$@" <<'EOF'
 import importlib.util, sys
 try:
     import torch  # noqa: F401
@@ -31,10 +35,15 @@ except Exception:
     print("torch")
 for mod_pkg in sys.argv[1:]:
     mod, pkg = mod_pkg.split(":")
-    if importlib.util.find_spec(mod) is None:
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:  # a dotted module whose parent package is missing
+        found = False
+    if not found:
         print(pkg)
 EOF
-)
+}
+missing=$(find_missing "${PACKAGES[@]}")
 
 if grep -qx torch <<<"$missing"; then
   echo "setup: installing $TORCH_SPEC (CPU wheel where the index has one; ~35 s, more to download a CUDA build)"
@@ -47,8 +56,15 @@ if [ ${#need[@]} -gt 0 ]; then
   "$VPY" -m pip install -q "${need[@]}"
 fi
 
-if [ -z "$missing" ]; then
-  echo "setup: $VENV has torch and the ${#PACKAGES[@]} other packages; nothing to do ($((SECONDS - start)) s)"
+quant=($(find_missing "${QUANT_PACKAGES[@]}" | grep -vx torch || true))
+if [ ${#quant[@]} -gt 0 ]; then
+  echo "setup: installing ${#quant[@]} quantization package(s) without their dependencies: ${quant[*]} (~10 s, quiet)"
+  "$VPY" -m pip install -q --no-deps "${quant[@]}"
+  missing+=" ${quant[*]}"
+fi
+
+if [ -z "${missing// /}" ]; then
+  echo "setup: $VENV has torch and the $((${#PACKAGES[@]} + ${#QUANT_PACKAGES[@]})) other packages; nothing to do ($((SECONDS - start)) s)"
 else
   echo "setup: done in $((SECONDS - start)) s"
 fi

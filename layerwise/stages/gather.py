@@ -449,8 +449,7 @@ def layer_crc(lp):
     BENCHMARKS.md, "The lockstep check's cost"): about 0.2 s per GB streamed."""
     crc = 0
     for e in lp.params:
-        data = e.param.data
-        data = data.to_local() if hasattr(data, "to_local") else data
+        data = e.source()
         if data.is_meta:
             return None
         flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset()).view(torch.uint8)

@@ -1,0 +1,181 @@
+"""Quantized wrapper tensors as the plain tensors they hold.
+
+torchao (`Int8Tensor`, `Float8Tensor`, `IntxUnpackedToInt8Tensor`, ...) and
+optimum-quanto (`WeightQBytesTensor`, `TinyGemmWeightQBitsTensor`, ...) store a
+quantized weight as a tensor subclass with no storage of its own: a wrapper
+whose `__tensor_flatten__` names the plain tensors it computes from (int8 / fp8
+/ packed uint8 data, scales, zero points), possibly through another wrapper
+(quanto's packed int4 data). The plan streams those leaves like plain
+parameters (each in its dtype's segment); `Structure` is what binding needs to
+build the wrapper again over other tensors of the same form (slot views,
+placeholders, tensors of its own on removal) with `__tensor_unflatten__`, and
+what a state dict's wrapper must match to be loaded.
+
+[Note: swap, not setattr] A library's own methods rebuild the wrapper from its
+leaves (`model.to` does, through `__tensor_unflatten__`-like constructors), and
+its outer size, dtype and device come from the leaves it was built over. Setting
+a leaf attribute would leave those stale (a wrapper rebuilt over a (1,)
+placeholder by `model.to` says (1,) forever); so each change of a parameter's
+leaves builds a new wrapper over them and swaps it into the same Parameter
+object (torch.utils.swap_tensors), once per parameter per change: the hooks
+never do it.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Path = tuple  # attribute names from the wrapper down to a plain leaf: ("_data", "_data")
+
+
+def is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def is_wrapper(t) -> bool:
+    """A tensor subclass that flattens into inner tensors (not a DTensor: the plan
+    streams a DTensor's local shard)."""
+    return (isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter)
+            and callable(getattr(type(t), "__tensor_flatten__", None)) and not is_dtensor(t))
+
+
+def library_type(t) -> str:
+    cls = type(t)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A wrapper's form: its type, flatten context, outer size and stride, and for
+    each inner tensor name either a Structure (a nested wrapper) or a Leaf."""
+
+    cls: type
+    ctx: object
+    size: tuple
+    stride: tuple
+    inner: tuple  # ((name, Structure | Leaf), ...)
+
+    def leaves(self) -> list[Leaf]:
+        out = []
+        for _, child in self.inner:
+            out.extend(child.leaves() if isinstance(child, Structure) else [child])
+        return out
+
+    def mismatch(self, other: "Structure", where: str = "") -> str | None:
+        """What differs between two forms (None: a value of `other`'s form can be
+        copied leaf by leaf into one of this form)."""
+        name = where or "the wrapper"
+        if other.cls is not self.cls:
+            return f"{name} is a {other.cls.__qualname__}, the model's is a {self.cls.__qualname__}"
+        if other.ctx != self.ctx:
+            return f"{name} has flatten context {other.ctx!r}, the model's has {self.ctx!r}"
+        if tuple(other.size) != tuple(self.size):
+            return f"{name} has shape {list(other.size)}, the model's has {list(self.size)}"
+        mine, theirs = dict(self.inner), dict(other.inner)
+        if mine.keys() != theirs.keys():
+            return f"{name} holds inner tensors {sorted(theirs)}, the model's holds {sorted(mine)}"
+        for key, a in mine.items():
+            b = theirs[key]
+            sub = f"{where}.{key}" if where else key
+            if isinstance(a, Structure) != isinstance(b, Structure):
+                return f"{sub} is {'a wrapper' if isinstance(b, Structure) else 'plain'} in the state dict only"
+            if isinstance(a, Structure):
+                why = a.mismatch(b, sub)
+                if why:
+                    return why
+            elif (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+                return f"{sub} is {b.dtype}{list(b.shape)} in the state dict, {a.dtype}{list(a.shape)} in the model"
+        return None
+
+
+def structure(t: torch.Tensor, prefix: Path = ()) -> Structure:
+    names, ctx = t.__tensor_flatten__()
+    inner = []
+    for name in names:
+        child = getattr(t, name)
+        path = prefix + (name,)
+        if is_wrapper(child):
+            inner.append((name, structure(child, path)))
+        else:
+            inner.append((name, Leaf(path, child.dtype, tuple(child.shape), tuple(child.stride()))))
+    return Structure(type(t), ctx, tuple(t.shape), tuple(t.stride()), tuple(inner))
+
+
+def leaf_tensors(t: torch.Tensor, prefix: Path = ()) -> dict:
+    """{path: plain inner tensor}, recursively."""
+    out = {}
+    for name in t.__tensor_flatten__()[0]:
+        child = getattr(t, name)
+        if is_wrapper(child):
+            out.update(leaf_tensors(child, prefix + (name,)))
+        else:
+            out[prefix + (name,)] = child
+    return out
+
+
+def leaf(t: torch.Tensor, path: Path) -> torch.Tensor:
+    for name in path:
+        t = getattr(t, name)
+    return t
+
+
+def rebuild(form: Structure, tensors: dict) -> torch.Tensor:
+    """A new wrapper of `form` over `tensors` ({path: plain tensor} for every leaf)."""
+    inner = {name: rebuild(child, tensors) if isinstance(child, Structure) else tensors[child.path]
+             for name, child in form.inner}
+    return form.cls.__tensor_unflatten__(inner, form.ctx, form.size, form.stride)
+
+
+def rebind(param: torch.Tensor, form: Structure, tensors: dict) -> None:
+    """Point the wrapper parameter `param` (the same Python object) at `tensors`: a
+    wrapper rebuilt over them is swapped in (module doc, [Note: swap, not
+    setattr]); attributes of `param` that the rebuilt wrapper does not set
+    (`_is_param`, a library's or the user's own) are kept."""
+    new = rebuild(form, tensors)
+    for key, value in param.__dict__.items():
+        if key not in new.__dict__:
+            new.__dict__[key] = value
+    if new.requires_grad != param.requires_grad:
+        new.requires_grad_(param.requires_grad)
+    torch.utils.swap_tensors(param, new)
+
+
+def check_rebindable(name: str, param: torch.Tensor, form: Structure) -> None:
+    """Refuse (before anything changes) a wrapper parameter that cannot be rebuilt
+    over other tensors: its unflatten must give back a wrapper of the same form
+    over the very tensors it was given."""
+    what = f"parameter {name!r} is a {library_type(param)} (a quantized wrapper tensor)"
+    current = leaf_tensors(param)
+    try:
+        probe = rebuild(form, current)
+        same = type(probe) is type(param) and all(
+            leaf(probe, path) is t or leaf(probe, path).data_ptr() == t.data_ptr() for path, t in current.items())
+    except Exception as err:  # noqa: BLE001 - the library's own error, reported with the remedy
+        raise ValueError(
+            f"{what} that layerwise cannot rebuild over its streamed bytes: {type(param).__qualname__}."
+            f"__tensor_unflatten__ failed with {type(err).__name__}: {err}. Keep that module out of the "
+            "streamed groups, or dequantize it first. The model is unchanged."
+        ) from None
+    if weakref.getweakrefcount(param):
+        raise ValueError(
+            f"{what} that is referenced weakly ({weakref.getweakrefs(param)[0]!r}): torch cannot swap a new "
+            "wrapper into a weakly referenced tensor, so layerwise cannot rebind it to its streamed bytes. Drop "
+            "the weak reference, or keep that module out of the streamed groups. The model is unchanged."
+        )
+    if not same:
+        raise ValueError(
+            f"{what} whose __tensor_unflatten__ does not rebuild it over the inner tensors it is given; "
+            "layerwise cannot stream it. Keep that module out of the streamed groups, or dequantize it first. "
+            "The model is unchanged."
+        )

@@ -1,0 +1,341 @@
+"""Quantized wrapper tensors (torchao, optimum-quanto) stream as their plain inner
+tensors (layerwise/formats/quantized.py): each test against the resident quantized
+model, bitwise, on the CPU backend. The libraries are test extras installed by
+scripts/setup_env.sh (--no-deps); a test skips only where one is not installed."""
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import layerwise
+from layerwise import packing as packing_mod
+from layerwise.configure import managers_of
+from layerwise.formats import quantized as quantized_mod
+
+D = 256  # quanto's int4 groups are 128 wide: the in-features must be a multiple
+
+
+class Block(nn.Module):
+    def __init__(self, d=D):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, n=4, d=D):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+KINDS = ["ao-int8", "ao-fp8", "ao-int4", "quanto-qint8", "quanto-qfloat8", "quanto-qint4"]
+
+
+def quantize(model, kind, only=None):
+    """Quantize `model` in place as `kind` (every nn.Linear, or only the module named `only`)."""
+    if kind.startswith("ao-"):
+        pytest.importorskip("torchao")
+        from torchao.quantization import (Float8WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig,
+                                          quantize_)
+
+        config = {"ao-int8": Int8WeightOnlyConfig(), "ao-fp8": Float8WeightOnlyConfig(),
+                  "ao-int4": IntxWeightOnlyConfig(weight_dtype=torch.int4)}[kind]
+        quantize_(model, config, filter_fn=None if only is None else (lambda mod, fqn: fqn == only))
+    else:
+        pytest.importorskip("optimum.quanto")
+        from optimum import quanto
+
+        qtype = {"quanto-qint8": quanto.qint8, "quanto-qfloat8": quanto.qfloat8, "quanto-qint4": quanto.qint4}[kind]
+        quanto.quantize(model, weights=qtype, include=only)
+        quanto.freeze(model)
+    return model
+
+
+def make(kind, seed=0, n=4):
+    torch.manual_seed(seed)
+    return quantize(Stack(n).to(torch.bfloat16).eval(), kind)
+
+
+def leaves(t):
+    """A tensor's plain inner tensors, recursively (the test's own flatten)."""
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(type(t), "__tensor_flatten__"):
+        return [t]
+    return [x for name in t.__tensor_flatten__()[0] for x in leaves(getattr(t, name))]
+
+
+def stored_bytes(module):
+    return sum(x.numel() * x.element_size() for p in module.parameters() for x in leaves(p))
+
+
+def bits(t):
+    return [x.reshape(-1).contiguous().view(torch.uint8) for x in leaves(t)]
+
+
+def assert_state_equal(sd, ref):
+    assert sd.keys() == ref.keys(), sd.keys() ^ ref.keys()
+    for k, v in ref.items():
+        assert type(sd[k]) is type(v), (k, type(sd[k]), type(v))
+        if hasattr(v, "__tensor_flatten__") and type(v) is not torch.Tensor:
+            assert sd[k].__tensor_flatten__()[1] == v.__tensor_flatten__()[1], k
+            assert sd[k].shape == v.shape and sd[k].dtype == v.dtype, k
+        a, b = bits(sd[k]), bits(v)
+        assert len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b)), k
+
+
+def snapshot(sd):
+    return {k: [x.clone() for x in leaves(v)] for k, v in sd.items()}
+
+
+def inputs(n=3, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, D, generator=g).to(torch.bfloat16) for _ in range(n)]
+
+
+def run(model, xs):
+    with torch.no_grad():
+        return [model(x) for x in xs]
+
+
+def assert_computes_from_slots(model):
+    """Every streamed wrapper's leaves are views of its group's ring slots, and its
+    outer shape and dtype are the resident model's."""
+    for m in managers_of(model):
+        for i in m.ring.streamed:
+            for e in m.plan.layers[i].params:
+                if e.wrapped is not None:
+                    assert e.source().untyped_storage().data_ptr() in m.ring.ptrs, e.qualname
+                    assert tuple(e.param.shape) == e.wrapped.form.size, e.qualname
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_block_stack_streams_quantized_bytes_bitwise(kind, depth):
+    ref = make(kind, n=6)  # (6 layers: more than a depth-2 ring holds, so every step copies every layer)
+    expect = run(ref, inputs())
+    sd_ref = ref.state_dict()
+    quant = stored_bytes(ref.blocks)
+    bf16 = sum(p.numel() * 2 for p in Stack(6).blocks.parameters())
+    assert quant < 0.6 * bf16
+
+    model = make(kind, n=6)
+    random.seed(depth)
+    [m] = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=depth,
+                                                debug_copy_delay_us=random.randint(50, 500))
+    assert m.plan.managed_bytes == quant  # the leaves' bytes, never the wrapper's outer dtype and shape
+    for _ in range(3):
+        for out, want in zip(run(model, inputs()), expect):
+            assert torch.equal(out, want)
+    assert_computes_from_slots(model)
+    copied = m.stats()["last_step"]["bytes_copied"]
+    assert 0 < copied <= 1.15 * quant, (copied, quant)
+    assert_state_equal(model.state_dict(), sd_ref)
+
+    layerwise.remove_layerwise_offload(model)
+    assert not managers_of(model)
+    assert_state_equal(model.state_dict(), sd_ref)
+    for out, want in zip(run(model, inputs()), expect):
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_state_dict_round_trip(kind):
+    other = make(kind, seed=1)
+    expect = run(other, inputs())
+    sd_other = other.state_dict()
+    model = make(kind)
+    sd_own = snapshot(model.state_dict())
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+    run(model, inputs())
+    result = model.load_state_dict(sd_other)
+    assert not result.missing_keys and not result.unexpected_keys
+    for out, want in zip(run(model, inputs()), expect):
+        assert torch.equal(out, want)
+    assert_computes_from_slots(model)
+    assert_state_equal(model.state_dict(), sd_other)
+    layerwise.remove_layerwise_offload(model)
+    assert_state_equal(model.state_dict(), sd_other)
+    assert {k: [x.shape for x in v] for k, v in sd_own.items()} == {
+        k: [x.shape for x in leaves(v)] for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint8"])
+def test_a_state_dict_of_another_form_is_refused_and_the_model_unchanged(kind):
+    model = make(kind)
+    expect = run(make(kind), inputs())
+    sd_ref = make(kind).state_dict()
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+    bad = make("ao-fp8" if kind == "ao-int8" else "quanto-qfloat8", seed=1).state_dict()
+    with pytest.raises(RuntimeError, match=r"cannot be loaded into the streamed .* The model is unchanged"):
+        model.load_state_dict(bad)
+    plain = {k: (torch.zeros(v.shape, dtype=torch.bfloat16) if k.endswith("up.weight") else v)
+             for k, v in sd_ref.items()}
+    if kind == "ao-int8":
+        with pytest.raises(RuntimeError, match="plain torch.bfloat16"):
+            model.load_state_dict(plain)
+    for out, want in zip(run(model, inputs()), expect):
+        assert torch.equal(out, want)
+    assert_state_equal(model.state_dict(), sd_ref)
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint4"])
+def test_compress_lossless_composes_bitwise(kind):
+    ref = make(kind)
+    expect = run(ref, inputs())
+    model = make(kind)
+    [m] = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", compress="lossless")
+    for _ in range(2):
+        for out, want in zip(run(model, inputs()), expect):
+            assert torch.equal(out, want)
+    assert m.stats()["last_step"]["bytes_copied"] <= 1.15 * stored_bytes(ref.blocks)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+    layerwise.remove_layerwise_offload(model)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "ao-fp8", "quanto-qint8"])
+def test_a_quantized_head_outside_the_group_does_not_block_plain_blocks(kind):
+    def build():
+        torch.manual_seed(0)
+        model = Stack().to(torch.bfloat16).eval()
+        return quantize(model, kind, only="head")
+
+    ref = build()
+    expect = run(ref, inputs())
+    model = build()
+    assert quantized_mod.is_wrapper(model.head.weight)
+    [m] = layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+    assert m.plan.managed_bytes == stored_bytes(ref.blocks)
+    for out, want in zip(run(model, inputs()), expect):
+        assert torch.equal(out, want)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+    layerwise.remove_layerwise_offload(model)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+
+
+def _fingerprint(model):
+    return {n: (id(p), type(p), [x.clone() for x in leaves(p)]) for n, p in model.named_parameters()}
+
+
+def _assert_fingerprint(model, fp):
+    now = dict(model.named_parameters())
+    assert now.keys() == fp.keys()
+    for n, (pid, cls, data) in fp.items():
+        p = now[n]
+        assert id(p) == pid and type(p) is cls, n
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(leaves(p), data)), n
+        assert tuple(p.shape) == tuple(now[n].shape)
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint4"])
+@pytest.mark.parametrize("where", ["before_copy", "placeholder", "rebind"])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_failure_at_every_parameter_index_rolls_back_exactly(monkeypatch, kind, where, exc):
+    ref = make(kind, n=2)
+    expect = run(ref, inputs())
+    target = {"before_copy": (packing_mod, "source_of"), "placeholder": (packing_mod.HostLayers, "leaf_placeholder"),
+              "rebind": (quantized_mod, "rebind")}[where]
+    orig = getattr(*target)
+    calls = [0]
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise exc(f"injected at {fail_at[0] - 1}")
+        return orig(*a, **kw)
+
+    fail_at = [0]
+    monkeypatch.setattr(*target, counting)
+    probe = make(kind, n=2)
+    layerwise.configure_layerwise_offload(probe, "blocks", device="cpu")
+    total = calls[0]  # (those of configure: removal rebinds too)
+    layerwise.remove_layerwise_offload(probe)
+    assert total >= 4
+    for k in range(total):
+        model = make(kind, n=2)
+        fp = _fingerprint(model)
+        calls[0], fail_at[0] = 0, k + 1
+        with pytest.raises(exc, match=f"injected at {k}$"):
+            layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+        assert not managers_of(model)
+        _assert_fingerprint(model, fp)
+        fail_at[0] = 0
+        for out, want in zip(run(model, inputs()), expect):
+            assert torch.equal(out, want)
+
+
+def test_paths_that_do_not_stream_wrappers_yet_are_refused_before_the_model_changes(tmp_path):
+    model = make("ao-int8", n=2)
+    fp = _fingerprint(model)
+    with pytest.raises(ValueError, match=r"'blocks\.0\.up\.weight' is a torchao\..*Int8Tensor .*disk tier"):
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=1 << 20,
+                                              spill_dir=str(tmp_path))
+    _assert_fingerprint(model, fp)
+    assert not managers_of(model)
+
+
+def test_a_wrapper_that_cannot_be_rebuilt_is_refused_naming_it():
+    pytest.importorskip("torchao")
+    model = make("ao-int8", n=2)
+    fp = _fingerprint(model)
+    cls = type(model.blocks[0].up.weight)
+
+    class Broken(cls):
+        @classmethod
+        def __tensor_unflatten__(klass, *a, **kw):
+            raise TypeError("no")
+
+    model.blocks[1].up.weight.__class__ = Broken
+    with pytest.raises(ValueError, match=r"'blocks\.1\.up\.weight' is a .*Broken .*cannot rebuild"):
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+    model.blocks[1].up.weight.__class__ = cls
+    _assert_fingerprint(model, fp)
+
+
+def _llama(kind):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    if kind.startswith("ao-"):
+        return quantize(model, kind)
+    pytest.importorskip("optimum.quanto")
+    from optimum import quanto
+
+    quanto.quantize(model.model.layers, weights={"quanto-qint8": quanto.qint8, "quanto-qint4": quanto.qint4}[kind])
+    quanto.freeze(model.model.layers)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "ao-fp8", "ao-int4", "quanto-qint8"])
+def test_tiny_llama_generate_matches_resident(kind):
+    ref = _llama(kind)
+    prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(31))
+    gen = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), **gen)
+    model = _llama(kind)
+    [m] = layerwise.configure_layerwise_offload(model, "model.layers", device="cpu", prefetch_depth=2,
+                                                debug_copy_delay_us=200)
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), **gen)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, expected.logits))
+    assert_computes_from_slots(model)
+    assert m.stats()["last_step"]["bytes_copied"] <= 1.15 * stored_bytes(ref.model.layers)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+    layerwise.remove_layerwise_offload(model)
+    assert_state_equal(model.state_dict(), ref.state_dict())
