@@ -16,7 +16,7 @@ import torch
 from layerwise.bench import cli, hooks, report, stream
 from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
 
-CPU_SUITES = ["h2d", "stream", "startup", "hooks"]
+CPU_SUITES = ["h2d", "stream", "startup", "hooks", "quant"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_cli_runs_every_cpu_suite(tiny_run):
     # a section is "name: title", or "name" alone for a suite without a title in report.SUITE_TITLES
     sections = [re.match(r"\| [*_]+(\w+)(: |\*\* \|)", line) for line in md
                 if line.startswith("| **") or line.startswith("| _")]
-    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "startup", "hooks", "disk"}
+    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "startup", "hooks", "disk", "quant"}
     assert "| _scatter: skipped: " in md_text
 
 
@@ -68,7 +68,7 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
     assert env["device"] == "cpu" and "--tiny" in env["argv"]
 
     suites = doc["suites"]
-    assert set(suites) == {"h2d", "scatter", "stream", "startup", "hooks", "disk"}
+    assert set(suites) == {"h2d", "scatter", "stream", "startup", "hooks", "disk", "quant"}
     assert suites["scatter"]["status"] == "skipped" and "CUDA" in suites["scatter"]["reason"]
     # disk: skipped only where no disk-backed file system is writable (the reason says so)
     assert suites["disk"]["status"] == "ok" or (suites["disk"]["status"] == "skipped" and
@@ -110,6 +110,21 @@ def test_suite_specific_figures(tiny_run):
         assert set(point["step_ms"]) == set(stream["data"]["methods"])
         assert point["streamed_bytes"] > 0
     assert all(row["met"] is None for row in stream["rows"])
+    # quant: every form streamed bitwise (checked in the suite), moving its quantized bytes and no more:
+    # about half the bf16 bytes for 8-bit forms, about a quarter for quanto's packed int4.
+    quant = suites["quant"]
+    assert quant["status"] == "ok", quant["reason"]
+    forms = quant["data"]["forms"]
+    bf16 = quant["data"]["config"]["bf16_layer_bytes"]
+    assert {"bf16", "fp8 (torchao)", "int8 (torchao)", "qint4 (quanto)"} <= set(forms), (set(forms), quant["data"])
+    for name, f in forms.items():
+        for label, copied in f["bytes_per_step"].items():
+            assert copied <= 1.15 * f["quantized_bytes"], (name, label, copied, f["quantized_bytes"])
+        if name != "bf16":
+            assert f["bytes_per_step"]["layerwise"] < 0.6 * bf16, (name, f)
+    assert forms["qint4 (quanto)"]["bytes_per_step"]["layerwise"] < 0.35 * bf16
+    assert forms["bf16"]["bytes_per_step"]["layerwise, compress"] < 0.8 * bf16  # (random-init bf16 weights)
+    assert all(r["met"] in (True, None) for r in quant["rows"]), [r for r in quant["rows"] if r["met"] is False]
     # hooks: the flatness row has its target.
     assert suites["hooks"]["rows"][-1]["targets"]
     # disk: the reader read with O_DIRECT, compared with a plain O_DIRECT read in the same run.
