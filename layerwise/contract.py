@@ -289,21 +289,6 @@ def check_configurable(model: nn.Module, managers) -> None:
             )
 
 
-def refuse_quantized(managers, what: str, remedy: str) -> None:
-    """Quantized wrapper parameters in a group, with a path that does not stream them
-    yet: a ValueError naming the parameter, its library type and what to do."""
-    for m in managers:
-        for lp in m.plan.layers:
-            for e in lp.params:
-                if e.wrapped is not None:
-                    raise ValueError(
-                        f"layer group {m.layer_name!r}: parameter {e.qualname!r} is a {e.wrapped.library_type} "
-                        f"(a quantized wrapper tensor); {what} does not stream quantized wrappers yet. "
-                        f"{remedy[:1].upper()}{remedy[1:]}, or keep the quantized modules out of the streamed "
-                        "groups. The model is unchanged."
-                    )
-
-
 # ------------------------------------------------------------- interrupts
 @contextlib.contextmanager
 def defer_interrupts():
@@ -347,7 +332,11 @@ def device_moves(snap: list, skip=frozenset()) -> list:
         if len(item) == 2:
             p, dev = item
             if id(p) not in skip and p.device != dev:
-                out.append((item, p.data.to(dev)))
+                if quantized.is_wrapper(p):  # rebuilt over its leaves moved (formats/quantized.py)
+                    out.append((item, (quantized.structure(p),
+                                       {path: t.to(dev) for path, t in quantized.leaf_tensors(p).items()})))
+                else:
+                    out.append((item, p.data.to(dev)))
         else:
             m, name, dev = item
             b = m._buffers.get(name)
@@ -358,7 +347,9 @@ def device_moves(snap: list, skip=frozenset()) -> list:
 
 def apply_moves(moves: list) -> None:
     for item, t in moves:
-        if len(item) == 2:
+        if len(item) == 2 and isinstance(t, tuple):
+            quantized.rebind(item[0], *t)
+        elif len(item) == 2:
             item[0].data = t
         else:
             item[0]._buffers[item[1]] = t
