@@ -274,12 +274,6 @@ def move_non_layer_weights(model: nn.Module, device: torch.device) -> None:
 
 def check_configurable(model: nn.Module, managers) -> None:
     """Refuse, before anything changes, what packing cannot do exactly."""
-    for m in managers:
-        if m.options.split_fetch is not None:
-            refuse_quantized([m], "split_fetch", "configure without split_fetch")
-        if m.options.host_budget is not None or m.options.spill_dir is not None:
-            refuse_quantized([m], "the disk tier (host_budget / spill_dir)",
-                             "configure without host_budget and spill_dir")
     for name, p in model.named_parameters():
         if p.is_meta:
             raise ValueError(
@@ -293,21 +287,6 @@ def check_configurable(model: nn.Module, managers) -> None:
                 f"buffer {name!r} is on the meta device: give it real values before configuring "
                 "(layerwise.load_offloaded fills buffers from the checkpoint)."
             )
-
-
-def refuse_quantized(managers, what: str, remedy: str) -> None:
-    """Quantized wrapper parameters in a group, with a path that does not stream them
-    yet: a ValueError naming the parameter, its library type and what to do."""
-    for m in managers:
-        for lp in m.plan.layers:
-            for e in lp.params:
-                if e.wrapped is not None:
-                    raise ValueError(
-                        f"layer group {m.layer_name!r}: parameter {e.qualname!r} is a {e.wrapped.library_type} "
-                        f"(a quantized wrapper tensor); {what} does not stream quantized wrappers yet. "
-                        f"{remedy[:1].upper()}{remedy[1:]}, or keep the quantized modules out of the streamed "
-                        "groups. The model is unchanged."
-                    )
 
 
 # ------------------------------------------------------------- interrupts
@@ -353,7 +332,11 @@ def device_moves(snap: list, skip=frozenset()) -> list:
         if len(item) == 2:
             p, dev = item
             if id(p) not in skip and p.device != dev:
-                out.append((item, p.data.to(dev)))
+                if quantized.is_wrapper(p):  # rebuilt over its leaves moved (formats/quantized.py)
+                    out.append((item, (quantized.structure(p),
+                                       {path: t.to(dev) for path, t in quantized.leaf_tensors(p).items()})))
+                else:
+                    out.append((item, p.data.to(dev)))
         else:
             m, name, dev = item
             b = m._buffers.get(name)
@@ -364,7 +347,9 @@ def device_moves(snap: list, skip=frozenset()) -> list:
 
 def apply_moves(moves: list) -> None:
     for item, t in moves:
-        if len(item) == 2:
+        if len(item) == 2 and isinstance(t, tuple):
+            quantized.rebind(item[0], *t)
+        elif len(item) == 2:
             item[0].data = t
         else:
             item[0]._buffers[item[1]] = t
@@ -655,10 +640,11 @@ def _split_load_guards(manager) -> list:
     store = manager.tiers.split_store
     if store is None:
         return []
-    split = {id(e.param) for i in manager.ring.streamed if i in store.spans for e in manager.plan.layers[i].params}
+    split = {id(e.param): e.wrapped is not None for i in manager.ring.streamed if i in store.spans
+             for e in manager.plan.layers[i].params}
     handles = []
     for name, mod in manager.model.named_modules():
-        inner = [rel for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in split]
+        inner = [(rel, split[id(p)]) for rel, p in mod.named_parameters(remove_duplicate=False) if id(p) in split]
         if inner:
             handles.append(mod.register_load_state_dict_pre_hook(_check_split_load(manager, mod, inner)))
     return handles
@@ -668,11 +654,35 @@ def _check_split_load(manager, mod, inner):
     def hook(module, state_dict, prefix, *args):
         if not manager._finalized or (prefix and module is not manager.model):
             return  # inside a load that started above: checked there
-        named = [(prefix + rel, state_dict[prefix + rel]) for rel in inner
-                 if isinstance(state_dict.get(prefix + rel), torch.Tensor)]
-        manager.tiers.split_store.check_load(named)
+        manager.tiers.split_store.check_load(_split_load_values(state_dict, prefix, inner))
 
     return hook
+
+
+def _split_load_values(state_dict, prefix, inner) -> list:
+    """[(key, plain tensor)]: the values a load_state_dict gives the split parameters
+    `inner` ([(relative name, is a quantized wrapper)]), as plain tensors the ranks
+    can compare byte for byte: a wrapper under its key (torchao) as its leaves, and
+    for a wrapper also the tensors its library saves under keys of its own below
+    the parameter's (quanto: `weight._data`, `weight._scale`)."""
+    named = []
+    wrapped = set()
+    for rel, is_wrapped in inner:
+        key = prefix + rel
+        value = state_dict.get(key)
+        if is_wrapped:
+            wrapped.add(key)
+        if quantized.is_wrapper(value):
+            named.extend((f"{key}:{'.'.join(path)}", t) for path, t in quantized.leaf_tensors(value).items())
+        elif isinstance(value, torch.Tensor):
+            named.append((key, value))
+    if wrapped:  # (one pass over the keys, each looked up by its prefixes)
+        for key, value in state_dict.items():
+            parts = key.split(".")
+            if isinstance(value, torch.Tensor) and not quantized.is_wrapper(value) and any(
+                    ".".join(parts[:j]) in wrapped for j in range(1, len(parts))):
+                named.append((key, value))
+    return named
 
 
 def _read_only_guards(manager) -> list:

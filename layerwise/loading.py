@@ -14,6 +14,13 @@ the config of the module that owns them (layerwise.empty_model builds a model
 whose buffers need no recomputing), and `dtype=` casts floating-point tensors
 while reading, as `model.to(dtype)` would.
 
+A quantized model (torchao, optimum-quanto: quantized on meta the way the
+checkpoint was) is read as its wrappers' inner tensors, each from a key of its
+own (layerwise.formats.quantized.checkpoint_leaf_keys: torchao's safetensors
+layout with each wrapper's form in the metadata, or a state dict whose keys are
+the inner tensors' own), the form checked first; a checkpoint that cannot fill
+the model's wrappers exactly is refused naming the parameter and its library.
+
 Everything (keys, shapes, dtypes, buffers the checkpoint cannot supply) is
 checked before the model changes; a failure half way puts it back.
 
@@ -39,6 +46,7 @@ from .hostplan import plan_host_budget
 from .configure import _build, _prepare
 from .options import OffloadOptions, named_options
 from .empty import recompute_buffers, retype, tie_declared, warn_unlike_from_pretrained
+from .formats import quantized
 from .formats import safetensors as sft
 from .formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
 
@@ -103,9 +111,14 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             stored[key] = s
 
     managers = _prepare(model, layer_names, options)  # (a configured model, bad paths) before anything changes
-    contract.refuse_quantized(managers, "load_offloaded", "quantize a model built with its weights, then call "
-                              "layerwise.configure_layerwise_offload")
     if dtype is not None:
+        for name, p in model.named_parameters():
+            if quantized.is_wrapper(p) and p.dtype != dtype:
+                raise ValueError(
+                    f"load_offloaded: dtype={dtype} would cast parameter {name!r}, a {quantized.library_type(p)} "
+                    f"(a quantized wrapper tensor computing in {p.dtype}); its inner tensors keep the dtypes they "
+                    f"are stored in. Quantize the meta model in {dtype} (or load without dtype=). The model is "
+                    "unchanged.")
         warn_unlike_from_pretrained(model, dtype)
     # Ties and dtype change which parameter objects the model holds (and so the
     # plan): done now, put back if anything later fails.
@@ -116,7 +129,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             changed = retype(model, dtype) or changed
         if changed:
             managers = _prepare(model, layer_names, options)
-        return _load(model, managers, options, files, stored, strict, dtype)
+        forms = quantized.checkpoint_forms(sft.read_metadata(path) for path in files)
+        return _load(model, managers, options, files, stored, strict, dtype, forms)
     except BaseException:
         if not contract.managers_of(model):  # (a Ctrl-C delivered once the model was whole keeps it)
             for mod, attr, p in registered:
@@ -124,7 +138,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         raise
 
 
-def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype):
+def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype, forms):
+    """`forms`: the quantized wrappers' forms the checkpoint records (formats/quantized.checkpoint_forms)."""
     dev = options.device
 
     def want(t: torch.Tensor) -> torch.dtype:
@@ -155,11 +170,16 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
         return next((n for n in names if n in stored), None)
 
     # ---- check everything before anything changes
-    missing = [names[0] for pid, names in param_names.items() if source_key(names) is None]
+    # A quantized wrapper parameter is read as its inner tensors, each from a key of its own.
+    wrapped = {pid: quantized.structure(p) for pid, p in params.items() if quantized.is_wrapper(p)}
+    leaf_keys = {pid: quantized.checkpoint_leaf_keys(param_names[pid][0], params[pid], form, stored, forms)
+                 for pid, form in wrapped.items()}
+    missing = [names[0] for pid, names in param_names.items() if pid not in wrapped and source_key(names) is None]
     missing += [full for _, _, full, persistent in buffers if persistent and full not in stored]
     # A non-persistent buffer is not part of a state dict (torch's load_state_dict calls it
     # unexpected): its value is computed by the model, never taken from a checkpoint.
     known = {n for names in param_names.values() for n in names} | {full for _, _, full, p in buffers if p}
+    known |= {k for keys in leaf_keys.values() for k in keys.values()}
     unexpected = sorted(k for k in stored if k not in known)
     if missing or (strict and unexpected):
         problems = ([_names(missing, "missing")] if missing else []) + \
@@ -182,6 +202,8 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
             raise ValueError(f"checkpoint tensor {name!r}: {s.nbytes} bytes stored for shape {list(s.shape)}")
 
     for pid, names in param_names.items():
+        if pid in wrapped:  # (its leaves: checked by checkpoint_leaf_keys)
+            continue
         key = source_key(names)
         check(key, stored[key], params[pid].shape, params[pid].dtype)
         present = [n for n in names if n in stored]
@@ -215,8 +237,10 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
 
         apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
                             options.residency_policy)
-    managed = {id(e.param): e for m in managers for lp in m.plan.layers for e in lp.params}
-    entry_key = {id(e): source_key(param_names[pid]) for pid, e in managed.items()}
+    entries = [e for m in managers for lp in m.plan.layers for e in lp.params]
+    managed = {id(e.param) for e in entries}
+    entry_key = {id(e): leaf_keys[id(e.param)][e.leaf] if e.leaf is not None else source_key(param_names[id(e.param)])
+                 for e in entries}
     with stages.attached(managers, options, values=_sampled_values(stored, entry_key)):
         if options.host_budget is not None:  # (after split fetch: the budget counts this rank's shares)
             _plan_disk(model, managers, options, stored, entry_key)
@@ -239,6 +263,10 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
         buffers_before = [(mod, attr, mod._buffers[attr]) for mod, attr, _, _ in buffers]
 
         replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
+        # Quantized wrappers are rebuilt over other leaves in the same object (formats/quantized.rebind;
+        # packing does it for the streamed ones): given back their meta leaves on failure.
+        rebound = [(params[pid], form, quantized.leaf_tensors(params[pid])) for pid, form in wrapped.items()]
+        owners = [(e, e.param) for e in entries]
 
         def undo():
             for p, old in reversed(replaced):
@@ -247,15 +275,18 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                 mod._parameters[attr] = old
             for mod, attr, old in buffers_before:
                 mod._buffers[attr] = old
-            for pid, e in managed.items():
-                e.param = params[pid]
+            for p, form, leaves in rebound:
+                if any(quantized.leaf(p, path) is not t for path, t in leaves.items()):
+                    quantized.rebind(p, form, leaves)
+            for e, p in owners:
+                e.param = p
 
         # A meta parameter cannot take host data (set_data refuses): packed ones get
         # a fresh Parameter object, in every module that shares it.
-        for pid, e in managed.items():
-            if e.param.is_meta:
+        for e in entries:
+            if e.leaf is None and e.param.is_meta:
                 new = nn.Parameter(torch.empty((1,), dtype=e.dtype), requires_grad=e.param.requires_grad)
-                swap(pid, new)
+                swap(id(e.param), new)
                 e.param = new
 
         def fill(e, block):
@@ -275,6 +306,13 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                 if pid in managed:
                     continue
                 p = params[pid]
+                if pid in wrapped:  # a quantized wrapper outside the groups: rebuilt over its leaves on the device
+                    keys = leaf_keys[pid]
+                    quantized.rebind(p, wrapped[pid], {path: sft.host_tensor(stored[k]).to(dev)
+                                                       for path, k in keys.items()})
+                    if bar is not None:
+                        bar.update(sum(stored[k].nbytes for k in keys.values()))
+                    continue
                 s = stored[source_key(names)]
                 t = sft.host_tensor(s, p.dtype).to(dev)
                 if p.is_meta:

@@ -880,10 +880,84 @@ def scenario_read_fails(rank, world, tmp):
         exact_then_removed(model, reference, rank, spill, combo)
 
 
+def scenario_quantized(rank, world, tmp):
+    """Issue 23: torchao / quanto quantized layers (wrapper tensors streamed as their
+    plain leaves) with split fetch alone, with the disk tier (spill files), and with
+    disk + compress: bitwise on every rank (inputs of its own) against the resident
+    quantized model; each rank copies about 1/N of the quantized bytes (and reads at
+    most its share); state_dict (collective), a load_state_dict round trip, a load
+    with different values per rank refused, remove bitwise, spill files deleted."""
+    import test_quantized as tq
+
+    spill = os.path.join(tmp, f"qspill-{rank}")
+    os.makedirs(spill, exist_ok=True)
+    n = 6
+    for kind in ("ao-int8", "ao-fp8", "quanto-qint4"):
+        reference = tq.make(kind, n=n)
+        sd_ref = reference.state_dict()
+        quant = tq.stored_bytes(reference.blocks)
+        torch.manual_seed(100 + rank)  # different inputs on every rank
+        xs = [torch.randn(2, tq.D).to(torch.bfloat16) for _ in range(2)]
+        expect = tq.run(reference, xs)
+        for combo, depth in ((("split",), 1), (("split", "spill"), 2), (("split", "spill", "compress"), 1)):
+            what = f"{kind} {combo} depth {depth}"
+            kw = dict(device="cpu", prefetch_depth=depth, split_fetch=dist.group.WORLD, debug_copy_delay_us=200,
+                      compress="lossless" if "compress" in combo else None)
+
+            def offload(budget, **more):
+                model = tq.make(kind, n=n)
+                if budget is not None:
+                    more.update(host_budget=budget, spill_dir=spill, disk_prefetch_depth=1)
+                layerwise.configure_layerwise_offload(model, "blocks", **more)
+                return model
+
+            budget = None
+            if "spill" in combo:  # (the same calls on every rank: the ranks' plans are alike)
+                budget = smallest_budget(lambda b: offload(b, **kw)) + quant // n // world  # ~1 share in memory
+            model = offload(budget, **kw)
+            [m] = layerwise.contract.managers_of(model)
+            plan = m.stats()["tier_plan"]
+            assert all("share" in r for r in plan), (what, plan)
+            if "spill" in combo:
+                assert m.tiers.disk_layers, (what, plan)
+            for _ in range(3):
+                for out, want in zip(tq.run(model, xs), expect):
+                    assert torch.equal(out, want), (what, rank)
+            tq.assert_computes_from_slots(model)
+            st = m.stats(sync=True)
+            last, share = st["last_step"], st["split_fetch"]["share_bytes"]
+            assert all_sum(share) == streamed_bytes(m), (what, share)
+            assert last["bytes_raw"] > 0 and last["bytes_copied"] <= last["bytes_raw"] / world + 4096, (what, last)
+            assert last["bytes_copied"] <= 1.15 * quant / world + 4096, (what, last, quant)
+            if st["disk"] is not None:
+                assert 0 < last["bytes_read"] <= share + 4096 * len(m.tiers.disk_layers), (what, last, share)
+            print(f"{what}: quantized {quant} B, copied {last['bytes_copied']} B/step on rank {rank}, "
+                  f"read {last.get('bytes_read')} B", flush=True)
+            tq.assert_state_equal(model.state_dict(), sd_ref)
+            other = tq.make(kind, seed=5, n=n)
+            model.load_state_dict(other.state_dict())
+            for out, want in zip(tq.run(model, xs), tq.run(other, xs)):
+                assert torch.equal(out, want), (what, rank)
+            tq.assert_state_equal(model.state_dict(), other.state_dict())
+            # the ranks differ in the last layer's quantized weights only (its biases are alike):
+            # refused before the first layers are written
+            mine = tq.make(kind, seed=7 + rank, n=n).state_dict()
+            bad = {k: mine[k] if k.startswith(f"blocks.{n - 1}.") and "bias" not in k else v
+                   for k, v in sd_ref.items()}
+            expect_split_error(rank, lambda: model.load_state_dict(bad), ["different values", f"blocks.{n - 1}."])
+            tq.assert_state_equal(model.state_dict(), other.state_dict())
+            model.load_state_dict(sd_ref)
+            layerwise.remove_layerwise_offload(model)
+            tq.assert_state_equal(model.state_dict(), sd_ref)
+            for out, want in zip(tq.run(model, xs), expect):
+                assert torch.equal(out, want), (what, rank)
+            assert not os.listdir(spill), (what, os.listdir(spill))
+
+
 SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,
              "gather_error": scenario_gather_error, "tiers": scenario_tiers, "write_fails": scenario_write_fails,
              "read_fails": scenario_read_fails, "sigint": scenario_sigint,
-             "real_tiers": scenario_real_tiers, "real_sigint": scenario_real_sigint}
+             "real_tiers": scenario_real_tiers, "real_sigint": scenario_real_sigint, "quantized": scenario_quantized}
 
 
 def main(rank, world, port, tmp, scenario=None):
@@ -895,7 +969,7 @@ def main(rank, world, port, tmp, scenario=None):
     if scenario is not None:
         fn = SCENARIOS[scenario]
         with_tmp = (scenario_seeds, scenario_tiers, scenario_sigint, scenario_write_fails, scenario_read_fails,
-                    scenario_real_tiers, scenario_real_sigint)
+                    scenario_real_tiers, scenario_real_sigint, scenario_quantized)
         fn(rank, world, tmp) if fn in with_tmp else fn(rank, world)
         print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
         os._exit(0)

@@ -2,7 +2,10 @@
 tensors (layerwise/formats/quantized.py): each test against the resident quantized
 model, bitwise, on the CPU backend. The libraries are test extras installed by
 scripts/setup_env.sh (--no-deps); a test skips only where one is not installed."""
+import glob
+import os
 import random
+import re
 
 import pytest
 import torch
@@ -273,16 +276,6 @@ def test_a_failure_at_every_parameter_index_rolls_back_exactly(monkeypatch, kind
             assert torch.equal(out, want)
 
 
-def test_paths_that_do_not_stream_wrappers_yet_are_refused_before_the_model_changes(tmp_path):
-    model = make("ao-int8", n=2)
-    fp = _fingerprint(model)
-    with pytest.raises(ValueError, match=r"'blocks\.0\.up\.weight' is a torchao\..*Int8Tensor .*disk tier"):
-        layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=1 << 20,
-                                              spill_dir=str(tmp_path))
-    _assert_fingerprint(model, fp)
-    assert not managers_of(model)
-
-
 def test_a_wrapper_that_cannot_be_rebuilt_is_refused_naming_it():
     pytest.importorskip("torchao")
     model = make("ao-int8", n=2)
@@ -339,3 +332,292 @@ def test_tiny_llama_generate_matches_resident(kind):
     assert_state_equal(model.state_dict(), ref.state_dict())
     layerwise.remove_layerwise_offload(model)
     assert_state_equal(model.state_dict(), ref.state_dict())
+
+
+# ------------------------------------------------------------------ the disk tier
+TIER_KINDS = ["ao-int8", "ao-fp8", "quanto-qint4"]
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    from layerwise.stages.read import filesystem_type
+
+    if filesystem_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("tmp_path is on a memory file system here")
+    return str(tmp_path)
+
+
+def spill_files(d):
+    return sorted(glob.glob(os.path.join(d, "layerwise-*.spill")))
+
+
+def host_budget_keeping(offload, layers_in_memory, layer_bytes):
+    """A host_budget that keeps about `layers_in_memory` layers in memory and the
+    rest on disk: the smallest budget the planner accepts (the one a refusal names)
+    plus that many layers."""
+    try:
+        model = offload(64 << 10)
+    except ValueError as e:
+        need = re.search(r"host memory needs [^(]*\((\d+) bytes", str(e))
+        assert "too small" in str(e) and need, e
+        return int(need[1]) + layers_in_memory * layer_bytes
+    layerwise.remove_layerwise_offload(model)
+    raise AssertionError("a 64 KiB host budget was accepted")
+
+
+def check_streamed_contract(model, ref_kind, expect, sd_ref, n, spill=None):
+    """Outputs bitwise (several steps), wrappers computing from their slots,
+    state_dict, a load_state_dict round trip, remove bitwise with spill files deleted."""
+    for _ in range(3):
+        for out, want in zip(run(model, inputs()), expect):
+            assert torch.equal(out, want)
+    assert_computes_from_slots(model)
+    assert_state_equal(model.state_dict(), sd_ref)
+    other = make(ref_kind, seed=1, n=n)
+    model.load_state_dict(other.state_dict())
+    for out, want in zip(run(model, inputs()), run(other, inputs())):
+        assert torch.equal(out, want)
+    assert_state_equal(model.state_dict(), other.state_dict())
+    model.load_state_dict(sd_ref)
+    layerwise.remove_layerwise_offload(model)
+    assert not managers_of(model)
+    if spill is not None:
+        assert spill_files(spill) == []
+    assert_state_equal(model.state_dict(), sd_ref)
+    for out, want in zip(run(model, inputs()), expect):
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kind", TIER_KINDS)
+@pytest.mark.parametrize("compress", [None, "lossless"])
+def test_disk_tier_streams_quantized_bytes_from_spill_files(spill_dir, kind, compress):
+    """host_budget + spill_dir: the layers that do not fit are written to a spill file
+    as their quantized leaves and read back per step (at most their quantized bytes);
+    the others stay in memory; bitwise, with the state contract."""
+    n = 6
+    ref = make(kind, n=n)
+    expect = run(ref, inputs())
+    sd_ref = ref.state_dict()
+    quant = stored_bytes(ref.blocks)
+    opts = dict(device="cpu", spill_dir=spill_dir, compress=compress, debug_copy_delay_us=100,
+                debug_read_delay_us=100)
+
+    def offload(budget):
+        model = make(kind, n=n)
+        layerwise.configure_layerwise_offload(model, "blocks", host_budget=budget, **opts)
+        return model
+
+    model = offload(host_budget_keeping(offload, 2, quant // n))
+    [m] = managers_of(model)
+    assert 1 <= len(m.tiers.disk_layers) < n, m.stats()["tier_plan"]
+    assert len(spill_files(spill_dir)) == 1
+    run(model, inputs())
+    run(model, inputs())  # (the first step's reads include the configure's)
+    last = m.stats(sync=True)["last_step"]
+    disk_quant = sum(stored_bytes(ref.blocks[i]) for i in m.tiers.disk_layers)
+    assert 0 < last["bytes_read"] <= 1.15 * disk_quant, (last, disk_quant)
+    assert 0 < last["bytes_copied"] <= 1.15 * quant, (last, quant)
+    check_streamed_contract(model, kind, expect, sd_ref, n, spill=spill_dir)
+
+
+# ------------------------------------------------ load_offloaded of a quantized checkpoint
+def meta_quantized(kind, n=4):
+    """A Stack built on the meta device and quantized as `kind` (the same way as make())."""
+    with torch.device("meta"):
+        model = Stack(n).to(torch.bfloat16).eval()
+    return quantize(model, kind)
+
+
+def save_quantized(model, kind, path):
+    """The checkpoint as the library's own save writes it: torchao's safetensors layout
+    (torchao.prototype.safetensors.flatten_tensor_state_dict: `<module>._<attr>_<inner>`
+    tensors and a JSON form per wrapper in the metadata, as transformers' save_pretrained
+    writes a torchao model), or quanto's state dict (`weight._data`, `weight._scale`, ...)."""
+    from safetensors.torch import save_file
+
+    sd = model.state_dict()
+    if kind.startswith("ao-"):
+        from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+        tensors, metadata = flatten_tensor_state_dict(sd)
+        save_file(tensors, path, metadata=metadata)
+    else:
+        save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    return path
+
+
+LOAD_KINDS = ["ao-int8", "ao-fp8", "ao-int4", "quanto-qint8", "quanto-qfloat8"]
+
+
+@pytest.mark.parametrize("kind", LOAD_KINDS)
+@pytest.mark.parametrize("tier", ["memory", "checkpoint", "spill"])
+def test_load_offloaded_of_a_quantized_checkpoint(tmp_path, kind, tier):
+    """A quantized checkpoint (the library's own layout) loaded into a meta model quantized
+    the same way: the leaves are read from the file into their places (the quantized head
+    outside the group too); with host_budget, layers stream from the checkpoint as stored
+    (or from spill files); bitwise, bytes per step the quantized bytes, state contract."""
+    n = 6
+    ref = make(kind, n=n)
+    expect = run(ref, inputs())
+    sd_ref = ref.state_dict()
+    quant = stored_bytes(ref.blocks)
+    ckpt = save_quantized(ref, kind, str(tmp_path / "model.safetensors"))
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    opts = dict(device="cpu", prefetch_depth=2, debug_copy_delay_us=100)
+    if tier == "spill":
+        opts["spill_dir"] = str(spill)
+
+    def load(budget=None):
+        model = meta_quantized(kind, n)
+        layerwise.load_offloaded(model, ckpt, "blocks", host_budget=budget, **opts)
+        return model
+
+    model = load(None if tier == "memory" else host_budget_keeping(load, 2, quant // n))
+    [m] = managers_of(model)
+    if tier != "memory":
+        assert 1 <= len(m.tiers.disk_layers) < n, m.stats()["tier_plan"]
+        assert any(r.startswith(tier) for r in m.stats()["tier_plan"]), m.stats()["tier_plan"]
+    assert m.plan.managed_bytes == quant
+    for _ in range(3):
+        for out, want in zip(run(model, inputs()), expect):
+            assert torch.equal(out, want)
+    assert_computes_from_slots(model)
+    last = m.stats(sync=True)["last_step"]
+    assert 0 < last["bytes_copied"] <= 1.15 * quant, (last, quant)
+    if tier != "memory":
+        disk_quant = sum(stored_bytes(ref.blocks[i]) for i in m.tiers.disk_layers)
+        assert 0 < last["bytes_read"] <= 1.15 * disk_quant + 8192 * len(m.tiers.disk_layers), (last, disk_quant)
+    assert_state_equal(model.state_dict(), sd_ref)
+    if tier != "checkpoint":  # (layers read from the checkpoint as stored are read-only)
+        other = make(kind, seed=1, n=n)
+        model.load_state_dict(other.state_dict())
+        for out, want in zip(run(model, inputs()), run(other, inputs())):
+            assert torch.equal(out, want)
+        model.load_state_dict(sd_ref)
+    layerwise.remove_layerwise_offload(model)
+    assert spill_files(str(spill)) == []
+    assert_state_equal(model.state_dict(), sd_ref)
+    for out, want in zip(run(model, inputs()), expect):
+        assert torch.equal(out, want)
+
+
+def _meta_fingerprint(model):
+    return {n: (id(p), type(p), p.device, [(x.dtype, tuple(x.shape), x.device) for x in leaves(p)])
+            for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("ckpt_kind,model_kind,words", [
+    ("ao-int8", "ao-fp8", r"'blocks\.0\.up\.weight' is a torchao\..*Float8Tensor.*Int8Tensor"),
+    ("ao-int8", "quanto-qint8", r"'blocks\.0\.up\.weight' is a optimum\.quanto\..*WeightQBytesTensor"),
+    ("quanto-qint4", "quanto-qint4", r"'blocks\.0\.up\.weight' is a optimum\.quanto\..*WeightQBitsTensor.*frozen on meta"),
+    ("quanto-qfloat8", "quanto-qint8", r"'blocks\.0\.up\.weight' is a optimum\.quanto\..*float8_e4m3fn.*torch\.int8"),
+    ("plain", "ao-int8", r"'blocks\.0\.up\.weight' is a torchao\..*Int8Tensor.*plain torch\.bfloat16"),
+])
+def test_a_quantized_checkpoint_that_cannot_be_loaded_exactly_is_refused(tmp_path, ckpt_kind, model_kind, words):
+    """A checkpoint whose quantized tensors do not have the model's form (another config,
+    another library, a plain checkpoint, or a layout the library saves derived tensors in):
+    a ValueError naming the parameter, its library type, the format and what to do,
+    before the model changes."""
+    if ckpt_kind == "plain":
+        from safetensors.torch import save_file
+
+        torch.manual_seed(0)
+        ckpt = str(tmp_path / "plain.safetensors")
+        save_file(Stack(2).to(torch.bfloat16).state_dict(), ckpt)
+    else:
+        ckpt = save_quantized(make(ckpt_kind, n=2), ckpt_kind, str(tmp_path / "q.safetensors"))
+    model = meta_quantized(model_kind, 2)
+    fp = _meta_fingerprint(model)
+    with pytest.raises(ValueError, match=words + r".*The model is unchanged"):
+        layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", strict=False)
+    assert _meta_fingerprint(model) == fp
+    assert not managers_of(model)
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint8"])
+def test_a_failed_quantized_load_gives_the_meta_model_back(tmp_path, monkeypatch, kind):
+    """A read that fails at any tensor of load_offloaded (layer leaves and the quantized
+    head alike) leaves the meta model as it was: its wrappers over their meta leaves."""
+    from layerwise.formats import safetensors as sft
+
+    ckpt = save_quantized(make(kind, n=2), kind, str(tmp_path / "q.safetensors"))
+    orig = sft.read_into
+    calls, fail_at = [0], [0]
+
+    def failing(*a, **kw):
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise OSError(f"injected at {fail_at[0] - 1}")
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(sft, "read_into", failing)
+    probe = meta_quantized(kind, 2)
+    layerwise.load_offloaded(probe, ckpt, "blocks", device="cpu", prefetch_depth=0)
+    total = calls[0]
+    layerwise.remove_layerwise_offload(probe)
+    assert total >= 10
+    for k in range(total):
+        model = meta_quantized(kind, 2)
+        fp = _meta_fingerprint(model)
+        calls[0], fail_at[0] = 0, k + 1
+        with pytest.raises(OSError, match=f"injected at {k}$"):
+            layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", prefetch_depth=0)
+        assert _meta_fingerprint(model) == fp, k
+        assert not managers_of(model)
+
+
+def test_load_offloaded_refuses_a_dtype_that_would_cast_a_quantized_wrapper(tmp_path):
+    ckpt = save_quantized(make("ao-int8", n=2), "ao-int8", str(tmp_path / "q.safetensors"))
+    model = meta_quantized("ao-int8", 2)
+    fp = _meta_fingerprint(model)
+    with pytest.raises(ValueError, match=r"dtype=torch\.float16 would cast parameter 'blocks\.0\.up\.weight', a "
+                                         r"torchao\..*Int8Tensor.*The model is unchanged"):
+        layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", dtype=torch.float16)
+    assert _meta_fingerprint(model) == fp
+
+
+# ------------------------------------------------ offload_pipeline with a quantized transformer
+@pytest.mark.parametrize("kind", ["ao-int8", "ao-fp8"])
+def test_offload_pipeline_with_a_torchao_quantized_transformer(kind):
+    """A tiny Flux pipeline in bf16 whose transformer is torchao-quantized (its block
+    lists and the linears outside them): the image is bitwise the resident pipeline's,
+    the transformer's groups copy their quantized bytes per step, its state_dict is
+    the resident one's; remove gives the quantized pipeline back."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from layerwise.bench.pipeline import SIZES, generate, tiny_flux_pipeline
+
+    import dataclasses
+
+    size = dataclasses.replace(SIZES["tiny"], double=4, single=6)  # more layers than 2 slots: re-copied each step
+
+    def build():
+        pipe = tiny_flux_pipeline(size, dtype=torch.bfloat16)
+        quantize(pipe.transformer, kind)
+        return pipe
+
+    ref = build()
+    assert quantized_mod.is_wrapper(ref.transformer.transformer_blocks[0].attn.to_q.weight)
+    image = generate(ref, size)
+    sd_ref = ref.transformer.state_dict()
+    pipe = build()
+    managers = layerwise.offload_pipeline(pipe, device="cpu")
+    groups = managers["transformer"]
+    assert [m.layer_name for m in groups] == ["transformer_blocks", "single_transformer_blocks"]
+    for _ in range(2):
+        assert torch.equal(generate(pipe, size), image)
+    assert_computes_from_slots(pipe.transformer)
+    for m in groups:
+        quant = m.plan.managed_bytes
+        assert quant == stored_bytes(ref.transformer.get_submodule(m.layer_name)), m.layer_name
+        copied = m.stats()["last_step"]["bytes_copied"]
+        # every layer once per step, as its block: the quantized bytes and the alignment gaps between
+        # leaves (layerwise.plan.PARAM_ALIGN; at width 32 the gaps are 15% of the layers' bytes)
+        assert copied == sum(lp.nbytes for lp in m.plan.layers), (m.layer_name, copied, quant)
+        entries = sum(len(lp.params) for lp in m.plan.layers)
+        assert quant < copied <= quant + 256 * entries, (m.layer_name, copied, quant)
+    assert_state_equal(pipe.transformer.state_dict(), sd_ref)
+    layerwise.remove_pipeline_offload(pipe)
+    assert_state_equal(pipe.transformer.state_dict(), sd_ref)
+    assert torch.equal(generate(pipe, size), image)

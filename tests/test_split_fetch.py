@@ -114,6 +114,16 @@ def test_split_disk_compress_survive_real_sigints_on_flux_and_llama(tmp_path):
 
 
 @needs_gloo
+def test_split_fetch_streams_quantized_layers_with_the_tiers(tmp_path):
+    """Issue 23: torchao Int8 / Float8 weight-only and quanto qint4 layers with split
+    fetch, split + spill, split + spill + compress on 2 ranks: bitwise, each rank copies
+    about half of the quantized bytes; the state contract (tests/split_worker.py)."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("optimum.quanto")
+    run_ranks(2, tmp_path, "quantized")
+
+
+@needs_gloo
 def test_split_ranks_with_different_weights_are_refused(tmp_path):
     """Issue 21, item 5: configure / offload_pipeline compare the streamed layers' bytes."""
     run_ranks(2, tmp_path, "seeds")

@@ -78,7 +78,7 @@ class Structure:
         name = where or "the wrapper"
         if other.cls is not self.cls:
             return f"{name} is a {other.cls.__qualname__}, the model's is a {self.cls.__qualname__}"
-        if other.ctx != self.ctx:
+        if _sequences_as_lists(other.ctx) != _sequences_as_lists(self.ctx):  # (JSON gives tuples back as lists)
             return f"{name} has flatten context {other.ctx!r}, the model's has {self.ctx!r}"
         if tuple(other.size) != tuple(self.size):
             return f"{name} has shape {list(other.size)}, the model's has {list(self.size)}"
@@ -97,6 +97,16 @@ class Structure:
             elif (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
                 return f"{sub} is {b.dtype}{list(b.shape)} in the state dict, {a.dtype}{list(a.shape)} in the model"
         return None
+
+
+def _sequences_as_lists(value):
+    """`value` with every tuple a list, in dicts and lists too: a flatten context read
+    back from JSON (torchao's safetensors form) says [1, 256] for the (1, 256) it saved."""
+    if isinstance(value, (list, tuple)):
+        return [_sequences_as_lists(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _sequences_as_lists(v) for k, v in value.items()}
+    return value
 
 
 def structure(t: torch.Tensor, prefix: Path = ()) -> Structure:
@@ -179,3 +189,122 @@ def check_rebindable(name: str, param: torch.Tensor, form: Structure) -> None:
             "layerwise cannot stream it. Keep that module out of the streamed groups, or dequantize it first. "
             "The model is unchanged."
         )
+
+
+# ---------------------------------------------------------- quantized checkpoints
+def checkpoint_forms(metadatas) -> dict:
+    """{parameter name: the JSON form torchao saved it with}, over the `__metadata__` of
+    every file of a checkpoint (each shard lists its own tensors)."""
+    out = {}
+    for metadata in metadatas:
+        out.update(_torchao_forms(metadata))
+    return out
+
+
+def _torchao_forms(metadata: dict) -> dict:
+    """{parameter name: its JSON form} where `metadata` is a torchao safetensors header's
+    (torchao.prototype.safetensors.flatten_tensor_state_dict, which transformers'
+    save_pretrained of a torchao model uses): `tensor_names` lists every tensor and each
+    has a JSON `_type` (a wrapper class, or "Tensor")."""
+    import json
+
+    try:
+        names = json.loads(metadata.get("tensor_names", "null"))
+    except (TypeError, ValueError):
+        return {}
+    if not isinstance(names, list):
+        return {}
+    out = {}
+    for name in names:
+        try:
+            form = json.loads(metadata.get(name, "null"))
+        except (TypeError, ValueError):
+            continue
+        if isinstance(form, dict) and form.get("_type") not in (None, "Tensor"):
+            out[name] = form
+    return out
+
+
+def checkpoint_leaf_keys(name: str, param, form: Structure, stored: dict, forms: dict) -> dict:
+    """{leaf path: checkpoint key} for the wrapper parameter `name` of a model built on
+    meta and quantized like the checkpoint, each key holding exactly the leaf's dtype
+    and shape. Two layouts are read: torchao's safetensors (`<module>._<attr>_<inner>`,
+    the wrapper's form in the metadata, which must rebuild a wrapper of the model's
+    form: type, flatten context, shapes) and a state dict whose keys are the inner
+    tensors' own (`<name>.<inner>`: optimum-quanto's qint8 / qfloat8). Anything else
+    is a ValueError naming the parameter, its library type, what the checkpoint holds
+    and what to do; `stored`: {key: a header entry with dtype and shape}, `forms`:
+    checkpoint_forms of the checkpoint's files."""
+    what = f"load_offloaded: parameter {name!r} is a {library_type(param)} (a quantized wrapper tensor)"
+    remedy = (" Save the checkpoint from a model quantized the same way (torchao: flatten_tensor_state_dict, "
+              "as transformers' save_pretrained writes it; quanto: its state_dict), or load it into a model "
+              "built with its weights (the library's own loader) and call layerwise.configure_layerwise_offload. "
+              "The model is unchanged.")
+    cls = type(param)
+    if cls.__module__.startswith("optimum.quanto") and cls.__name__ == "WeightQBitsTensor":
+        raise ValueError(
+            f"{what}: optimum-quanto chooses its int4 layout from the device the weights are on when it freezes "
+            "them (TinyGemmWeightQBitsTensor on a CPU or CUDA device in bf16, with scale and shift packed "
+            "together), and a model frozen on meta keeps the portable WeightQBitsTensor, which computes other "
+            "values. Load the checkpoint with quanto's own loader (optimum.quanto.requantize) into a model on "
+            "the device, then call layerwise.configure_layerwise_offload. The model is unchanged.")
+    module, _, attr = name.rpartition(".")
+    leaves = form.leaves()
+    ao = forms.get(name)
+
+    def check(keys):
+        for leaf in leaves:
+            s = stored.get(keys[leaf.path])
+            if s is None:
+                return f"its inner tensor {'.'.join(leaf.path)} is not in the checkpoint under {keys[leaf.path]!r}"
+            if (s.dtype, tuple(s.shape)) != (leaf.dtype, tuple(leaf.shape)):
+                return (f"{keys[leaf.path]!r} is {s.dtype}{list(s.shape)} in the checkpoint, the model's inner "
+                        f"tensor is {leaf.dtype}{list(leaf.shape)}")
+        return None
+
+    if ao is not None:
+        kind = ao.get("_type")
+        if kind != form.cls.__name__:
+            raise ValueError(f"{what}; the checkpoint holds it as a torchao {kind} (torchao safetensors)." + remedy)
+        if any(len(leaf.path) != 1 for leaf in leaves):
+            raise ValueError(f"{what} with nested inner tensors, which torchao's safetensors layout does not "
+                             "hold." + remedy)
+        keys = {leaf.path: f"{module}._{attr}_{leaf.path[0]}" if module else f"_{attr}_{leaf.path[0]}"
+                for leaf in leaves}
+        why = check(keys)
+        if why is None:
+            why = _torchao_mismatch(form, ao, keys, stored)
+        if why:
+            raise ValueError(f"{what}; the checkpoint's torchao {kind} does not match it: {why}." + remedy)
+        return keys
+    keys = {leaf.path: f"{name}.{'.'.join(leaf.path)}" for leaf in leaves}
+    why = check(keys)
+    if why is None:
+        return keys
+    if name in stored:
+        s = stored[name]
+        why = f"the checkpoint holds it as a plain {s.dtype}{list(s.shape)} tensor (an unquantized checkpoint?)"
+    else:
+        own = sorted(k for k in stored if k.startswith(name + "."))
+        if own:
+            why += f"; the checkpoint holds {', '.join(own[:8])} under it"
+    raise ValueError(f"{what}; {why}." + remedy)
+
+
+def _torchao_mismatch(form: Structure, ao: dict, keys: dict, stored: dict) -> str | None:
+    """What differs between the model's wrapper and the one torchao rebuilds from the
+    checkpoint's JSON form over meta tensors of the stored dtypes and shapes (None: alike)."""
+    import copy
+
+    try:
+        from torchao.prototype.safetensors.safetensors_utils import object_from_dict
+    except ImportError as err:
+        return f"torchao cannot read its safetensors form here ({err})"
+    data = copy.deepcopy(ao)
+    data.setdefault("_data", {}).update(
+        {path[0]: torch.empty(stored[k].shape, dtype=stored[k].dtype, device="meta") for path, k in keys.items()})
+    try:
+        theirs = object_from_dict(data)
+    except Exception as err:  # noqa: BLE001 - torchao's own error, reported with the remedy
+        return f"torchao cannot rebuild it ({type(err).__name__}: {err})"
+    return form.mismatch(structure(theirs))

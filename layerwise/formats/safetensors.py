@@ -132,15 +132,11 @@ def _u64(v) -> bool:
     return type(v) is int and 0 <= v < _U64  # bool is an int subclass: refused by `type(...) is int`
 
 
-def read_header(path: str) -> dict[str, Stored]:
-    """The tensors of the .safetensors file `path`, read from its header only, which is
-    checked as strictly as the safetensors library checks it (and a little more: no key
-    twice). Each error is a ValueError naming the file and, where there is one, the tensor."""
-    path = os.fspath(path)
-
-    def bad(what, key=None):
-        where = f"{path}: tensor {key!r}" if key is not None else path
-        return ValueError(f"{where}: not a safetensors file ({what}): {_REWRITE}")
+def _header(path: str):
+    """(header JSON object, header length, file size) of the .safetensors file `path`,
+    its `__metadata__` checked (an object of strings to strings)."""
+    def bad(what):
+        return ValueError(f"{path}: not a safetensors file ({what}): {_REWRITE}")
 
     f, size = _open_regular(path, path)
     with f:
@@ -158,11 +154,30 @@ def read_header(path: str) -> dict[str, Stored]:
     header = _parse_json(raw, path, "not a safetensors file", "the header", _REWRITE)
     if not isinstance(header, dict):
         raise bad(f"the header is a JSON {type(header).__name__}, not an object")
-    data_size = size - 8 - n
-
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise bad("'__metadata__' must be an object of strings to strings")
+    return header, n, size
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The `__metadata__` of the .safetensors file `path` ({} if it has none): where a
+    library records what its tensors are (torchao: each quantized wrapper's form)."""
+    return dict(_header(os.fspath(path))[0].get("__metadata__", {}))
+
+
+def read_header(path: str) -> dict[str, Stored]:
+    """The tensors of the .safetensors file `path`, read from its header only, which is
+    checked as strictly as the safetensors library checks it (and a little more: no key
+    twice). Each error is a ValueError naming the file and, where there is one, the tensor."""
+    path = os.fspath(path)
+
+    def bad(what, key=None):
+        where = f"{path}: tensor {key!r}" if key is not None else path
+        return ValueError(f"{where}: not a safetensors file ({what}): {_REWRITE}")
+
+    header, n, size = _header(path)
+    data_size = size - 8 - n
 
     spans = []  # (begin, end, key)
     out = {}
