@@ -1120,16 +1120,30 @@ class _SlotRef:
         self.tensor, self.slot, self.gen, self.layer, self.version = tensor, slot, gen, layer, version
 
 
+def _slot_of(ring, t):
+    """The ring slot a saved tensor's bytes live in, or None: a plain tensor by its
+    storage, a quantized wrapper (formats/quantized.py) by its leaves' (a library's
+    autograd function may save the weight wrapper itself: quanto's does)."""
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return ring.ptrs.get(t.untyped_storage().data_ptr())
+    if quantized.is_wrapper(t):
+        for leaf in quantized.leaf_tensors(t).values():
+            s = ring.ptrs.get(leaf.untyped_storage().data_ptr())
+            if s is not None:
+                return s
+    return None
+
+
 def saved_slot_hooks(manager):
     """Autograd saved-tensor hooks for one streamed layer's forward: a tensor
     saved from a ring slot is given back as it was even if the slot has been
     refilled since (its layer's bytes are read back from the arena)."""
 
     def pack(t):
-        if type(t) not in (torch.Tensor, nn.Parameter) or t.device != manager.device:
+        if t.device != manager.device:
             return t
         ring = manager.ring
-        s = ring.ptrs.get(t.untyped_storage().data_ptr())
+        s = _slot_of(ring, t)
         if s is None:
             return t
         i = ring.holder[s]
@@ -1150,9 +1164,19 @@ def saved_slot_hooks(manager):
             )
         t = ref.tensor
         block = manager._read_layer(ref.layer)
-        fresh = torch.empty(manager.ring.slots[ref.slot].numel(), dtype=torch.uint8, device=manager.device)
+        slot = manager.ring.slots[ref.slot]
+        fresh = torch.empty(slot.numel(), dtype=torch.uint8, device=manager.device)
         fresh[: block.numel()].copy_(block)
-        out = torch.empty(0, dtype=t.dtype, device=manager.device)
-        return out.set_(fresh.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+        def again(x):  # x as it was, over `fresh` where it was a view of the slot
+            if x.untyped_storage().data_ptr() != slot.untyped_storage().data_ptr():
+                return x
+            out = torch.empty(0, dtype=x.dtype, device=manager.device)
+            return out.set_(fresh.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+
+        if quantized.is_wrapper(t):
+            return quantized.rebuild(quantized.structure(t),
+                                     {path: again(x) for path, x in quantized.leaf_tensors(t).items()})
+        return again(t)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
