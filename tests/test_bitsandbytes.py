@@ -106,8 +106,8 @@ def quantized_bytes(module):
     for mod in module.modules():
         for p in mod._parameters.values():
             if p is not None and type(p) is not nn.Parameter:
-                for t in aliases.side_tensors(p, mod):
-                    if t.data_ptr() not in seen:
+                for t in aliases.side_tensors(p, mod):  # (not an alias of the weight: state.CB)
+                    if t.data_ptr() not in seen and t.data_ptr() != p.data_ptr():
                         seen.add(t.data_ptr())
                         total += t.numel() * t.element_size()
     return total
