@@ -40,7 +40,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import packing, stages
+from . import drift, packing, stages
 from .formats import quantized
 from .plan import Wrapped, local_tensor
 
@@ -738,13 +738,22 @@ def _guard_save(mod, manager, owned):
     original = mod._save_to_state_dict  # bound: the class's, or a library's override
     fix = _state_dict_hook(manager, owned)
     wrapped = [(attr, w, i) for attr, w, i in owned if isinstance(w, Wrapped)]
+    # A library's own save may read (and rebind: bitsandbytes' nf4 CPU layout) the data
+    # of plain parameters: it runs over their true bytes, never over a shared slot.
+    plain = [] if type(mod)._save_to_state_dict is nn.Module._save_to_state_dict else [
+        (attr, e, i) for attr, e, i in owned if not isinstance(e, Wrapped) and e.dspec is None]
+
+    layers = sorted({i for _, _, i in owned})
 
     def _save_to_state_dict(destination, prefix, keep_vars):
         with manager._lock:
-            if wrapped and manager._finalized:
-                with _bound_to_truth(manager, wrapped, destination, prefix):
-                    original(destination, prefix, keep_vars)
-            else:
+            if manager._finalized:
+                manager.bound.check_all(manager, layers)  # (layerwise/drift.py: a rebound parameter is settled first)
+            with contextlib.ExitStack() as stack:
+                if wrapped and manager._finalized:
+                    stack.enter_context(_bound_to_truth(manager, wrapped, destination, prefix))
+                if plain and manager._finalized:
+                    stack.enter_context(_plain_bound_to_truth(manager, mod, plain))
                 original(destination, prefix, keep_vars)
             fix(mod, destination, prefix, None)
 
@@ -791,6 +800,33 @@ def _bound_to_truth(manager, wrapped, destination, prefix):
                 packing.bind_layer_to_slot(w.entries, ring.slots[ring.slot_of[i]])
                 if destination.get(prefix + attr) is w.param:
                     destination[prefix + attr] = quantized.rebuild(w.form, truth[id(w)])
+
+
+@contextlib.contextmanager
+def _plain_bound_to_truth(manager, mod, plain):
+    """The plain parameters `plain` ([(attr, entry, layer index)]) of `mod` bound to
+    their true bytes while the body (the module's library's own save) runs, then to
+    their slot views again; one the body rebound (a library converting its layout
+    back) is settled by layerwise/drift.py: its new bytes become the truth."""
+    with torch.inference_mode(False):
+        copies: dict = {}
+        truth = [(e, i, _true_tensor(manager, e, i, copies)) for _, e, i in plain]
+    try:
+        with defer_interrupts():
+            for e, _, t in truth:
+                packing.bind_to_slot(e, t)
+        yield
+    finally:
+        with defer_interrupts():
+            ring = manager.ring
+            moved: dict = {}
+            for e, i, t in truth:
+                if e.param.data_ptr() != t.data_ptr():
+                    moved.setdefault(i, []).append(e)
+                else:
+                    packing.bind_to_slot(e, e.view_in(ring.slots[ring.slot_of[i]]))
+            for i, entries in moved.items():
+                drift.settle(manager, i, entries, f"{type(mod).__qualname__}._save_to_state_dict")
 
 
 def _state_dict_hook(manager, owned):
@@ -845,6 +881,7 @@ def _load_pre_hook(manager, owned):
         with manager._lock, torch.no_grad(), torch.inference_mode(False):
             if not manager._finalized:  # (checked under the lock: removed meanwhile, torch copies as usual)
                 return
+            manager.bound.check_all(manager, sorted({i for _, _, i in owned}))
             for attr, e, i in owned:
                 key = prefix + attr
                 value = state_dict.get(key)
@@ -990,6 +1027,7 @@ def editing(manager, i: int):
         if s >= 0 and not manager._src[i].writable:
             manager._src[i].refuse_write()  # refused before the body runs: names the file and the way out
         if s >= 0:
+            manager.bound.check_all(manager, [i])
             manager._wait_ready(i)
             ring.pin(i)
         views = [(e, e.source() if e.wrapped is not None else e.param.data) for e in lp.params]

@@ -30,7 +30,7 @@ import threading
 import torch
 from torch import nn
 
-from . import _native, contract, gpu_checks, stages
+from . import _native, contract, drift, gpu_checks, stages
 from .options import OffloadOptions, manager_options, named_options, resolve_resident
 from .meter import Meter
 from .packing import HostLayers, assign, bind_layer_to_slot, materialize
@@ -196,6 +196,7 @@ class LayerwiseOffloadManager:
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
             for i in self.ring.streamed:
                 bind_layer_to_slot(layers[i].params, self.ring.slots[self.ring.slot_of[i]])
+            self.bound = drift.Bound(self)  # where each streamed parameter must still point (layerwise/drift.py)
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
             self._chain.start(self._engine, self._src, self.ring.streamed, self.prefetch_depth, start)
@@ -460,6 +461,7 @@ class LayerwiseOffloadManager:
                     if self._grad_hooks[k][0] == me:
                         self._grad_hooks.pop(k)[1].__exit__(None, None, None)
                         break
+                self.bound.check(self, i)  # a parameter its module rebound is adopted or refused
         finally:
             self._lock.release()
         return replaced
@@ -525,6 +527,9 @@ class LayerwiseOffloadManager:
     def _prepare_removal(self, original_devices: bool = False) -> list:
         """[(entry, new data or None)] for every packed parameter (HostLayers.prepare_removal)."""
         self._drain()
+        if self._finalized:
+            with self._lock:
+                self.bound.check_all(self)  # a parameter a library rebound gives back what it computes from
         resident = set(self.resident) if self._finalized else set()
         return self._host.prepare_removal(resident, self.device, original_devices)
 

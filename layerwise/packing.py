@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import _native, stages
-from .formats import quantized
+from .formats import aliases, quantized
 from .plan import BLOCK_ALIGN, local_tensor, round_up
 
 log = logging.getLogger("layerwise")
@@ -183,6 +183,8 @@ class HostLayers:
                     # Marked before the swap: a rollback that finds the mark restores the
                     # same bytes from the arena even if the swap below never happened.
                     e.packed = True
+                    if e.dspec is None:
+                        aliases.follow(e.param, e.owner)  # they follow the parameter from here on
                     e.param.data = e.wrap(self.placeholder(e.dtype))
                 for e in wrapped:  # (marked before the rebind, as above)
                     e.packed = True
@@ -225,6 +227,8 @@ class HostLayers:
             **(chain.stats() if chain is not None else {"compress": None}),
             **({} if streaming else {"disk": None}),
             "tier_plan": [r.describe() for r in self.routes] if self.routes is not None else None,
+            # tensors a parameter subclass keeps beside its data (quant_state, scales): resident
+            "side_tensor_bytes": aliases.side_bytes(e for lp in self.plan.layers for e in lp.params) if packed else 0,
         }
 
     # ------------------------------------------------------------ the way back
@@ -259,6 +263,8 @@ class HostLayers:
         """Rebind every parameter to what prepare_removal built (nothing raises)."""
         assign([(e, new) for e, new in prepared if new is not None])
         for e, _ in prepared:
+            if e.leaf is None and e.dspec is None:
+                aliases.release(e.param, e.owner)
             e.saved = None
             e.packed = False
 

@@ -78,6 +78,7 @@ class ParamEntry:
     saved: torch.Tensor | None = None  # data it had before a checkpoint load, until configure succeeds
     leaf: tuple | None = None  # a quantized wrapper's inner tensor: its attribute path (formats/quantized.py)
     wrapped: Wrapped | None = field(default=None, repr=False)  # (with `leaf`) the wrapper parameter it is a leaf of
+    owner: nn.Module | None = field(default=None, repr=False)  # the module that holds it (formats/aliases.py)
 
     @property
     def span_bytes(self) -> int:
@@ -209,6 +210,8 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
         objects[id(p)] = p
 
     layers = [LayerPlan(i, module_list[i]) for i in range(n)]
+    owners = {id(p): mod for lp in layers for mod in lp.module.modules() for p in mod._parameters.values()
+              if p is not None}
     shared = []
     # Parameters whose bytes overlap (b = a[2:6]) would come apart once each is packed on
     # its own: they stay resident, like tied ones. (Parameters that merely share a storage
@@ -240,7 +243,7 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
             continue
         p = objects[pid]
         if quantized.is_wrapper(p):
-            layers[owned[0]].params.extend(_leaf_entries(pnames[0], p))
+            layers[owned[0]].params.extend(_leaf_entries(pnames[0], p, owners.get(pid)))
             continue
         d = p.data
         t = local_tensor(d)
@@ -255,7 +258,7 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
             dspec = (d.device_mesh, tuple(d.placements), tuple(d.shape), tuple(d.stride()))
         layers[owned[0]].params.append(
             ParamEntry(pnames[0], p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t), orig_device=t.device,
-                       dspec=dspec)
+                       dspec=dspec, owner=owners.get(pid))
         )
     for lp in layers:
         lp.layout()
@@ -280,7 +283,7 @@ def param_bytes(p) -> int:
     return sum(t.numel() * t.element_size() for t in _storage_tensors(p))
 
 
-def _leaf_entries(name: str, p) -> list[ParamEntry]:
+def _leaf_entries(name: str, p, owner=None) -> list[ParamEntry]:
     """One entry per plain inner tensor of a quantized wrapper parameter."""
     form = quantized.structure(p)
     quantized.check_rebindable(name, p, form)
@@ -288,7 +291,7 @@ def _leaf_entries(name: str, p) -> list[ParamEntry]:
     for leaf in form.leaves():
         t = quantized.leaf(p, leaf.path)
         wrapped.entries.append(ParamEntry(name, p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t),
-                                          orig_device=t.device, leaf=leaf.path, wrapped=wrapped))
+                                          orig_device=t.device, leaf=leaf.path, wrapped=wrapped, owner=owner))
     return wrapped.entries
 
 

@@ -143,6 +143,9 @@ def _summary(r: dict) -> str:
             text += " (on a CPU device this only means its pages may be swapped out)"
         parts.append(text)
     parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
+    if r.get("side_tensor_bytes"):
+        parts.append(f"side tensors of streamed parameters (quant_state, scales) stay resident: "
+                     f"{fmt_bytes(r['side_tensor_bytes'])}")
     if r["saves_nothing"]:
         parts.append(f"WARNING: streaming saves no device memory: {r['saves_nothing']}")
     if d:
@@ -249,6 +252,7 @@ def _row(m, s: dict) -> dict:
         "compress": s.get("compress"),
         "compress_ratio": (s.get("compress") or {}).get("ratio"),
         "resident_bytes": s["resident_bytes"], "resident_mib": s["resident_bytes"] / 2**20,
+        "side_tensor_bytes": s.get("side_tensor_bytes", 0),
         "disk": s.get("disk"),
         "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,
         "disk_wait_ms_per_step": last["read_wait_s"] * 1e3 if has and s.get("disk") else None,
@@ -286,7 +290,7 @@ def report(model, sync: bool = False) -> Report:
         vals = [g[key] for g in groups]
         total[key] = sum(vals) if all(v is not None for v in vals) else None
     for key in ("sync_loads", "bytes_copied", "copies", "stall_s", "arena_bytes", "arena_mib", "ring_bytes",
-                "ring_mib", "resident_bytes", "resident_mib"):
+                "ring_mib", "resident_bytes", "resident_mib", "side_tensor_bytes"):
         total[key] = sum(g[key] for g in groups)
     # Copy time summed over groups: copies of consecutive groups rarely overlap, so this errs low.
     copy_s = total["copy_s_per_step"]
