@@ -116,13 +116,15 @@ def test_suite_specific_figures(tiny_run):
     assert quant["status"] == "ok", quant["reason"]
     forms = quant["data"]["forms"]
     bf16 = quant["data"]["config"]["bf16_layer_bytes"]
-    assert {"bf16", "fp8 (torchao)", "int8 (torchao)", "qint4 (quanto)"} <= set(forms), (set(forms), quant["data"])
+    assert {"bf16", "fp8 (torchao)", "int8 (torchao)", "qint4 (quanto)", "GGUF Q8_0", "GGUF Q4_0"} <= set(forms), (
+        set(forms), quant["data"])
     for name, f in forms.items():
         for label, copied in f["bytes_per_step"].items():
             assert copied <= 1.15 * f["quantized_bytes"], (name, label, copied, f["quantized_bytes"])
         if name != "bf16":
             assert f["bytes_per_step"]["layerwise"] < 0.6 * bf16, (name, f)
     assert forms["qint4 (quanto)"]["bytes_per_step"]["layerwise"] < 0.35 * bf16
+    assert forms["GGUF Q4_0"]["bytes_per_step"]["layerwise"] < 0.35 * bf16  # 18 bytes per 32 values
     assert forms["bf16"]["bytes_per_step"]["layerwise, compress"] < 0.8 * bf16  # (random-init bf16 weights)
     assert all(r["met"] in (True, None) for r in quant["rows"]), [r for r in quant["rows"] if r["met"] is False]
     # hooks: the flatness row has its target.

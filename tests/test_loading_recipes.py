@@ -406,7 +406,8 @@ def test_bad_dtype_is_refused(tmp_path):
 def _readme_recipes(disk=False):
     text = README.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    return [b for b in blocks if "load_offloaded(" in b and "from_config" in b and ("host_budget" in b) == disk]
+    return [b for b in blocks if "load_offloaded(" in b and "from_config" in b and ("host_budget" in b) == disk
+            and "quantize_(" not in b]  # (the quantized recipe: tests/test_quantized.py runs it)
 
 
 def _from_pretrained(path, transformers_model: bool):

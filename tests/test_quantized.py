@@ -651,3 +651,50 @@ def test_torch_compile_of_a_streamed_quantized_model_is_exact(kind):
         for x in inputs(3):
             assert torch.equal(compiled(x), ref(x))
     assert_computes_from_slots(model)
+
+
+# ------------------------------------------------------------- README recipes
+def test_readme_quantized_recipes_run_as_written(tmp_path, monkeypatch):
+    """The README's "Quantized models" recipes, run as written (device "cuda" -> "cpu",
+    the hub path -> a tiny Flux saved by save_pretrained, in a temporary directory):
+    quantize then configure, and load_offloaded of the torchao safetensors checkpoint
+    into an empty model quantized the same way; both bitwise equal to the quantized
+    model resident."""
+    import pathlib
+
+    pytest.importorskip("torchao")
+    diffusers = pytest.importorskip("diffusers")
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Quantized models"):text.index("## Supported while offloaded")]
+    recipes = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(recipes) == 2, recipes
+    torch.manual_seed(0)
+    config = dict(patch_size=1, in_channels=8, num_layers=3, num_single_layers=4, attention_head_dim=32,
+                  num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=8, axes_dims_rope=[8, 12, 12])
+    tiny = diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
+    tiny.save_pretrained(tmp_path / "transformer")
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path, subfolder="transformer",
+                                                                 torch_dtype=torch.bfloat16)
+    quantize_(reference, Float8WeightOnlyConfig())
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    for code in recipes:
+        code = code.replace('"cuda"', '"cpu"').replace('"black-forest-labs/FLUX.1-dev"', repr(str(tmp_path)))
+        exec(compile(code, "README.md", "exec"), scope)
+
+    g = torch.Generator().manual_seed(3)
+    kw = dict(hidden_states=torch.randn(1, 16, 8, generator=g).to(torch.bfloat16),
+              encoder_hidden_states=torch.randn(1, 6, 64, generator=g).to(torch.bfloat16),
+              pooled_projections=torch.randn(1, 8, generator=g).to(torch.bfloat16),
+              timestep=torch.rand(1, generator=g).to(torch.bfloat16),
+              img_ids=torch.randint(0, 8, (16, 3), generator=g).float(), txt_ids=torch.zeros(6, 3), return_dict=False)
+    with torch.no_grad():
+        want = reference(**kw)[0]
+        for name in ("model", "empty"):
+            model = scope[name]
+            assert managers_of(model), name
+            assert_computes_from_slots(model)
+            assert torch.equal(model(**kw)[0], want), name
+            assert torch.equal(model(**kw)[0], want), name

@@ -1,7 +1,7 @@
 """quant: what streaming a quantized model buys. The same DiT-like block stack
 (``models.DiTStack``, bf16) in bf16 and with its blocks quantized by torchao
-(fp8 and int8 weight-only, int4 weight-only as IntxUnpackedToInt8Tensor) and by
-optimum-quanto (qint4, frozen), each streamed by layerwise (prefetch depth 1)
+(fp8 and int8 weight-only, int4 weight-only as IntxUnpackedToInt8Tensor), by
+optimum-quanto (qint4, frozen) and as GGUF Q8_0 / Q4_0 (diffusers), each streamed by layerwise (prefetch depth 1)
 with ``compress=None`` and ``compress="lossless"``, beside the same quantized
 model resident on the device.
 
@@ -17,8 +17,9 @@ Rows per form:
 Every streamed output is checked bitwise against the resident quantized model
 before it is timed; a mismatch fails the suite. A library that is not
 importable skips its forms (said in the notes). Diffusers' group offloading
-needs a CUDA device: beside it "not measured" on a CPU. GGUF (diffusers
-``GGUFParameter``) is not in this suite yet: not measured.
+needs a CUDA device: beside it "not measured" on a CPU. GGUF: diffusers'
+``GGUFLinear`` over ``GGUFParameter`` blocks (Q8_0, Q4_0) quantized by the gguf
+package, as ``from_single_file`` builds them from a GGUF file.
 """
 from __future__ import annotations
 
@@ -66,12 +67,38 @@ def _quanto(qtype: str):
     return quantize
 
 
+def _gguf(qtype_name: str):
+    """Every nn.Linear of the blocks as diffusers' GGUFLinear over a GGUFParameter of
+    the weight quantized by the gguf package (what from_single_file builds from a
+    GGUF file), the bias kept in bf16."""
+    def quantize(model):
+        import gguf
+        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+
+        qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+        for block in model.blocks:
+            for name, lin in list(block.named_children()):
+                if not isinstance(lin, torch.nn.Linear):
+                    continue
+                new = GGUFLinear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                 compute_dtype=torch.bfloat16)
+                data = torch.from_numpy(gguf.quantize(lin.weight.detach().float().numpy(), qtype))
+                new.weight = GGUFParameter(data, quant_type=qtype)
+                if lin.bias is not None:
+                    new.bias = torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+                setattr(block, name, new)
+        return model
+    return quantize
+
+
 FORMS = {  # name -> (library, quantize(model) in place)
     "bf16": (None, lambda model: model),
     "fp8 (torchao)": ("torchao", _torchao("Float8WeightOnlyConfig")),
     "int8 (torchao)": ("torchao", _torchao("Int8WeightOnlyConfig")),
     "int4 (torchao, int8 storage)": ("torchao", _torchao("int4")),  # IntxUnpackedToInt8Tensor: a byte per value
     "qint4 (quanto)": ("optimum.quanto", _quanto("qint4")),
+    "GGUF Q8_0": ("gguf", _gguf("Q8_0")),
+    "GGUF Q4_0": ("gguf", _gguf("Q4_0")),
 }
 
 
