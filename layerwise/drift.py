@@ -68,31 +68,30 @@ class Bound:
     def __init__(self, manager):
         ring = manager.ring
         self.layers: dict = {}
+        self.chunks: dict = {}  # layer -> [(params, their slot-view pointers, index of the first)], PER_HOOK each
         self.cursor: dict = {}
         for i in ring.streamed:
             base = ring.slots[ring.slot_of[i]].data_ptr()
             entries = [e for e in manager.plan.layers[i].params if e.leaf is None and e.dspec is None and e.numel]
             if entries:
-                self.layers[i] = (tuple(e.param for e in entries), [base + e.offset for e in entries], entries)
+                params, ptrs = tuple(e.param for e in entries), [base + e.offset for e in entries]
+                self.layers[i] = (params, ptrs, entries)
+                self.chunks[i] = [(params[k:k + self.PER_HOOK], ptrs[k:k + self.PER_HOOK], k)
+                                  for k in range(0, len(params), self.PER_HOOK)]
                 self.cursor[i] = 0
 
     def check(self, manager, i: int, where: str = "its forward") -> None:
-        """Layer i's parameters (PER_HOOK of them) still point into its slot; the
-        others are settled."""
-        rec = self.layers.get(i)
-        if rec is None:
-            return
-        params, ptrs, entries = rec
-        n = len(params)
-        if n <= self.PER_HOOK:
-            if [*map(_data_ptr, params)] != ptrs:
-                self._settle(manager, i, 0, n, where)
+        """Layer i's parameters (PER_HOOK of them, in turn) still point into its slot;
+        the others are settled. (Sliced once at setup: the hook only compares.)"""
+        chunks = self.chunks.get(i)
+        if chunks is None:
             return
         c = self.cursor[i]
-        end = min(c + self.PER_HOOK, n)
-        self.cursor[i] = 0 if end == n else end
-        if [*map(_data_ptr, params[c:end])] != ptrs[c:end]:
-            self._settle(manager, i, c, end, where)
+        if len(chunks) > 1:
+            self.cursor[i] = c + 1 if c + 1 < len(chunks) else 0
+        params, ptrs, start = chunks[c]
+        if [*map(_data_ptr, params)] != ptrs:
+            self._settle(manager, i, start, start + len(params), where)
 
     def check_all(self, manager, layers=None, where: str = "its module") -> None:
         """Every parameter of `layers` (default: every streamed layer), before their
