@@ -1133,8 +1133,11 @@ def _reads_base_weights(manager, tuner) -> str | None:
         return "(DoRA) computes a magnitude from the base weight"
     base = tuner.get_base_layer()
     for p in base.parameters(recurse=False):
-        if any(e.param is p for lp in manager.plan.layers for e in lp.params) and \
-                p.untyped_storage().data_ptr() not in manager.ring.ptrs and not _bound_resident(manager, p):
+        # (each planned entry's own tensor: a quantized wrapper has no storage of its
+        # own, its leaves do; formats/quantized.py)
+        entries = [e for lp in manager.plan.layers for e in lp.params if e.param is p]
+        if entries and not _bound_resident(manager, p) and any(
+                e.source().untyped_storage().data_ptr() not in manager.ring.ptrs for e in entries):
             return "(PiSSA, OLoRA, LoftQ, ...) rewrote the base weight"
     return None
 

@@ -256,13 +256,29 @@ class HostLayers:
                             block = src.read()
                         new = e.wrap(materialize(e, block, dev))
                     out.append((e, new))
-        return out
+            # A quantized wrapper is rebuilt over its new leaves here, in phase one: the
+            # library's __tensor_unflatten__ may raise, and give_back only swaps.
+            wrappers: dict = {}
+            for e, new in out:
+                if e.leaf is not None and new is not None:
+                    wrappers.setdefault(id(e.wrapped), (e.wrapped, {}))[1][e.leaf] = new
+            rebuilt = [(w.param, quantized.rebuilt(w.param, w.form, {
+                x.leaf: given[x.leaf] if x.leaf in given else x.source() for x in w.entries}))
+                for w, given in wrappers.values()]
+        return [(e, new) for e, new in out if e.leaf is None] + [(e, None) for e, _ in out if e.leaf is not None] \
+            + [(None, pair) for pair in rebuilt]
 
     @staticmethod
     def give_back(prepared: list) -> None:
-        """Rebind every parameter to what prepare_removal built (nothing raises)."""
-        assign([(e, new) for e, new in prepared if new is not None])
+        """Rebind every parameter to what prepare_removal built (nothing raises: a
+        quantized wrapper was rebuilt there, and is swapped in here)."""
+        assign([(e, new) for e, new in prepared if e is not None and new is not None])
+        for e, pair in prepared:
+            if e is None:
+                torch.utils.swap_tensors(*pair)
         for e, _ in prepared:
+            if e is None:
+                continue
             if e.leaf is None and e.dspec is None:
                 aliases.release(e.param, e.owner)
             e.saved = None

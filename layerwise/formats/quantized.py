@@ -152,13 +152,20 @@ def rebind(param: torch.Tensor, form: Structure, tensors: dict) -> None:
     wrapper rebuilt over them is swapped in (module doc, [Note: swap, not
     setattr]); attributes of `param` that the rebuilt wrapper does not set
     (`_is_param`, a library's or the user's own) are kept."""
+    torch.utils.swap_tensors(param, rebuilt(param, form, tensors))
+
+
+def rebuilt(param: torch.Tensor, form: Structure, tensors: dict) -> torch.Tensor:
+    """What `rebind` swaps into `param`, built and nothing changed: the library's
+    `__tensor_unflatten__` runs here (it may raise), so that a transaction can build
+    every wrapper first and then only swap (torch.utils.swap_tensors)."""
     new = rebuild(form, tensors)
     for key, value in param.__dict__.items():
         if key not in new.__dict__:
             new.__dict__[key] = value
     if new.requires_grad != param.requires_grad:
         new.requires_grad_(param.requires_grad)
-    torch.utils.swap_tensors(param, new)
+    return new
 
 
 def check_rebindable(name: str, param: torch.Tensor, form: Structure) -> None:

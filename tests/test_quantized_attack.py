@@ -1,0 +1,85 @@
+"""Quantized models off the happy path (attacks on issue 23's streaming): each test
+against the resident quantized model, bitwise, or a clear refusal with the model
+unchanged."""
+import pytest
+import torch
+
+import layerwise
+from layerwise.configure import managers_of
+from layerwise.formats import quantized as quantized_mod
+from tests.test_quantized import assert_computes_from_slots, assert_state_equal, inputs, make, run
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint8"])
+def test_peft_lora_added_after_configure_to_a_quantized_group(kind):
+    """peft's inject_adapter registers a tuner layer inside a streamed layer; the
+    registration hook checked the base weight's own storage, which a quantized
+    wrapper does not have (torch: 'invalid python storage'), so get_peft_model failed
+    half-way with the model's modules partly replaced."""
+    peft = pytest.importorskip("peft")
+    cfg = dict(r=4, target_modules=["up", "down"], init_lora_weights=False)
+    ref = make(kind)
+    torch.manual_seed(5)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**cfg))
+    expect = run(ref, inputs())
+    model = make(kind)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+    run(model, inputs())
+    torch.manual_seed(5)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(**cfg))
+    for _ in range(2):
+        assert same(run(peft_model, inputs()), expect)
+    assert_computes_from_slots(model)
+    assert_state_equal(peft_model.state_dict(), ref.state_dict())
+    layerwise.remove_layerwise_offload(model)
+    assert same(run(peft_model, inputs()), expect)
+    assert_state_equal(peft_model.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint4"])
+@pytest.mark.parametrize("exc", [RuntimeError, MemoryError])
+def test_a_wrapper_rebuild_failing_during_remove_leaves_the_model_streaming(monkeypatch, kind, exc):
+    """remove_layerwise_offload is a transaction: phase one builds, phase two only
+    rebinds. The quantized wrappers were rebuilt (the library's __tensor_unflatten__)
+    in phase two, after the hooks were gone: a failure at the second wrapper left the
+    first ones plain, the rest on slot views, no hooks, and state_dict() wrong."""
+    ref = make(kind, n=4)
+    expect = run(ref, inputs())
+    sd_ref = ref.state_dict()
+    orig = quantized_mod.rebuild
+    calls, fail_at = [0], [0]
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise exc(f"injected at {fail_at[0] - 1}")
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(quantized_mod, "rebuild", counting)
+    probe = make(kind, n=4)
+    layerwise.configure_layerwise_offload(probe, "blocks", device="cpu")
+    calls[0] = 0
+    layerwise.remove_layerwise_offload(probe)
+    total = calls[0]
+    assert total >= 8
+    for k in (1, total // 2, total - 1):
+        model = make(kind, n=4)
+        layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+        run(model, inputs())
+        calls[0], fail_at[0] = 0, k + 1
+        with pytest.raises(exc, match=f"injected at {k}$"):
+            layerwise.remove_layerwise_offload(model)
+        fail_at[0] = 0
+        assert managers_of(model)
+        for _ in range(2):
+            assert same(run(model, inputs()), expect)
+        assert_computes_from_slots(model)
+        assert_state_equal(model.state_dict(), sd_ref)
+        layerwise.remove_layerwise_offload(model)
+        assert not managers_of(model)
+        assert same(run(model, inputs()), expect)
+        assert_state_equal(model.state_dict(), sd_ref)
