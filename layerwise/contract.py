@@ -527,7 +527,10 @@ def _managed(model: nn.Module):
         for lp in m.plan.layers:
             for e in lp.params:
                 ids.add(id(e.param))
-                probes.setdefault((e.dtype, m.device), m.layer_name)
+                # (a quantized wrapper is cast as a whole, by its outer dtype: fn never
+                # sees its leaves, and `.bfloat16()` of a bf16 torchao weight is a no-op)
+                dtype = e.wrapped.param.dtype if e.wrapped is not None else e.dtype
+                probes.setdefault((dtype, m.device), m.layer_name)
     return ids, probes
 
 

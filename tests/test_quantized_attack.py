@@ -83,3 +83,29 @@ def test_a_wrapper_rebuild_failing_during_remove_leaves_the_model_streaming(monk
         assert not managers_of(model)
         assert same(run(model, inputs()), expect)
         assert_state_equal(model.state_dict(), sd_ref)
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "ao-fp8", "quanto-qint8"])
+@pytest.mark.parametrize("cast", ["bfloat16", "to_bf16"])
+def test_a_cast_to_the_dtype_a_quantized_model_already_has_is_a_no_op(kind, cast):
+    """`.to(torch.bfloat16)` of a bf16 model quantized by torchao is a no-op resident
+    (the wrapper keeps its fp32 scale); the cast guard probed each leaf's dtype and
+    refused it ("would turn the streamed torch.float32 weights into bfloat16")."""
+    def apply(m):
+        return m.bfloat16() if cast == "bfloat16" else m.to(torch.bfloat16)
+
+    ref = apply(make(kind))
+    expect = run(ref, inputs())
+    model = make(kind)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu")
+    run(model, inputs())
+    apply(model)
+    for _ in range(2):
+        assert same(run(model, inputs()), expect)
+    assert_computes_from_slots(model)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+    with pytest.raises(RuntimeError, match=r"would turn the streamed torch\.bfloat16 .* into torch\.float16.*unchanged"):
+        model.half()
+    assert same(run(model, inputs()), expect)
+    layerwise.remove_layerwise_offload(model)
+    assert_state_equal(model.state_dict(), ref.state_dict())
