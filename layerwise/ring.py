@@ -168,11 +168,12 @@ class SlotRing:
             engine.synchronize()
             changed = [e.qualname for e in lp.params if not torch.equal(
                 slot[e.offset : e.offset + e.span_bytes].cpu(), host[e.offset : e.offset + e.span_bytes])]
+            changed = list(dict.fromkeys(changed))  # (a quantized wrapper's leaves share its name)
         if changed:
             what = f"{', '.join(map(repr, changed[:6]))}, in ring slot {s}"
         else:
             sharing = [i for i, sl in enumerate(self.slot_of) if sl == s]
-            rel = [e.qualname.removeprefix(f"{group}.{holder}.") for e in (lp.params if lp else ())]
+            rel = list(dict.fromkeys(e.qualname.removeprefix(f"{group}.{holder}.") for e in (lp.params if lp else ())))
             what = (f"one bound to ring slot {s}: {', '.join(rel[:6])}{' ...' if len(rel) > 6 else ''} of "
                     f"{group}.<i> for i in {sharing[:8]}{' ...' if len(sharing) > 8 else ''}")
         raise RuntimeError(

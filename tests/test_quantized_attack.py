@@ -109,3 +109,21 @@ def test_a_cast_to_the_dtype_a_quantized_model_already_has_is_a_no_op(kind, cast
     assert same(run(model, inputs()), expect)
     layerwise.remove_layerwise_offload(model)
     assert_state_equal(model.state_dict(), ref.state_dict())
+
+
+def test_an_in_place_write_into_a_quantized_leaf_names_the_weight_once():
+    """Its leaves (qdata, scale) share the weight's name: the error says it once."""
+    from test_quantized import inputs, make
+
+    pytest.importorskip("torchao")
+    model = make("ao-int8", n=6)
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=1)
+    x = inputs(1)[0]
+    with torch.no_grad():
+        model(x)
+        model.blocks[0].up.weight.qdata.add_(1)
+        model.blocks[0].up.weight.scale.mul_(2)
+        with pytest.raises(RuntimeError, match="in-place write") as err:
+            model(x)
+    msg = str(err.value)
+    assert msg.count("up.weight") == 1 and msg.count("down.weight") == 1, msg
