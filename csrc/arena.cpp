@@ -1,4 +1,5 @@
 #include "layerwise.h"
+#include "sim_bus.h"
 
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -91,7 +92,10 @@ struct HostArena::Block {
 #endif
     (void)in_use;
     cuda_registered.clear();
-    for (auto& r : mlocked) munlock(r.first, r.second);
+    for (auto& r : mlocked) {
+      note_pinned_range(r.first, r.second, false);
+      munlock(r.first, r.second);
+    }
     mlocked.clear();
   }
   ~Block() {
@@ -206,9 +210,10 @@ void HostArena::pin_locked(size_t offset, size_t nbytes) {
     size_t n = end - begin;  // the whole allocation in one registration
     std::string failure;
     if (pin_kind_ == PinKind::Mlock) {
-      if (mlock(base + begin, n) == 0)
+      if (mlock(base + begin, n) == 0) {
         block_->mlocked.emplace_back(base + begin, n);
-      else
+        note_pinned_range(base + begin, n, true);  // (the CPU backend's simulated bus: sim_bus.h)
+      } else
         failure = mlock_failure(errno);
     } else if (block_->origin.forked()) {
       failure = "cudaHostRegister not tried: the arena was created in process " +

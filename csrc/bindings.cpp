@@ -2,6 +2,7 @@
 #include "layerwise.h"
 #include "host_event.h"
 #include "reader.h"
+#include "sim_bus.h"
 
 #include <pybind11/stl.h>
 
@@ -344,6 +345,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
     return d;
   });
+  m.def("sim_bus", []() {
+    const SimBusConfig c = sim_bus_config();
+    py::dict d;
+    d["gbps"] = c.gbps;
+    d["pageable_gbps"] = c.pageable_gbps;
+    d["latency_us"] = c.latency_us;
+    return d;
+  }, "The CPU backend's simulated bus as the last CPU copy engine created read it (gbps 0: none; sim_bus.h)");
   m.def("shutdown_all", &shutdown_all,
         "Finish every queued copy, stop every copy engine's and disk reader's threads (layerwise._native runs it "
         "at exit)");

@@ -11,16 +11,93 @@
 // thread instead.
 #include "../codec.h"
 #include "../host_event.h"
+#include "../sim_bus.h"
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 
 namespace layerwise {
+
+// ------------------------------------------------------------ simulated bus
+namespace {
+std::mutex g_bus_mutex;
+SimBusConfig g_bus;
+HostClock::time_point g_bus_free;             // when the bus has carried every copy reserved so far
+std::map<uintptr_t, size_t> g_pinned_ranges;  // base -> length (mlocked arena ranges)
+
+double env_number(const char* name, double fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  TORCH_CHECK_VALUE(end != v && *end == '\0' && x >= 0 && x < 1e9, name, "=", v,
+                    " is not a number of GB/s or microseconds >= 0 (the simulated bus of the CPU backend; unset it "
+                    "for none)");
+  return x;
+}
+}  // namespace
+
+void note_pinned_range(const void* base, size_t n, bool pinned) {
+  std::lock_guard<std::mutex> l(g_bus_mutex);
+  if (pinned)
+    g_pinned_ranges[reinterpret_cast<uintptr_t>(base)] = n;
+  else
+    g_pinned_ranges.erase(reinterpret_cast<uintptr_t>(base));
+}
+
+static bool in_pinned_range_locked(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = g_pinned_ranges.upper_bound(a);
+  if (it == g_pinned_ranges.begin()) return false;
+  --it;
+  return a < it->first + it->second;
+}
+
+bool in_pinned_range(const void* p) {
+  std::lock_guard<std::mutex> l(g_bus_mutex);
+  return in_pinned_range_locked(p);
+}
+
+SimBusConfig sim_bus_from_env() {
+  SimBusConfig c;
+  c.gbps = env_number("LAYERWISE_SIM_BUS_GBPS", 0);
+  c.pageable_gbps = env_number("LAYERWISE_SIM_BUS_PAGEABLE_GBPS", c.gbps / 2);
+  c.latency_us = env_number("LAYERWISE_SIM_BUS_LATENCY_US", 0);
+  TORCH_CHECK_VALUE(c.gbps > 0 || (c.latency_us == 0 && !std::getenv("LAYERWISE_SIM_BUS_PAGEABLE_GBPS")),
+                    "LAYERWISE_SIM_BUS_LATENCY_US / _PAGEABLE_GBPS describe the simulated bus: give "
+                    "LAYERWISE_SIM_BUS_GBPS too");
+  TORCH_CHECK_VALUE(c.gbps == 0 || c.pageable_gbps > 0, "LAYERWISE_SIM_BUS_PAGEABLE_GBPS must be > 0");
+  std::lock_guard<std::mutex> l(g_bus_mutex);
+  g_bus = c;
+  return c;
+}
+
+SimBusConfig sim_bus_config() {
+  std::lock_guard<std::mutex> l(g_bus_mutex);
+  return g_bus;
+}
+
+HostClock::time_point sim_bus_reserve(size_t n, const void* src) {
+  std::lock_guard<std::mutex> l(g_bus_mutex);
+  if (g_bus.gbps <= 0) return {};
+  const double gbps = in_pinned_range_locked(src) ? g_bus.gbps : g_bus.pageable_gbps;
+  const auto now = HostClock::now();
+  const auto start = std::max(now, g_bus_free);
+  const auto carry = std::chrono::duration_cast<HostClock::duration>(
+      std::chrono::duration<double, std::nano>(static_cast<double>(n) / gbps));  // bytes / (GB/s) = ns
+  g_bus_free = start + carry;
+  return g_bus_free + std::chrono::duration_cast<HostClock::duration>(
+                          std::chrono::duration<double, std::micro>(g_bus.latency_us));
+}
+
 namespace {
 
 using Clock = HostClock;
@@ -117,7 +194,12 @@ class Worker {
           failed_decode = e.what();
         }
       } else if (failed_after.empty() && job.n) {
+        const auto crossed = sim_bus_reserve(job.n, job.src);  // (the simulated bus: sim_bus.h)
         std::memcpy(job.dst, job.src, job.n);
+        if (crossed != HostClock::time_point{}) {
+          std::unique_lock<std::mutex> l(m_);
+          cv_.wait_until(l, crossed, [&] { return stop_; });
+        }
       }
       if (job.done->keepalive) job.done->keepalive->release();  // resizable again once the copy is done
       if (!failed_after.empty())
@@ -148,6 +230,7 @@ class CpuEngine : public CopyEngine {
  public:
   CpuEngine(int num_streams, int64_t delay_us) : retired_(std::make_shared<Retired>()) {
     TORCH_CHECK_VALUE(num_streams >= 1, "CopyEngine: num_streams must be >= 1, got ", num_streams);
+    sim_bus_from_env();
     for (int i = 0; i < num_streams; ++i) workers_.emplace_back(std::make_unique<Worker>(delay_us, retired_));
   }
   ~CpuEngine() override {
