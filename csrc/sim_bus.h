@@ -30,8 +30,12 @@ struct SimBusConfig {
 SimBusConfig sim_bus_from_env();
 SimBusConfig sim_bus_config();
 
-// The time at which a copy of `n` bytes from `src`, issued now, has crossed the
-// bus (reserves its share of the bus); HostClock::time_point{} when there is no bus.
-std::chrono::steady_clock::time_point sim_bus_reserve(size_t n, const void* src);
+// The time at which a copy of `n` bytes from `src`, ready to go at `ready` (when it
+// was queued, or when what it waited on completed), has crossed the bus: it starts
+// at `ready` or when the bus is free, whichever is later (so that copies queued
+// back to back cross back to back however late a worker thread wakes), and
+// reserves its share. HostClock::time_point{} when there is no bus.
+std::chrono::steady_clock::time_point sim_bus_reserve(size_t n, const void* src,
+                                                      std::chrono::steady_clock::time_point ready);
 
 }  // namespace layerwise

@@ -430,6 +430,9 @@ class LayerwiseOffloadManager:
             self._load(i, prefetch=False)
             self.ring.enter(i)
             ev = self._ready(i, s, load=False)
+            # The next layers' copies are queued before this one is waited for: where the wait
+            # blocks the host (the CPU backend), the bus then never idles between two layers.
+            self._prefetch_after(i)
             if ev is not None:
                 try:
                     self.meter.wait(self._engine, ev, self._stream())
@@ -443,7 +446,7 @@ class LayerwiseOffloadManager:
                 self._grad_hooks.append((threading.get_ident(), ctx))
         else:
             self.ring.enter(i)
-        self._prefetch_after(i)
+            self._prefetch_after(i)
 
     def _post_hook(self, i: int, module, args, output):
         if not self._lock._is_owned():

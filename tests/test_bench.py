@@ -16,7 +16,7 @@ import torch
 from layerwise.bench import cli, hooks, report, stream
 from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
 
-CPU_SUITES = ["h2d", "stream", "startup", "hooks", "quant"]
+CPU_SUITES = ["h2d", "stream", "bus", "startup", "hooks", "quant"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_cli_runs_every_cpu_suite(tiny_run):
     # a section is "name: title", or "name" alone for a suite without a title in report.SUITE_TITLES
     sections = [re.match(r"\| [*_]+(\w+)(: |\*\* \|)", line) for line in md
                 if line.startswith("| **") or line.startswith("| _")]
-    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "startup", "hooks", "disk", "quant"}
+    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant"}
     assert "| _scatter: skipped: " in md_text
 
 
@@ -68,7 +68,7 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
     assert env["device"] == "cpu" and "--tiny" in env["argv"]
 
     suites = doc["suites"]
-    assert set(suites) == {"h2d", "scatter", "stream", "startup", "hooks", "disk", "quant"}
+    assert set(suites) == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant"}
     assert suites["scatter"]["status"] == "skipped" and "CUDA" in suites["scatter"]["reason"]
     # disk: skipped only where no disk-backed file system is writable (the reason says so)
     assert suites["disk"]["status"] == "ok" or (suites["disk"]["status"] == "skipped" and
@@ -110,6 +110,15 @@ def test_suite_specific_figures(tiny_run):
         assert set(point["step_ms"]) == set(stream["data"]["methods"])
         assert point["streamed_bytes"] > 0
     assert all(row["met"] is None for row in stream["rows"])
+    # bus: a simulated bus chosen against the compute; every row has the floor, and no step beats it
+    # by more than the bandwidth measurement's spread (the bus sleeps: a step cannot be faster)
+    bus = suites["bus"]
+    assert bus["status"] == "ok", bus["reason"]
+    assert bus["data"]["bus"]["gbps"] > 0 and bus["data"]["bus_source"].startswith("chosen")
+    for row in bus["rows"]:
+        assert "floor" in row["baselines"] and row["ratios"]["/floor"] >= 0.8, row
+    regimes = {p["regime"] for p in bus["data"]["points"]}
+    assert "transfer-bound" in regimes, bus["data"]["points"]
     # quant: every form streamed bitwise (checked in the suite), moving its quantized bytes and no more:
     # about half the bf16 bytes for 8-bit forms, about a quarter for quanto's packed int4.
     quant = suites["quant"]

@@ -400,3 +400,32 @@ def test_failure_half_way_puts_the_model_back(monkeypatch):
     for k, v in model.state_dict().items():
         assert torch.equal(v, sd[k]), k
     assert all(getattr(m, "_layerwise_manager", None) is None for m in model.modules())
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_next_layers_copies_are_queued_before_a_layer_is_waited_for(depth, monkeypatch):
+    """Found with the simulated bus (python -m layerwise.bench bus, issue 24): at prefetch
+    depth 1 a transfer-bound step took 1.13-1.25x the floor, because the pre-hook queued
+    the next layer's copy only after waiting for this layer's; on the CPU backend that
+    wait blocks the host, so the bus idled between layers. At each wait, the copies of
+    the next `depth` layers must already be queued."""
+    from layerwise.meter import Meter
+
+    torch.manual_seed(0)
+    model = TwoGroupModel(n_a=6, n_b=1)
+    ref = copy.deepcopy(model)
+    (m,) = layerwise.configure_layerwise_offload(model, "transformer_blocks", device="cpu", prefetch_depth=depth)
+    queued_at_wait = []
+    real = Meter.wait
+
+    def wait(self, engine, ev, stream):
+        if self is m.meter:
+            queued_at_wait.append(sum(f is not None for f in m.ring.fetched))
+        return real(self, engine, ev, stream)
+
+    monkeypatch.setattr(Meter, "wait", wait)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), ref(x))
+    assert queued_at_wait and min(queued_at_wait) >= depth + 1, queued_at_wait  # this layer's and the next depth

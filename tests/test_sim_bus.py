@@ -64,7 +64,7 @@ def test_a_copy_takes_bytes_over_bandwidth_and_waits_instead_of_spinning():
     print(wall, cpu, n / 0.1e9)
     """, LAYERWISE_SIM_BUS_GBPS="0.1")
     wall, cpu, want = map(float, out.split())
-    assert want <= wall <= want * 1.5 + 0.05, (wall, want)  # 0.34 s for 32 MiB at 0.1 GB/s
+    assert want <= wall <= want * 2 + 0.1, (wall, want)  # 0.34 s for 32 MiB at 0.1 GB/s
     assert cpu < 0.3 * wall, (cpu, wall)  # the worker sleeps on a condition variable (the memcpy is the rest)
 
 
@@ -85,7 +85,7 @@ def test_copies_in_flight_share_one_bus():
     """, LAYERWISE_SIM_BUS_GBPS="0.1")
     one, two, engines, want = map(float, out.split())
     assert one >= want and two >= 2 * want and engines >= 2 * want, (one, two, engines, want)
-    assert two <= 2 * want * 1.5 + 0.05, (two, want)
+    assert two <= 2 * want * 2 + 0.1, (two, want)
 
 
 def test_pageable_sources_cross_at_the_pageable_rate_and_latency_counts_per_copy():
@@ -146,3 +146,4 @@ def test_a_streamed_model_stays_exact_and_a_transfer_bound_step_pays_the_bus():
     """, LAYERWISE_SIM_BUS_GBPS="0.05")
     step, floor = map(float, out.split())
     assert floor > 0.05 and step >= 0.9 * floor, (step, floor)  # transfer-bound: the bus is the step
+

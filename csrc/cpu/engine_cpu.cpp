@@ -85,12 +85,11 @@ SimBusConfig sim_bus_config() {
   return g_bus;
 }
 
-HostClock::time_point sim_bus_reserve(size_t n, const void* src) {
+HostClock::time_point sim_bus_reserve(size_t n, const void* src, HostClock::time_point ready) {
   std::lock_guard<std::mutex> l(g_bus_mutex);
   if (g_bus.gbps <= 0) return {};
   const double gbps = in_pinned_range_locked(src) ? g_bus.gbps : g_bus.pageable_gbps;
-  const auto now = HostClock::now();
-  const auto start = std::max(now, g_bus_free);
+  const auto start = std::max(ready, g_bus_free);
   const auto carry = std::chrono::duration_cast<HostClock::duration>(
       std::chrono::duration<double, std::nano>(static_cast<double>(n) / gbps));  // bytes / (GB/s) = ns
   g_bus_free = start + carry;
@@ -112,6 +111,7 @@ struct Job {
   bool decode = false;
   std::vector<DecodePiece> pieces;
   EventPtr after2;
+  HostClock::time_point queued = HostClock::now();  // (the simulated bus: when the copy was ready to go)
 };
 
 class Worker {
@@ -169,6 +169,8 @@ class Worker {
       // with the read's error: whoever waits on the copy learns that its bytes are not there.
       std::string failed_after;
       int failed_errno = 0;
+      auto pending = [](const EventPtr& e) { return e && !static_cast<CpuEvent*>(e.get())->completed(); };
+      const bool waited = pending(job.after) || pending(job.after2);
       try {
         if (job.after) job.after->synchronize();
         if (job.after2) job.after2->synchronize();
@@ -194,7 +196,8 @@ class Worker {
           failed_decode = e.what();
         }
       } else if (failed_after.empty() && job.n) {
-        const auto crossed = sim_bus_reserve(job.n, job.src);  // (the simulated bus: sim_bus.h)
+        // (the simulated bus, sim_bus.h: ready when queued, or when what it waited on completed)
+        const auto crossed = sim_bus_reserve(job.n, job.src, waited ? HostClock::now() : job.queued);
         std::memcpy(job.dst, job.src, job.n);
         if (crossed != HostClock::time_point{}) {
           std::unique_lock<std::mutex> l(m_);

@@ -71,16 +71,23 @@ def regime(c: float) -> str:
     return "balanced"
 
 
-def _prepare(ctx: Context, base) -> tuple[dict, dict, dict]:
-    """Every method's model (each from its own copy of `base`), the layerwise
-    managers by method name, and the methods skipped here with the reason."""
-    methods = {RESIDENT: clone_module(base).to(ctx.device)}
+def layerwise_methods(ctx: Context, base, methods: dict) -> dict:
+    """`base` streamed at prefetch depth 1 and 2 (each its own copy), added to
+    `methods` by name; returns their managers by the same names."""
     managers = {}
     for depth in (1, 2):
         model = clone_module(base)
         managers[f"layerwise d={depth}"] = layerwise.configure_layerwise_offload(
             model, ["blocks"], device=ctx.device, prefetch_depth=depth)
         methods[f"layerwise d={depth}"] = model
+    return managers
+
+
+def _prepare(ctx: Context, base) -> tuple[dict, dict, dict]:
+    """Every method's model (each from its own copy of `base`), the layerwise
+    managers by method name, and the methods skipped here with the reason."""
+    methods = {RESIDENT: clone_module(base).to(ctx.device)}
+    managers = layerwise_methods(ctx, base, methods)
     model, label = baselines.naive_offload(clone_module(base), ["blocks"], ctx.device)
     methods[label] = model
     skipped = {}

@@ -1,0 +1,146 @@
+"""bus: the stream sweep over the CPU backend's simulated bus (issue 24;
+csrc/sim_bus.h, README "A simulated bus on the CPU backend").
+
+On a CPU there is no bus to hide: a copy is a host memcpy, and the stream suite's
+CPU rows carry no target. Here the CPU engine's copies cross a simulated bus
+(``LAYERWISE_SIM_BUS_GBPS``), its speed chosen against the compute measured in
+the same run: the DiTStack's resident step at the sweep's smallest and largest
+token counts, the bus set so that one step's streamed bytes take the geometric
+mean of the two. The sweep then covers transfer-bound, balanced and
+compute-bound points, as on a GPU. (With ``LAYERWISE_SIM_BUS_GBPS`` already set,
+that bus is used as given.)
+
+Per point, for layerwise at prefetch depth 1 and 2 against the resident model:
+the step time, ``/resident``, and ``/floor`` with the floor
+``max(resident step, bytes moved / measured bandwidth)``, the bandwidth measured
+through the same bus by copies of one layer out of a pinned arena, 16 in flight
+(``bus_bandwidth``). Targets (DESIGN.md, the CPU
+with the simulated bus): compute-bound points (C/T >= 2) <= 1.05x resident,
+transfer-bound points (C/T <= 0.5) <= 1.10x the floor. A miss says what the
+step waited on the copies (the compute-side stall the hooks measured) beside
+what the floor allows. Outputs are checked bitwise against the resident model.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict
+
+import torch
+
+import layerwise
+
+from . import models
+from .common import Context, Row, Skip, SuiteResult, Target, clone_module, compare, device_timer, inference_step, ratio
+from .stream import Sweep, layerwise_methods, regime
+
+NAME = "bus"
+ENV = "LAYERWISE_SIM_BUS_GBPS"
+TARGET_RESIDENT, TARGET_FLOOR = 1.05, 1.10
+
+SWEEPS = {"full": Sweep(1024, 8, (1, 16, 128, 1024), 5, 1), "quick": Sweep(512, 8, (1, 16, 128, 1024), 5, 1),
+          "tiny": Sweep(128, 6, (1, 256), 2, 1)}  # (6 layers: more than a depth-2 ring holds)
+
+
+def bus_bandwidth(layer_bytes: int, copies: int = 16, repeats: int = 5) -> float:
+    """Bytes/s across the simulated bus, measured as the manager uses it: `copies`
+    copies of one layer out of a pinned arena in flight at once (one copy waited for
+    at a time would add two thread wake-ups per copy, which the pipelined stream
+    does not pay)."""
+    import time
+
+    arena = layerwise.HostArena(layer_bytes, pinned=True, cuda=False)
+    src = arena.allocate(layer_bytes).fill_(1)
+    dst = torch.empty(layer_bytes, dtype=torch.uint8)
+    engine = layerwise.CopyEngine("cpu")
+    engine.copy_async(dst, src).synchronize()
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        evs = [engine.copy_async(dst, src) for _ in range(copies)]
+        for ev in evs:
+            ev.synchronize()
+        rates.append(copies * layer_bytes / (time.perf_counter() - t0))
+    return sorted(rates)[len(rates) // 2]
+
+
+def _resident_ms(ctx: Context, model, xs: dict, repeats: int) -> dict:
+    samplers = {t: device_timer(ctx, inference_step(model, x), prepare=inference_step(model, x)) for t, x in xs.items()}
+    return {t: s.median * 1e3 for t, s in compare(samplers, repeats, warmup=1).items()}
+
+
+def run(ctx: Context) -> SuiteResult:
+    if ctx.is_cuda:
+        raise Skip("the simulated bus is the CPU backend's; on a GPU the stream suite measures the real one")
+    sw = ctx.pick(SWEEPS)
+    base = models.build(models.DiTStack, sw.hidden, sw.layers, dtype=torch.float32, generate_on=ctx.device)
+    gen = torch.Generator().manual_seed(1)
+    xs = {t: torch.randn(t, sw.hidden, generator=gen) for t in sw.tokens}
+    resident = clone_module(base)
+    layer_bytes = sum(p.numel() * p.element_size() for p in base.blocks[0].parameters())
+    step_bytes = layer_bytes * sw.layers  # every layer is copied each step (more layers than ring slots)
+    given = os.environ.get(ENV)
+    chosen = None
+    if not given:
+        ms = _resident_ms(ctx, resident, {t: xs[t] for t in (min(sw.tokens), max(sw.tokens))}, 3)
+        transfer_s = math.sqrt(ms[min(sw.tokens)] * ms[max(sw.tokens)]) / 1e3
+        chosen = step_bytes / transfer_s / 1e9
+    saved = os.environ.get(ENV)
+    try:
+        if chosen is not None:
+            os.environ[ENV] = f"{chosen:.6g}"
+        return _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+        layerwise.CopyEngine("cpu")  # every CPU engine reads the bus when it is created: off again for what follows
+
+
+def _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen) -> SuiteResult:
+    methods = {"resident": resident}
+    managers = layerwise_methods(ctx, base, methods)
+    bandwidth = bus_bandwidth(layer_bytes)
+    bus = dict(layerwise._native._C.sim_bus())
+    result = SuiteResult(NAME, data={"config": asdict(sw), "layer_bytes": layer_bytes, "bus": bus,
+                                     "bus_source": "given" if given else "chosen against the measured compute",
+                                     "bandwidth_GBps": bandwidth / 1e9, "points": []})
+    with ctx.progress(len(sw.tokens) * (sw.repeats + 1), NAME) as bar:
+        for tokens in sw.tokens:
+            steps = {name: inference_step(m, xs[tokens]) for name, m in methods.items()}
+            want = steps["resident"]()
+            for name in managers:
+                for k in (1, 2):
+                    if not torch.equal(steps[name](), want):
+                        raise AssertionError(f"bus: {name}, {tokens} tokens, step {k}: output differs from resident")
+            samplers = {name: device_timer(ctx, s, prepare=s) for name, s in steps.items()}
+            ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, sw.repeats, warmup=1, bar=bar).items()}
+            last = {name: ms_[0].stats(sync=True)["last_step"] for name, ms_ in managers.items()}
+            moved = last["layerwise d=1"]["bytes_copied"]
+            transfer_ms = moved / bandwidth * 1e3
+            floor_ms = max(ms["resident"].median, transfer_ms)
+            c = ms["resident"].median / transfer_ms
+            kind = regime(c)  # (the stream suite's: C/T >= 2 compute-bound, <= 0.5 transfer-bound)
+            point = {"tokens": tokens, "compute_transfer_ratio": c, "regime": kind, "bytes_moved": moved,
+                     "transfer_ms": transfer_ms, "floor_ms": floor_ms, "step_ms": ms, "last_step": last}
+            result.data["points"].append(point)
+            for name in managers:
+                ours = ms[name]
+                ratios = {"/resident": ratio(ours, ms["resident"]), "/floor": ratio(ours, floor_ms)}
+                targets, note = [], ""
+                if kind == "compute-bound":
+                    targets.append(Target.at_most(ratios["/resident"], TARGET_RESIDENT, "resident"))
+                elif kind == "transfer-bound":
+                    targets.append(Target.at_most(ratios["/floor"], TARGET_FLOOR, "floor"))
+                if targets and not all(t.met for t in targets):
+                    stall = last[name]["stall_s"] * 1e3
+                    note = (f"missed: the step waited {stall:.2f} ms on copies (the floor allows "
+                            f"{max(0.0, transfer_ms - ms['resident'].median):.2f} ms beyond the compute); the rest "
+                            "is hook time and the copies' memcpy on the shared cores")
+                rows_short = f"{tokens} tok, C/T {c:.2g}, {name.removeprefix('layerwise ')}"
+                result.rows.append(Row(NAME, f"step over the simulated bus ({bus['gbps']:.3g} GB/s), {tokens} tok "
+                                             f"(C/T {c:.2g}, {kind}), {name}", "ms", ours,
+                                       {"resident": ms["resident"], "floor": floor_ms}, ratios, targets, note=note,
+                                       short=rows_short))
+    return result
