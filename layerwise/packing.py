@@ -22,17 +22,12 @@ from torch import nn
 
 from . import _native, stages
 from .formats import aliases, quantized
-from .plan import BLOCK_ALIGN, local_tensor, round_up
+from .plan import BLOCK_ALIGN, round_up
 
 log = logging.getLogger("layerwise")
 
 _PROGRESS_MIN_BYTES = 1 << 30
 
-
-def source_of(e) -> torch.Tensor:
-    """The plain tensor whose bytes entry `e` packs: the parameter's data (a DTensor's
-    local shard), or a quantized wrapper's leaf."""
-    return local_tensor(e.param.data) if e.leaf is None else quantized.leaf(e.param, e.leaf)
 
 
 def materialize(e, block: torch.Tensor, device) -> torch.Tensor:
@@ -95,12 +90,18 @@ def bind_leaves(pairs) -> None:
     """[(leaf entry, tensor)]: every quantized wrapper named rebuilt once over the
     tensors given for its leaves (the others keep what they have) and swapped into
     the same parameter object (formats/quantized.py, [Note: swap, not setattr])."""
+    for w, tensors in _by_wrapper(pairs):
+        quantized.rebind(w.param, w.form, tensors)
+
+
+def _by_wrapper(pairs) -> list:
+    """[(leaf entry, tensor)] -> [(Wrapped, {leaf path: tensor})] for each wrapper
+    named, its leaves not given keeping the tensors they have."""
     wrappers: dict = {}
     for e, t in pairs:
         wrappers.setdefault(id(e.wrapped), (e.wrapped, {}))[1][e.leaf] = t
-    for w, given in wrappers.values():
-        tensors = {x.leaf: given[x.leaf] if x.leaf in given else x.source() for x in w.entries}
-        quantized.rebind(w.param, w.form, tensors)
+    return [(w, {x.leaf: given[x.leaf] if x.leaf in given else x.source() for x in w.entries})
+            for w, given in wrappers.values()]
 
 
 def _plain(route) -> bool:
@@ -173,7 +174,7 @@ class HostLayers:
                         if not e.param.is_meta:
                             e.saved = e.param.data  # given back if configure fails later
                     else:  # the parameter's storage span, byte for byte
-                        data = source_of(e)
+                        data = e.source()
                         flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
                         block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8))
                         del data, flat
@@ -258,13 +259,8 @@ class HostLayers:
                     out.append((e, new))
             # A quantized wrapper is rebuilt over its new leaves here, in phase one: the
             # library's __tensor_unflatten__ may raise, and give_back only swaps.
-            wrappers: dict = {}
-            for e, new in out:
-                if e.leaf is not None and new is not None:
-                    wrappers.setdefault(id(e.wrapped), (e.wrapped, {}))[1][e.leaf] = new
-            rebuilt = [(w.param, quantized.rebuilt(w.param, w.form, {
-                x.leaf: given[x.leaf] if x.leaf in given else x.source() for x in w.entries}))
-                for w, given in wrappers.values()]
+            rebuilt = [(w.param, quantized.rebuilt(w.param, w.form, tensors)) for w, tensors in
+                       _by_wrapper([(e, new) for e, new in out if e.leaf is not None and new is not None])]
         return [(e, new) for e, new in out if e.leaf is None] + [(e, None) for e, _ in out if e.leaf is not None] \
             + [(None, pair) for pair in rebuilt]
 

@@ -245,7 +245,9 @@ def _assert_fingerprint(model, fp):
 def test_a_failure_at_every_parameter_index_rolls_back_exactly(monkeypatch, kind, where, exc):
     ref = make(kind, n=2)
     expect = run(ref, inputs())
-    target = {"before_copy": (packing_mod, "source_of"), "placeholder": (packing_mod.HostLayers, "leaf_placeholder"),
+    from layerwise.plan import ParamEntry
+
+    target = {"before_copy": (ParamEntry, "source"), "placeholder": (packing_mod.HostLayers, "leaf_placeholder"),
               "rebind": (quantized_mod, "rebind")}[where]
     orig = getattr(*target)
     calls = [0]

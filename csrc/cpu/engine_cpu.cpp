@@ -30,6 +30,7 @@ namespace layerwise {
 namespace {
 std::mutex g_bus_mutex;
 SimBusConfig g_bus;
+std::atomic<bool> g_bus_on{false};  // (read without the mutex: a copy with no bus takes no lock)
 HostClock::time_point g_bus_free;             // when the bus has carried every copy reserved so far
 std::map<uintptr_t, size_t> g_pinned_ranges;  // base -> length (mlocked arena ranges)
 
@@ -77,6 +78,7 @@ SimBusConfig sim_bus_from_env() {
   TORCH_CHECK_VALUE(c.gbps == 0 || c.pageable_gbps > 0, "LAYERWISE_SIM_BUS_PAGEABLE_GBPS must be > 0");
   std::lock_guard<std::mutex> l(g_bus_mutex);
   g_bus = c;
+  g_bus_on.store(c.gbps > 0, std::memory_order_release);
   return c;
 }
 
@@ -86,6 +88,7 @@ SimBusConfig sim_bus_config() {
 }
 
 HostClock::time_point sim_bus_reserve(size_t n, const void* src, HostClock::time_point ready) {
+  if (!g_bus_on.load(std::memory_order_acquire)) return {};
   std::lock_guard<std::mutex> l(g_bus_mutex);
   if (g_bus.gbps <= 0) return {};
   const double gbps = in_pinned_range_locked(src) ? g_bus.gbps : g_bus.pageable_gbps;

@@ -31,7 +31,8 @@ import torch
 import layerwise
 
 from . import models
-from .common import Context, Row, Skip, SuiteResult, Target, clone_module, compare, device_timer, inference_step, ratio
+from .common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
+                     inference_step, ratio)
 from .stream import Sweep, layerwise_methods, regime
 
 NAME = "bus"
@@ -109,11 +110,7 @@ def _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen) -> SuiteResu
     with ctx.progress(len(sw.tokens) * (sw.repeats + 1), NAME) as bar:
         for tokens in sw.tokens:
             steps = {name: inference_step(m, xs[tokens]) for name, m in methods.items()}
-            want = steps["resident"]()
-            for name in managers:
-                for k in (1, 2):
-                    if not torch.equal(steps[name](), want):
-                        raise AssertionError(f"bus: {name}, {tokens} tokens, step {k}: output differs from resident")
+            check_bitwise(steps, steps["resident"](), f"bus, {tokens} tokens")
             samplers = {name: device_timer(ctx, s, prepare=s) for name, s in steps.items()}
             ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, sw.repeats, warmup=1, bar=bar).items()}
             last = {name: ms_[0].stats(sync=True)["last_step"] for name, ms_ in managers.items()}

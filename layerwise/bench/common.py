@@ -81,6 +81,20 @@ def inference_step(model: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tens
     return step
 
 
+def check_bitwise(steps: dict, reference: torch.Tensor, what: str) -> None:
+    """The first and the second step of every layerwise method (its name starts with
+    "layerwise") equal `reference`, or an AssertionError says which differs and how much."""
+    for name, step in steps.items():
+        if not name.startswith("layerwise"):
+            continue
+        for k in (1, 2):
+            out = step()
+            if not torch.equal(out, reference):
+                diff = (out.float() - reference.float()).abs().max().item()
+                raise AssertionError(f"{what}, {name}, step {k}: output differs from the resident model's "
+                                     f"(max |diff| {diff:.3g})")
+
+
 def clone_module(model: nn.Module) -> nn.Module:
     """An independent copy of a (host) model: every method gets its own weights."""
     return copy.deepcopy(model)

@@ -31,7 +31,8 @@ import torch
 import layerwise
 
 from . import models
-from .common import (MB, Context, Row, Skip, SuiteResult, Target, clone_module, compare, device_timer, ratio)
+from .common import (MB, Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
+                     ratio)
 
 NAME = "quant"
 BYTES_TARGET = 1.15  # bytes per step / quantized bytes (issue 23)
@@ -169,11 +170,7 @@ def _form(ctx: Context, result: SuiteResult, name: str, make, x, bf16_bytes: int
                                                                 prefetch_depth=1, compress=compress)
         methods[label] = model
     steps = {k: _step(m, x) for k, m in methods.items()}
-    reference = steps["resident"]()
-    for label in managers:
-        for k in (1, 2):
-            if not torch.equal(steps[label](), reference):
-                raise AssertionError(f"quant: {name}, {label}, step {k}: output differs from the resident model's")
+    check_bitwise(steps, steps["resident"](), f"quant, {name}")
     samplers = {k: device_timer(ctx, s, prepare=s) for k, s in steps.items()}
     ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, repeats, warmup=1, bar=bar).items()}
     rows = []

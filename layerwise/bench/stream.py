@@ -34,8 +34,8 @@ import torch
 import layerwise
 
 from . import baselines, h2d, models
-from .common import (Context, Row, Skip, SuiteResult, Target, clone_module, compare, device_timer, inference_step,
-                     median, ratio)
+from .common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
+                     inference_step, median, ratio)
 
 NAME = "stream"
 RESIDENT = "resident"
@@ -103,19 +103,6 @@ def _prepare(ctx: Context, base) -> tuple[dict, dict, dict]:
     return methods, managers, skipped
 
 
-def _check_bitwise(steps: dict, reference: torch.Tensor, tokens: int) -> None:
-    """The first and the second step of every layerwise method equal the resident output."""
-    for name, step in steps.items():
-        if not name.startswith("layerwise"):
-            continue
-        for k in (1, 2):
-            out = step()
-            if not torch.equal(out, reference):
-                diff = (out.float() - reference.float()).abs().max().item()
-                raise AssertionError(f"{name}, {tokens} tokens, step {k}: output differs from the resident "
-                                     f"model's (max |diff| {diff:.3g})")
-
-
 def run(ctx: Context) -> SuiteResult:
     sw = ctx.pick(SWEEPS)
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
@@ -138,7 +125,7 @@ def run(ctx: Context) -> SuiteResult:
         for tokens in sw.tokens:
             x = torch.randn(tokens, sw.hidden, generator=gen, device=ctx.device).to(dtype)
             steps = {name: inference_step(model, x) for name, model in methods.items()}
-            _check_bitwise(steps, steps[RESIDENT](), tokens)
+            check_bitwise(steps, steps[RESIDENT](), f"stream, {tokens} tokens")
             samplers = {name: device_timer(ctx, step, inner=sw.steps, prepare=step) for name, step in steps.items()}
             ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, sw.repeats, warmup=1, bar=bar).items()}
 
