@@ -110,13 +110,18 @@ def test_suite_specific_figures(tiny_run):
         assert set(point["step_ms"]) == set(stream["data"]["methods"])
         assert point["streamed_bytes"] > 0
     assert all(row["met"] is None for row in stream["rows"])
-    # bus: a simulated bus chosen against the compute; every row has the floor, and no step beats it
-    # by more than the bandwidth measurement's spread (the bus sleeps: a step cannot be faster)
+    # bus: a simulated bus chosen against the compute; every row has the floor, and no step is
+    # faster than its bytes over the configured bus (the bus sleeps: whatever the machine's load)
     bus = suites["bus"]
     assert bus["status"] == "ok", bus["reason"]
-    assert bus["data"]["bus"]["gbps"] > 0 and bus["data"]["bus_source"].startswith("chosen")
+    gbps = bus["data"]["bus"]["gbps"]
+    assert gbps > 0 and bus["data"]["bus_source"].startswith("chosen")
     for row in bus["rows"]:
-        assert "floor" in row["baselines"] and row["ratios"]["/floor"] >= 0.8, row
+        assert "floor" in row["baselines"] and "/floor" in row["ratios"], row
+    for p in bus["data"]["points"]:
+        for name, last in p["last_step"].items():
+            assert last["bytes_copied"] > 0, (name, p)
+            assert _median(p["step_ms"][name]) >= 0.95 * last["bytes_copied"] / (gbps * 1e9) * 1e3, (name, p)
     regimes = {p["regime"] for p in bus["data"]["points"]}
     assert "transfer-bound" in regimes, bus["data"]["points"]
     # quant: every form streamed bitwise (checked in the suite), moving its quantized bytes and no more:
