@@ -732,7 +732,8 @@ def scenario_sigint(rank, world, tmp, subject=NET16):
 
     # configure, interrupted while its layers are packed (every rank rolls back)
     for _ in range(3):
-        interrupted(packing, "local_tensor", rng.randint(1, 12), lambda: configure(budget, **kw))
+        # (a packed parameter's placeholder: called only while the layers are packed)
+        interrupted(packing.HostLayers, "placeholder", rng.randint(1, 12), lambda: configure(budget, **kw))
     model = configure(budget, **kw)
     plan = [r for m in layerwise.contract.managers_of(model) for r in m.stats()["tier_plan"]]
     assert any(r.startswith("spill, encoded, share") for r in plan), plan

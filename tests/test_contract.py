@@ -80,7 +80,7 @@ def test_failure_at_every_parameter_index_restores_the_model_bitwise(monkeypatch
         model = make()
         fp = fingerprint(model)
         calls = [0]
-        target = "local_tensor" if where == "before_copy" else None
+        target = "source" if where == "before_copy" else None  # (ParamEntry.source: what packing copies from)
 
         def boom(*a, **kw):
             calls[0] += 1
@@ -88,8 +88,10 @@ def test_failure_at_every_parameter_index_restores_the_model_bitwise(monkeypatch
                 raise exc(f"injected at parameter {k}")
 
         if target:
-            orig = packing_mod.local_tensor
-            monkeypatch.setattr(packing_mod, "local_tensor", lambda t: (boom(), orig(t))[1])
+            from layerwise.plan import ParamEntry
+
+            orig = ParamEntry.source
+            monkeypatch.setattr(ParamEntry, "source", lambda e: (boom(), orig(e))[1])
         else:
             orig_ph = packing_mod.HostLayers.placeholder
             monkeypatch.setattr(packing_mod.HostLayers, "placeholder",
