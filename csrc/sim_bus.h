@@ -34,8 +34,11 @@ SimBusConfig sim_bus_config();
 // was queued, or when what it waited on completed), has crossed the bus: it starts
 // at `ready` or when the bus is free, whichever is later (so that copies queued
 // back to back cross back to back however late a worker thread wakes), and
-// reserves its share. HostClock::time_point{} when there is no bus.
+// reserves its share. HostClock::time_point{} when there is no bus. `start`, if
+// given, gets the time the copy starts on the bus (its event's copy time counts
+// from there: the time on the bus, not the worker's pick-up).
 std::chrono::steady_clock::time_point sim_bus_reserve(size_t n, const void* src,
-                                                      std::chrono::steady_clock::time_point ready);
+                                                      std::chrono::steady_clock::time_point ready,
+                                                      std::chrono::steady_clock::time_point* start = nullptr);
 
 }  // namespace layerwise

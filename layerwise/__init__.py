@@ -9,6 +9,7 @@ from .manager import LayerwiseOffloadManager
 from .options import OffloadOptions
 from .pipelines import offload_pipeline, remove_pipeline_offload, report, report_pipeline
 from .scatter import build_scatter_table, scatter_segment
+from .tune import TunePlan, tune
 
 __all__ = [
     "CopyEngine",
@@ -16,6 +17,7 @@ __all__ = [
     "HostArena",
     "LayerwiseOffloadManager",
     "OffloadOptions",
+    "TunePlan",
     "build_info",
     "build_scatter_table",
     "configure_layerwise_offload",
@@ -28,5 +30,6 @@ __all__ = [
     "report",
     "report_pipeline",
     "scatter_segment",
+    "tune",
 ]
 __version__ = "0.1.0"

@@ -69,6 +69,11 @@ class GroupGuard:
         self.handed_out: list = []  # state_dict() tensors that alias the arena (check_handed_out)
         self.loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks
         self.error: str | None = None  # a broken contract found outside a forward
+        self.saved = weakref.WeakSet()  # slot weights saved for a backward still to run (saved_slot_hooks)
+
+    def backward_pending(self) -> bool:
+        """A graph that saved this group's streamed weights is alive (its backward has not run)."""
+        return len(self.saved) > 0
 
 
 class ModelLock:
@@ -634,6 +639,14 @@ def install_layer_hooks(manager) -> list:
     return handles
 
 
+def unwatch(manager) -> None:
+    """Forget the modules install_layer_hooks watched for `manager` (its streamed
+    layers change: set_residency installs the hooks again)."""
+    for mod, (ref, _) in list(_WATCHED.items()):
+        if ref() is manager:
+            del _WATCHED[mod]
+
+
 def _split_load_guards(manager) -> list:
     """split fetch: a load_state_dict that gives the ranks different values for the
     split layers is refused where it starts (the module it was called on, or the
@@ -865,7 +878,10 @@ def check_handed_out(manager) -> None:
     live = []
     for ref, raw, version, i in manager.guard.handed_out:
         if raw._version != version:
-            arena_written(manager, i)
+            if manager.ring.slot_of[i] < 0:  # handed out while streamed, resident since (set_residency)
+                manager._refresh_resident(i)
+            else:
+                arena_written(manager, i)
             version = raw._version
         if ref() is not None:  # checked once more after the alias died, then dropped
             live.append((ref, raw, version, i))
@@ -1158,10 +1174,12 @@ def _ensure_registration_hook() -> None:
 
 # ------------------------------------------------------------------ backward
 class _SlotRef:
-    __slots__ = ("tensor", "slot", "gen", "layer", "version")
+    __slots__ = ("tensor", "ring", "slot", "gen", "layer", "version", "slot_ptr", "slot_bytes", "__weakref__")
 
-    def __init__(self, tensor, slot, gen, layer, version):
-        self.tensor, self.slot, self.gen, self.layer, self.version = tensor, slot, gen, layer, version
+    def __init__(self, tensor, ring, slot, gen, layer, version):
+        self.tensor, self.ring, self.slot, self.gen, self.layer, self.version = tensor, ring, slot, gen, layer, version
+        base = ring.slots[slot]  # (a ring replaced since, set_residency, no longer names it)
+        self.slot_ptr, self.slot_bytes = base.untyped_storage().data_ptr(), base.numel()
 
 
 def _slot_of(ring, t):
@@ -1191,14 +1209,16 @@ def saved_slot_hooks(manager):
         if s is None:
             return t
         i = ring.holder[s]
-        return _SlotRef(t, s, ring.gen[s], i, ring.layer_gen[i])
+        ref = _SlotRef(t, ring, s, ring.gen[s], i, ring.layer_gen[i])
+        manager.guard.saved.add(ref)
+        return ref
 
     def unpack(ref):
         if type(ref) is not _SlotRef:
             return ref
         if manager._finalized and manager.guard.handed_out:
             check_handed_out(manager)  # a write through state_dict() since the forward
-        if manager._finalized and manager.ring.gen[ref.slot] == ref.gen:
+        if manager._finalized and manager.ring is ref.ring and manager.ring.gen[ref.slot] == ref.gen:
             return ref.tensor
         if not manager._finalized or manager.ring.layer_gen[ref.layer] != ref.version:
             raise RuntimeError(
@@ -1208,12 +1228,11 @@ def saved_slot_hooks(manager):
             )
         t = ref.tensor
         block = manager._read_layer(ref.layer)
-        slot = manager.ring.slots[ref.slot]
-        fresh = torch.empty(slot.numel(), dtype=torch.uint8, device=manager.device)
+        fresh = torch.empty(ref.slot_bytes, dtype=torch.uint8, device=manager.device)
         fresh[: block.numel()].copy_(block)
 
         def again(x):  # x as it was, over `fresh` where it was a view of the slot
-            if x.untyped_storage().data_ptr() != slot.untyped_storage().data_ptr():
+            if x.untyped_storage().data_ptr() != ref.slot_ptr:
                 return x
             out = torch.empty(0, dtype=x.dtype, device=manager.device)
             return out.set_(fresh.untyped_storage(), x.storage_offset(), x.size(), x.stride())

@@ -26,14 +26,16 @@ import enum
 import functools
 import logging
 import threading
+from numbers import Integral
 
 import torch
 from torch import nn
 
 from . import _native, contract, drift, gpu_checks, stages
-from .options import OffloadOptions, manager_options, named_options, resolve_resident
+from .options import (OffloadOptions, manager_options, named_options, resolve_resident, validate_depth,
+                      validate_residency)
 from .meter import Meter
-from .packing import HostLayers, assign, bind_layer_to_slot, materialize
+from .packing import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
 from .plan import GroupPlan, build_group_plan, device_bytes
 from .ring import SlotRing
 from .tierplan import TierChoice
@@ -103,6 +105,8 @@ class LayerwiseOffloadManager:
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
+        self._guard_hooks = []  # the state contract's hooks on the streamed layers (installed again by set_residency)
+        self.placement = None  # who chose the placement in force, when not configure (set_residency's `note`)
         self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/ring.py), once finalised
         self.meter = Meter(self.options.measure_stalls, self._stage_counts)  # the group's figures (layerwise/meter.py)
         if initialize:
@@ -116,10 +120,139 @@ class LayerwiseOffloadManager:
         self.prefetch_depth = prefetch_depth  # (the device-budget planner's choice, from validated options)
         self.options = dataclasses.replace(self.options, prefetch_depth=prefetch_depth)
 
+    def set_residency(self, resident, prefetch_depth: int | None = None, *, note=None) -> None:
+        """Change which layers stay on the device, and the prefetch depth, while the
+        group streams. `resident`: layer indices, or a count / fraction of the group
+        spread by its residency_policy (as `resident_layers` at configure);
+        `prefetch_depth`: default, the one in force. `note`: what chose it (shown by
+        layerwise.report; layerwise.tune passes its plan).
+
+        Only the device side changes: the slot ring is rebuilt and the layers that
+        change placement are bound again. The host side stays as packed (arena,
+        encoded blocks, files; the disk stage keeps the staging slots it was planned
+        with). A layer that leaves the device takes its current bytes with it (a
+        load_state_dict into it while resident is kept). While it changes, device
+        memory holds the old ring and the new one. Tensors of a state_dict() taken
+        before are snapshots for the layers that changed placement.
+
+        Transactional: if it raises (no memory, a checkpoint file that cannot take a
+        changed layer back) or is interrupted, the old placement stays in force,
+        whole. Called between forwards (it waits for a forward in flight on another
+        thread); refused inside one, and for a split-fetch group (its ranks' shares
+        are planned for the layers streamed at configure)."""
+        if not self._finalized:
+            raise RuntimeError(f"layerwise: {self.layer_name}: set_residency changes the placement of a streaming "
+                               "group; before configure, pass resident_layers / prefetch_depth to configure")
+        new = self._resident_list(resident)
+        depth = self.prefetch_depth if prefetch_depth is None else validate_depth(prefetch_depth)
+        if self.options.split_fetch is not None:
+            raise RuntimeError(
+                f"layerwise: {self.layer_name}: set_residency is not supported with split_fetch: each rank keeps "
+                "only its share of the layers streamed at configure. Configure again with the resident_layers "
+                "you want (layerwise.remove_layerwise_offload(model), then configure_layerwise_offload).")
+        with self._lock:
+            if self.ring.entered:
+                raise RuntimeError(f"layerwise: {self.layer_name}: set_residency was called inside a forward of "
+                                   "the model (a hook, or a block calling it): call it between forwards")
+            if self.guard.backward_pending():
+                raise RuntimeError(
+                    f"layerwise: {self.layer_name}: set_residency between a forward and its backward: the forward "
+                    "saved streamed weights for the backward, whose parameters the change would rebind. Run the "
+                    "backward first (or drop its graph), then change the placement.")
+            if self.guard.handed_out:
+                contract.check_handed_out(self)
+            self._drain()
+            if self._dirty:
+                self._resync()
+            old = list(self.resident)
+            if new == old and depth == self.prefetch_depth:
+                self.placement = note
+                return
+            # Phase one builds everything and changes nothing the model computes with.
+            # A layer leaving the device writes its device bytes back to its source
+            # first (where they changed): its source then agrees with its truth.
+            for i in sorted(set(old) - set(new)):
+                block = self._resident_block(i)
+                if not torch.equal(block, self._read_layer(i)):
+                    self._write_layer(i, lambda b, block=block: b.copy_(block))
+            layers = self.plan.layers
+            start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
+            with torch.inference_mode(False), torch.no_grad():
+                ring = SlotRing(self.plan, new, depth, self._src, self.device, start, self.ring.layer_gen)
+                binding = Rebinding()
+                for i in sorted(set(new) - set(old)):
+                    block = self._read_layer(i)
+                    binding.data([(e, e.wrap(materialize(e, block, self.device))) for e in layers[i].params])
+                for i in ring.streamed:
+                    binding.slot(layers[i].params, ring.slots[ring.slot_of[i]])
+            # Phase two only rebinds and releases.
+            with contract.defer_interrupts():
+                for h in self._guard_hooks:
+                    h.remove()
+                contract.unwatch(self)
+                self.ring.release()
+                self.ring = ring
+                binding.commit()
+                self.resident = new
+                self.prefetch_depth = depth
+                self.options = dataclasses.replace(self.options, prefetch_depth=depth)
+                self._resident_bytes = sum(layers[i].nbytes for i in new)
+                self.bound = drift.Bound(self)
+                self._chain.restream(self.num_layers, ring.streamed)
+                self._guard_hooks = contract.install_layer_hooks(self)
+                self.placement = note
+                try:
+                    for i in ring.streamed[:depth]:
+                        self._load(i, prefetch=True)
+                except Exception:  # noqa: BLE001 - raised again where the layer is needed (dirty: the next hook resyncs)
+                    pass
+        log.info("layerwise: %s: placement changed: %d of %d layers resident (%s), prefetch depth %d",
+                 self.layer_name, len(new), self.num_layers, new[:16], depth)
+
+    def _resident_list(self, resident) -> list[int]:
+        n = self.num_layers
+        if isinstance(resident, (list, tuple, set, frozenset, range)):
+            out = sorted(set(resident))
+            bad = [i for i in out if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < n]
+            if bad:
+                raise ValueError(f"layerwise: {self.layer_name}: resident layers must be indices in [0, {n}), "
+                                 f"got {bad[:8]}")
+            return [int(i) for i in out]
+        return resolve_resident(validate_residency(resident, self.options.residency_policy), n,
+                                self.options.residency_policy)
+
+    def _resident_block(self, i: int) -> torch.Tensor:
+        """Resident layer i's bytes as its device tensors hold them, in plan layout (host)."""
+        block = self._read_layer(i).clone()  # (the gaps between parameters as packed)
+        for e in self.plan.layers[i].params:
+            data = e.source()
+            if data.dtype != e.dtype or tuple(data.shape) != tuple(e.shape) or tuple(data.stride()) != tuple(e.stride):
+                raise RuntimeError(
+                    f"layerwise: {e.qualname} is {data.dtype}{list(data.shape)} on the device now, not the "
+                    f"{e.dtype}{list(e.shape)} it was packed as: its layer cannot leave the device "
+                    "(layerwise.remove_layerwise_offload(model), then configure again)")
+            flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
+            block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8).reshape(-1))
+        return block
+
+    def _refresh_resident(self, i: int) -> None:
+        """Resident layer i's true bytes in its source changed (a state_dict() alias
+        handed out while it streamed, written since): its device tensors take them."""
+        block = self._read_layer(i)
+        with torch.no_grad():
+            for e in self.plan.layers[i].params:
+                data = e.source()
+                flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
+                flat.view(torch.uint8).reshape(-1).copy_(block[e.offset : e.offset + e.span_bytes])
+
     def _device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
         """Device bytes of ring + resident layers for a residency plan (default: the current one)."""
         return device_bytes(self.plan, self.resident if resident is None else resident,
                             self.prefetch_depth if prefetch_depth is None else prefetch_depth)
+
+    def fetch_bytes(self) -> list[int]:
+        """Per layer, the bytes its fetch moves over the bus (encoded, a split share)."""
+        return [src.transfer_bytes for src in self._src] if self._packed else [lp.nbytes for lp in self.plan.layers]
 
     # ------------------------------------------------------------- tier plan
     def tier_plan(self, sizes: bool = True) -> list:
@@ -214,7 +347,7 @@ class LayerwiseOffloadManager:
                     post = torch.compiler.disable(functools.partial(self._post_hook, lp.index))
                     self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
                     self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
-                self._hooks.extend(contract.install_layer_hooks(self))
+                self._guard_hooks = contract.install_layer_hooks(self)
         self.state = Lifecycle.STREAMING
         self._reset_stats()
 
@@ -259,7 +392,7 @@ class LayerwiseOffloadManager:
         ring.gen[s] += 1
         ev = src.fetch(i, ring.dst[i], after, self.meter.timing)
         ring.queued(i, version, ev)
-        self.meter.fetched(src, prefetch, ev)
+        self.meter.fetched(src, prefetch, ev, i)
         self._dirty = False
         return True
 
@@ -506,6 +639,7 @@ class LayerwiseOffloadManager:
             "slots": self.ring.num_slots if self.ring is not None else 0,
             "ring_bytes": sum(t.numel() for t in self.ring.slots) if self.ring is not None else 0,
             "resident_bytes": self._resident_bytes,
+            "placement": self.placement,  # what chose it, where set_residency changed it (layerwise.tune)
             **host,  # arena bytes and pinning, and the stages' own figures (compress, disk, split fetch)
             "managed_bytes": self.plan.managed_bytes,
             **self.meter.figures(),
@@ -539,9 +673,9 @@ class LayerwiseOffloadManager:
     def _commit_removal(self, prepared: list) -> None:
         """Rebind every parameter to what `_prepare_removal` built, then release the
         hooks, ring, engine, arena, tiers and files. Nothing here raises."""
-        for h in self._hooks:
+        for h in self._hooks + self._guard_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._guard_hooks = [], []
         for _, ctx in self._grad_hooks:
             try:
                 ctx.__exit__(None, None, None)

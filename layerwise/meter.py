@@ -26,6 +26,7 @@ class Meter:
     def __init__(self, measure_stalls: bool, extra=lambda: (0, 0.0)):
         self.measure_stalls = measure_stalls
         self.extra = extra
+        self.copy_log: list | None = None  # (layer, bytes, seconds) of each timed copy, while a probe listens
         self.reset(cuda=False)
 
     def reset(self, cuda: bool) -> None:
@@ -50,10 +51,17 @@ class Meter:
         return (self.bytes, self.copies, self.sync_loads, self.stall_s, self.bytes_raw, *self.extra())
 
     # ------------------------------------------------------------ recording
-    def fetched(self, src, prefetch: bool, result) -> None:
-        """A fetch of `src` was queued (`result`: what it returned)."""
+    def listen(self, on: bool) -> list | None:
+        """Time every copy of every step and log each one per layer (layerwise.tune's
+        probe), or stop; returns the log: (layer, bytes that crossed, seconds)."""
+        log, self.copy_log = self.copy_log, ([] if on else None)
+        self.timing = self.measure_stalls and (on or not self.cuda or self.steps % STALL_SAMPLE_EVERY == 1)
+        return self.copy_log if on else log
+
+    def fetched(self, src, prefetch: bool, result, layer: int = -1) -> None:
+        """A fetch of `src` (layer `layer`) was queued (`result`: what it returned)."""
         if self.timing:
-            self.timed_copies.append((self.steps, result))
+            self.timed_copies.append((self.steps, result, layer, src.transfer_bytes))
         self.bytes += src.transfer_bytes
         self.bytes_raw += src.nbytes
         self.copies += 1
@@ -91,7 +99,8 @@ class Meter:
         self._t0 = time.perf_counter()
         self.step_open = True
         self.steps += 1
-        self.timing = self.measure_stalls and (not self.cuda or self.steps % STALL_SAMPLE_EVERY == 1)
+        self.timing = self.measure_stalls and (self.copy_log is not None or not self.cuda
+                                               or self.steps % STALL_SAMPLE_EVERY == 1)
 
     def end_step(self) -> None:
         """Close the step: its figures become the last complete step's."""
@@ -111,18 +120,21 @@ class Meter:
     def resolve(self) -> None:
         """Add up the timings that have completed."""
         pending = []
-        for step, ev in self.timed_copies:
+        for item in self.timed_copies:
+            step, ev, layer, nbytes = item
             try:
                 done = ev.query()
             except Exception:  # a failed fetch (a split gather): raised where its layer was needed, not timed
                 continue
             if not done:
-                pending.append((step, ev))
+                pending.append(item)
                 continue
             ms = ev.copy_ms
             if ms >= 0:
                 self.copy_s += ms / 1e3
                 self._step_copy[step] = self._step_copy.get(step, 0.0) + ms / 1e3
+                if self.copy_log is not None:
+                    self.copy_log.append((layer, nbytes, ms / 1e3))
         self.timed_copies = pending
         pending = []
         for step, a, b in self.stall_pairs:
@@ -141,7 +153,7 @@ class Meter:
             if not any(step == last["step"] for step, _, _ in self.stall_pairs):
                 last["stall_s"] = self._step_stall.get(last["step"], 0.0)
         if last is not None and last["stall_measured"] and last["copy_s"] is None:
-            if not any(step == last["step"] for step, _ in self.timed_copies):
+            if not any(item[0] == last["step"] for item in self.timed_copies):
                 last["copy_s"] = self._step_copy.get(last["step"], 0.0)
         return {
             "steps": self.steps,

@@ -94,6 +94,39 @@ def bind_leaves(pairs) -> None:
         quantized.rebind(w.param, w.form, tensors)
 
 
+class Rebinding:
+    """A change of what a layer's parameters are bound to, in two phases (the
+    placement change, LayerwiseOffloadManager.set_residency): built here, where
+    a quantized library's `__tensor_unflatten__` may raise and nothing changed
+    yet; `commit` only swaps and assigns."""
+
+    def __init__(self):
+        self.to_slot: list = []  # (plain entry, slot view): bind_to_slot
+        self.to_data: list = []  # (plain entry, tensor of its own): .data
+        self.swaps: list = []  # (wrapper parameter, rebuilt wrapper)
+
+    def slot(self, entries, slot: torch.Tensor) -> None:
+        """The layer's parameters onto their views of `slot` (streamed)."""
+        self._add([(e, e.view_in(slot)) for e in entries], self.to_slot)
+
+    def data(self, pairs) -> None:
+        """[(entry, tensor)]: each parameter's data becomes its tensor (resident)."""
+        self._add(pairs, self.to_data)
+
+    def _add(self, pairs, plain: list) -> None:
+        plain.extend((e, t) for e, t in pairs if e.leaf is None)
+        self.swaps.extend((w.param, quantized.rebuilt(w.param, w.form, tensors))
+                          for w, tensors in _by_wrapper([(e, t) for e, t in pairs if e.leaf is not None]))
+
+    def commit(self) -> None:
+        for e, view in self.to_slot:
+            bind_to_slot(e, view)
+        for e, t in self.to_data:
+            e.param.data = t
+        for param, new in self.swaps:
+            torch.utils.swap_tensors(param, new)
+
+
 def _by_wrapper(pairs) -> list:
     """[(leaf entry, tensor)] -> [(Wrapped, {leaf path: tensor})] for each wrapper
     named, its leaves not given keeping the tensors they have."""

@@ -623,6 +623,12 @@ def is_offloaded_pipeline(obj) -> bool:
     return _STATE in getattr(obj, "__dict__", {})
 
 
+def streamed_components(pipe) -> list:
+    """[(name, module)] of the components of an offloaded pipeline that stream (layerwise.tune)."""
+    state: PipelineState = pipe.__dict__[_STATE]
+    return [(c.name, c.module) for c in state.components if managers_of(c.module)]
+
+
 # ----------------------------------------------------------------- report
 WIDTH = 120
 _COLUMNS = [("component", "component", str), ("class", "class", str), ("placement", "placement", str),

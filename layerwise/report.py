@@ -143,6 +143,8 @@ def _summary(r: dict) -> str:
             text += " (on a CPU device this only means its pages may be swapped out)"
         parts.append(text)
     parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
+    if r.get("placement"):
+        parts.append(f"placement in force: {r['placement']}")
     if r.get("side_tensor_bytes"):
         parts.append(f"side tensors of streamed parameters (quant_state, scales) stay resident: "
                      f"{fmt_bytes(r['side_tensor_bytes'])}")
@@ -260,6 +262,7 @@ def _row(m, s: dict) -> dict:
         "step_ms": last["wall_s"] * 1e3 if has and last.get("wall_s") is not None else None,
         "recent": _recent(s.get("recent_steps") or ([last] if has else [])),
         "saves_nothing": streaming_saves_nothing(m),
+        "placement": s.get("placement"),
         "host_budget": getattr(m, "host_budget", None),
     }
     row["summary"] = _summary(row)

@@ -21,7 +21,7 @@ from .plan import assign_slots
 
 
 class SlotRing:
-    def __init__(self, plan, resident, depth: int, sources, device: torch.device, start=None):
+    def __init__(self, plan, resident, depth: int, sources, device: torch.device, start=None, layer_gen=None):
         n = plan.num_layers
         resident = set(resident)
         self.streamed = [i for i in range(n) if i not in resident]
@@ -48,7 +48,9 @@ class SlotRing:
         self.busy = [0] * self.num_slots  # layers between their pre- and post-hook, per slot
         self.entered: list[int] = []  # those layers, innermost last
         self.gen = [0] * self.num_slots  # bumped at every fetch into the slot (saved-tensor checks)
-        self.layer_gen = [0] * n  # bumped when a layer's true bytes change after packing
+        # bumped when a layer's true bytes change after packing (a ring that replaces another,
+        # set_residency, carries its counts on: tensors saved for backward check them)
+        self.layer_gen = list(layer_gen) if layer_gen is not None else [0] * n
         # The last fetch into each slot. On CUDA the ring's memory may have been freed by
         # work still queued on the compute stream: the first fetches wait for `start`.
         self.event = [start] * self.num_slots

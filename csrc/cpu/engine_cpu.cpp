@@ -87,7 +87,8 @@ SimBusConfig sim_bus_config() {
   return g_bus;
 }
 
-HostClock::time_point sim_bus_reserve(size_t n, const void* src, HostClock::time_point ready) {
+HostClock::time_point sim_bus_reserve(size_t n, const void* src, HostClock::time_point ready,
+                                      HostClock::time_point* start_out) {
   if (!g_bus_on.load(std::memory_order_acquire)) return {};
   std::lock_guard<std::mutex> l(g_bus_mutex);
   if (g_bus.gbps <= 0) return {};
@@ -96,6 +97,7 @@ HostClock::time_point sim_bus_reserve(size_t n, const void* src, HostClock::time
   const auto carry = std::chrono::duration_cast<HostClock::duration>(
       std::chrono::duration<double, std::nano>(static_cast<double>(n) / gbps));  // bytes / (GB/s) = ns
   g_bus_free = start + carry;
+  if (start_out) *start_out = start;
   return g_bus_free + std::chrono::duration_cast<HostClock::duration>(
                           std::chrono::duration<double, std::micro>(g_bus.latency_us));
 }
@@ -200,7 +202,9 @@ class Worker {
         }
       } else if (failed_after.empty() && job.n) {
         // (the simulated bus, sim_bus.h: ready when queued, or when what it waited on completed)
-        const auto crossed = sim_bus_reserve(job.n, job.src, waited ? HostClock::now() : job.queued);
+        HostClock::time_point on_bus{};
+        const auto crossed = sim_bus_reserve(job.n, job.src, waited ? HostClock::now() : job.queued, &on_bus);
+        if (crossed != HostClock::time_point{}) job.done->started = on_bus;  // (copy_ms: its time on the bus)
         std::memcpy(job.dst, job.src, job.n);
         if (crossed != HostClock::time_point{}) {
           std::unique_lock<std::mutex> l(m_);

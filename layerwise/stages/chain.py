@@ -119,11 +119,21 @@ class Chain:
                              pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
         for s in srcs:
             s.tier = self.disk
-        # The disk layers streamed after layer i, in order (wrapping around), as many as
-        # there are staging slots: what the hooks read ahead, fixed once here.
+        self.restream(len(sources), streamed)
+
+    def restream(self, num_layers: int, streamed: list[int]) -> None:
+        """The streamed layers are `streamed` now (start, or a placement change:
+        LayerwiseOffloadManager.set_residency). The disk stage keeps the staging it
+        was planned with (the host side does not change); what it reads ahead
+        follows: the disk layers streamed after layer i, in order (wrapping around),
+        as many as there are staging slots."""
+        if self.disk is None:
+            return
+        order = [i for i in streamed if i in self._disk_of]
+        srcs = [self._disk_of[i] for i in order]
         n = min(len(self.disk.slots), len(srcs))
         self._upcoming = []
-        for i in range(len(sources)):
+        for i in range(num_layers):
             k = bisect.bisect_right(order, i)
             self._upcoming.append([srcs[(k + j) % len(srcs)] for j in range(n)])
 
