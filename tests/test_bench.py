@@ -140,7 +140,36 @@ def test_suite_specific_figures(tiny_run):
     assert forms["qint4 (quanto)"]["bytes_per_step"]["layerwise"] < 0.35 * bf16
     assert forms["GGUF Q4_0"]["bytes_per_step"]["layerwise"] < 0.35 * bf16  # 18 bytes per 32 values
     assert forms["bf16"]["bytes_per_step"]["layerwise, compress"] < 0.8 * bf16  # (random-init bf16 weights)
-    assert all(r["met"] in (True, None) for r in quant["rows"]), [r for r in quant["rows"] if r["met"] is False]
+    bytes_rows = [r for r in quant["rows"] if r["measure"].startswith("bytes per step")]
+    assert all(r["met"] in (True, None) for r in bytes_rows), [r for r in bytes_rows if r["met"] is False]
+    # ... and every step row, without a bus and over the simulated bus chosen for bf16 to be transfer-bound, has
+    # its floor max(resident quantized step, bytes per step / measured bandwidth) and ours/floor (issue 24)
+    gbps = quant["data"]["bus"]["gbps"]
+    assert gbps > 0 and quant["data"]["bus"]["source"].startswith("chosen"), quant["data"]["bus"]
+    step_rows = [r for r in quant["rows"] if r["measure"].startswith("step")]
+    assert len(step_rows) == 2 * sum(len(f["step"]) for f in forms.values()) > 0
+    for name, f in forms.items():
+        assert set(f["step"]) == set(f["bus_step"]) == set(f["bytes_per_step"]), (name, f)
+        for kind, bandwidth in (("step", quant["data"]["bandwidth_GBps"]),
+                                ("bus_step", quant["data"]["bus"]["bandwidth_GBps"])):
+            for label, d in f[kind].items():
+                transfer_ms = d["bytes_per_step"] / (bandwidth * 1e9) * 1e3
+                assert d["transfer_ms"] == pytest.approx(transfer_ms)
+                assert d["floor_ms"] == pytest.approx(max(_median(d["resident_ms"]), transfer_ms)), (name, label, d)
+        for label, d in f["bus_step"].items():  # the bus sleeps: no step is faster than its bytes over it
+            assert d["bytes_per_step"] == f["bytes_per_step"][label]
+            assert _median(d["step_ms"]) >= 0.95 * d["bytes_per_step"] / (gbps * 1e9) * 1e3, (name, label, d)
+    for row in step_rows:
+        ours, base = _median(row["ours"]), row["baselines"]
+        assert base["floor"] >= _median(base["resident"]) > 0, row
+        assert row["ratios"]["/floor"] == pytest.approx(ours / base["floor"]), row
+        assert row["ratios"]["/resident"] == pytest.approx(ours / _median(base["resident"])), row
+        if row["met"] is False:  # a miss says what the step waited on
+            assert "missed: the step waited" in row["note"], row
+    bf16_bus = [r for r in step_rows
+                if r["measure"].startswith("step over the simulated bus") and ", bf16, layerwise (C/T" in r["measure"]]
+    assert len(bf16_bus) == 1 and "transfer-bound" in bf16_bus[0]["measure"], bf16_bus
+    assert [t["label"] for t in bf16_bus[0]["targets"]] == ["<= 1.1x floor"], bf16_bus
     # hooks: the flatness row has its target.
     assert suites["hooks"]["rows"][-1]["targets"]
     # disk: the reader read with O_DIRECT, compared with a plain O_DIRECT read in the same run.
@@ -158,6 +187,16 @@ def test_suite_specific_figures(tiny_run):
         # host memory within the budget.
         stream = disk["data"]["stream"]
         assert stream["disk_layers"] > 0 and stream["disk_bytes_per_step"] > 0 and stream["bytes_direct"] > 0
+        # ... against its floor max(resident step, read floor, bus floor), each figure shown (issue 24)
+        (step,) = [r for r in disk["rows"] if r["measure"].startswith("step, host_budget")]
+        base = step["baselines"]
+        assert {"resident", "in memory", "read floor", "bus floor", "floor"} <= set(base), step
+        assert base["floor"] == pytest.approx(max(_median(base["resident"]), base["read floor"], base["bus floor"]))
+        bus_floor = stream["bytes_copied_per_step"] / (stream["h2d_bandwidth_GBps"] * 1e9)
+        assert base["bus floor"] == pytest.approx(bus_floor), (step, stream)
+        assert stream["bytes_copied_per_step"] >= stream["disk_bytes_per_step"]  # (read layers are copied too)
+        assert step["ratios"]["/floor"] == pytest.approx(_median(step["ours"]) / base["floor"]), step
+        assert step["ratios"]["/read floor"] == pytest.approx(_median(step["ours"]) / base["read floor"]), step
         # what the budget promises, measured as memory (issue 21, 7): anonymous + shared + the checkpoint's cache
         rss = [r for r in disk["rows"] if r["measure"].startswith("host memory of load")]
         assert len(rss) == 1 and rss[0]["met"] is True, rss

@@ -13,12 +13,21 @@ planner accepts if that is more (on a CPU device the slot ring, staging and
 non-layer weights are host memory too, and count against it). Methods,
 interleaved, medians of the step time:
 
+  resident     the whole model on the device (what the outputs are checked against)
   in memory    load_offloaded(...) with no budget: every layer in the arena
   disk tier    load_offloaded(..., host_budget=B): most layers read from the
                checkpoint (O_DIRECT into pinned staging) at every step
 
-The read floor of a step is its disk bytes / the best plain O_DIRECT bandwidth
-(1, 2 or 4 threads) measured by the disk suite in the same run.
+The disk tier's step row has three floors, each measured in the same run:
+  read floor   the step's disk bytes (stats()["last_step"]["bytes_read"]) / the
+               best plain O_DIRECT bandwidth (1, 2 or 4 threads) of the disk suite;
+  bus floor    the step's bytes copied to the device (["bytes_copied"]: out of
+               staging and out of the arena) / the host -> device bandwidth
+               (bus.transfer_bandwidth: arena copies of one layer; on the CPU a
+               host memcpy, or the simulated bus when LAYERWISE_SIM_BUS_GBPS
+               sets one);
+  floor        max(resident step, read floor, bus floor), and /floor against it.
+No target (the disk is a shared VM's: see BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ import textwrap
 
 import torch
 
+from . import bus
 from .common import GB, MB, Context, Row, Target, compare, device_timer, inference_step, ratio
 from .models import DiTStack, build
 
@@ -115,13 +125,13 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
 
     save_file(ref.state_dict(), ckpt)
     x = torch.randn(1, tokens, hidden, dtype=torch.float32).to(torch.bfloat16).to(ctx.device)
+    resident = ref.to(ctx.device)
     with torch.inference_mode():
-        want = ref.to(ctx.device)(x)
+        want = resident(x)
     del ref
-    ctx.free_memory()
 
     budget = max(model_bytes // 4, smallest_budget(hidden, layers, ckpt, ctx.device))
-    models = {}
+    models = {"resident": resident}
     for name, kw in (("in memory", {}), ("disk tier", {"host_budget": budget})):
         with torch.device("meta"):
             m = DiTStack(hidden, layers).to(torch.bfloat16)
@@ -131,35 +141,49 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
                 raise RuntimeError(f"{name}: the streamed output differs from the resident model's")
         models[name] = m
     (mgr,) = layerwise.contract.managers_of(models["disk tier"])
+    bandwidth = bus.transfer_bandwidth(ctx, mgr.plan.layers[0].nbytes)
     samplers = {name: device_timer(ctx, inference_step(m, x)) for name, m in models.items()}
     with ctx.progress(repeats + 1, "disk stream") as bar:
         times = compare(samplers, repeats=repeats, warmup=1, bar=bar)
     st = mgr.stats(sync=True)
     disk = st["disk"]
     per_step = st["last_step"]["bytes_read"]
-    floor = per_step / (direct_gbps * GB) if direct_gbps else None
-    for m in models.values():
-        layerwise.remove_layerwise_offload(m)
+    copied = st["last_step"]["bytes_copied"]
+    read_floor = per_step / (direct_gbps * GB) if direct_gbps else None
+    bus_floor = copied / bandwidth
+    floor = max(times["resident"].median, read_floor or 0.0, bus_floor)
+    for name, m in models.items():
+        if name != "resident":
+            layerwise.remove_layerwise_offload(m)
     models.clear()
+    del resident
     ctx.free_memory()
 
     rss = {"disk tier": peak_rss(ckpt, (hidden, layers, tokens), budget) if ctx.device.type == "cpu" else None}
     data = {"model_bytes": model_bytes, "host_budget": budget, "disk_layers": disk["layers"],
-            "disk_bytes_per_step": per_step, "read_gbps_per_read": disk["read_gbps"],
+            "disk_bytes_per_step": per_step, "bytes_copied_per_step": copied, "read_gbps_per_read": disk["read_gbps"],
             "read_wait_s_total": disk["read_wait_s"], "bytes_direct": disk["bytes_direct"],
-            "step_s": {k: v.median for k, v in times.items()}, "read_floor_s": floor, "rss": rss}
+            "h2d_bandwidth_GBps": bandwidth / 1e9, "step_s": {k: v.median for k, v in times.items()},
+            "read_floor_s": read_floor, "bus_floor_s": bus_floor, "floor_s": floor,
+            "last_step": st["last_step"], "rss": rss}
 
     shape = f"DiTStack {layers}x{hidden} bf16, {model_bytes / MB:.0f} MiB, {tokens} tokens, {fs}"
     pct = 100 * budget / model_bytes
+    if ctx.is_cuda:
+        link = "host -> device"
+    else:
+        gbps = layerwise._native._C.sim_bus()["gbps"]
+        link = f"simulated bus ({gbps:.3g} GB/s)" if gbps else "host memcpy (the CPU backend: no bus)"
     rows = [Row(
         "disk", f"step, host_budget {pct:.0f}% of the model ({disk['layers']} of {layers} layers read from the "
                 f"checkpoint every step; {shape})", "s", times["disk tier"],
-        {"in memory": times["in memory"], **({"read floor": floor} if floor else {})},
-        {"/in memory": ratio(times["disk tier"], times["in memory"]),
-         **({"/read floor": ratio(times["disk tier"], floor)} if floor else {})},
+        {"in memory": times["in memory"], "resident": times["resident"],
+         **({"read floor": read_floor} if read_floor else {}), "bus floor": bus_floor, "floor": floor},
+        {"/floor": ratio(times["disk tier"], floor), "/in memory": ratio(times["disk tier"], times["in memory"]),
+         **({"/read floor": ratio(times["disk tier"], read_floor)} if read_floor else {})},
         [], short=f"step, host_budget {pct:.0f}%",
-        note="read floor: the step's disk bytes at the best plain O_DIRECT bandwidth of this run (1, 2 or 4 threads); "
-             "no target",
+        note="floor = max(resident step, read floor: the step's disk bytes at the best plain O_DIRECT bandwidth of "
+             f"this run; bus floor: the step's copied bytes at the bandwidth measured for the {link}); no target",
     )]
     if rss["disk tier"] is not None:
         r = rss["disk tier"]
