@@ -27,7 +27,16 @@ The disk tier's step row has three floors, each measured in the same run:
                host memcpy, or the simulated bus when LAYERWISE_SIM_BUS_GBPS
                sets one);
   floor        max(resident step, read floor, bus floor), and /floor against it.
-No target (the disk is a shared VM's: see BENCHMARKS.md).
+No target there (the disk is a shared VM's: see BENCHMARKS.md). On the CPU
+(without ``LAYERWISE_SIM_BUS_GBPS`` set) the disk tier's step is timed again,
+against resident, with its copies across the CPU backend's simulated bus
+(bus.simulated_bus), its speed chosen so that the step's copies take BUS_OVER
+(2) times its read floor or its resident step, whichever is longer: the step
+is then transfer-bound and the bus floor the floor, so the row shows whether
+the reads and the compute hide behind the copies. It carries the bus suite's
+target (transfer-bound <= 1.10x the floor); a miss says what the step waited
+on the copies and on reads, and what reads and copies one after the other
+would take.
 """
 from __future__ import annotations
 
