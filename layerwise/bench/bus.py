@@ -22,6 +22,7 @@ what the floor allows. Outputs are checked bitwise against the resident model.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import asdict
@@ -30,7 +31,7 @@ import torch
 
 import layerwise
 
-from . import models
+from . import h2d, models
 from .common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
                      inference_step, ratio)
 from .stream import Sweep, layerwise_methods, regime
@@ -65,7 +66,61 @@ def bus_bandwidth(layer_bytes: int, copies: int = 16, repeats: int = 5) -> float
     return sorted(rates)[len(rates) // 2]
 
 
-def _resident_ms(ctx: Context, model, xs: dict, repeats: int) -> dict:
+def transfer_bandwidth(ctx: Context, nbytes: int) -> float:
+    """Bytes/s of host -> device copies of `nbytes` as a streamed step sees them, for
+    a floor: on CUDA arena copies to the device (h2d.arena_bandwidth); on the CPU
+    across the simulated bus when there is one (bus_bandwidth), else a host memcpy
+    (h2d.arena_bandwidth)."""
+    if not ctx.is_cuda:
+        layerwise.CopyEngine("cpu")  # (the bus as the environment gives it now)
+        if layerwise._native._C.sim_bus()["gbps"] > 0:
+            return bus_bandwidth(nbytes)
+    return h2d.arena_bandwidth(ctx, nbytes)
+
+
+@contextlib.contextmanager
+def simulated_bus(gbps: float | None):
+    """CPU copy engines created inside copy across a simulated bus of `gbps` GB/s
+    (None: the bus LAYERWISE_SIM_BUS_GBPS gives, if any). Every CPU engine reads the
+    bus when it is created and the bus is one per process (the last engine created
+    sets it for every engine), so on the way out the environment is restored and an
+    engine created: the engines that follow copy as they did before. Yields the bus
+    (``_C.sim_bus()``)."""
+    saved = os.environ.get(ENV)
+    try:
+        if gbps is not None:
+            os.environ[ENV] = f"{gbps:.6g}"
+        layerwise.CopyEngine("cpu")
+        yield dict(layerwise._native._C.sim_bus())
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+        layerwise.CopyEngine("cpu")
+
+
+def step_targets(kind: str, ratios: dict) -> list[Target]:
+    """The targets of a step over the simulated bus at a point of regime `kind`
+    (stream.regime; DESIGN.md, the CPU with the simulated bus): compute-bound
+    <= 1.05x resident, transfer-bound <= 1.10x the floor, balanced none."""
+    if kind == "compute-bound":
+        return [Target.at_most(ratios["/resident"], TARGET_RESIDENT, "resident")]
+    if kind == "transfer-bound":
+        return [Target.at_most(ratios["/floor"], TARGET_FLOOR, "floor")]
+    return []
+
+
+def miss_note(stall_s: float, transfer_ms: float, resident_ms: float, rest: str = "") -> str:
+    """What a step that missed its target waited on: the compute-side stall the hooks
+    measured beside what the floor allows beyond the compute, and `rest` (else: hook
+    time and the copies' memcpy on the shared cores)."""
+    return (f"missed: the step waited {stall_s * 1e3:.2f} ms on copies (the floor allows "
+            f"{max(0.0, transfer_ms - resident_ms):.2f} ms beyond the compute); the rest is "
+            + (rest or "hook time and the copies' memcpy on the shared cores"))
+
+
+def resident_ms(ctx: Context, model, xs: dict, repeats: int) -> dict:
     samplers = {t: device_timer(ctx, inference_step(model, x), prepare=inference_step(model, x)) for t, x in xs.items()}
     return {t: s.median * 1e3 for t, s in compare(samplers, repeats, warmup=1).items()}
 
@@ -83,20 +138,11 @@ def run(ctx: Context) -> SuiteResult:
     given = os.environ.get(ENV)
     chosen = None
     if not given:
-        ms = _resident_ms(ctx, resident, {t: xs[t] for t in (min(sw.tokens), max(sw.tokens))}, 3)
+        ms = resident_ms(ctx, resident, {t: xs[t] for t in (min(sw.tokens), max(sw.tokens))}, 3)
         transfer_s = math.sqrt(ms[min(sw.tokens)] * ms[max(sw.tokens)]) / 1e3
         chosen = step_bytes / transfer_s / 1e9
-    saved = os.environ.get(ENV)
-    try:
-        if chosen is not None:
-            os.environ[ENV] = f"{chosen:.6g}"
+    with simulated_bus(chosen):  # (off again for what follows)
         return _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen)
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
-        layerwise.CopyEngine("cpu")  # every CPU engine reads the bus when it is created: off again for what follows
 
 
 def _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen) -> SuiteResult:
@@ -125,16 +171,9 @@ def _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen) -> SuiteResu
             for name in managers:
                 ours = ms[name]
                 ratios = {"/resident": ratio(ours, ms["resident"]), "/floor": ratio(ours, floor_ms)}
-                targets, note = [], ""
-                if kind == "compute-bound":
-                    targets.append(Target.at_most(ratios["/resident"], TARGET_RESIDENT, "resident"))
-                elif kind == "transfer-bound":
-                    targets.append(Target.at_most(ratios["/floor"], TARGET_FLOOR, "floor"))
-                if targets and not all(t.met for t in targets):
-                    stall = last[name]["stall_s"] * 1e3
-                    note = (f"missed: the step waited {stall:.2f} ms on copies (the floor allows "
-                            f"{max(0.0, transfer_ms - ms['resident'].median):.2f} ms beyond the compute); the rest "
-                            "is hook time and the copies' memcpy on the shared cores")
+                targets, note = step_targets(kind, ratios), ""
+                if not all(t.met for t in targets):
+                    note = miss_note(last[name]["stall_s"], transfer_ms, ms["resident"].median)
                 rows_short = f"{tokens} tok, C/T {c:.2g}, {name.removeprefix('layerwise ')}"
                 result.rows.append(Row(NAME, f"step over the simulated bus ({bus['gbps']:.3g} GB/s), {tokens} tok "
                                              f"(C/T {c:.2g}, {kind}), {name}", "ms", ours,

@@ -13,15 +13,34 @@ planner accepts if that is more (on a CPU device the slot ring, staging and
 non-layer weights are host memory too, and count against it). Methods,
 interleaved, medians of the step time:
 
+  resident     the whole model on the device (what the outputs are checked against)
   in memory    load_offloaded(...) with no budget: every layer in the arena
   disk tier    load_offloaded(..., host_budget=B): most layers read from the
                checkpoint (O_DIRECT into pinned staging) at every step
 
-The read floor of a step is its disk bytes / the best plain O_DIRECT bandwidth
-(1, 2 or 4 threads) measured by the disk suite in the same run.
+The disk tier's step row has three floors, each measured in the same run:
+  read floor   the step's disk bytes (stats()["last_step"]["bytes_read"]) / the
+               best plain O_DIRECT bandwidth (1, 2 or 4 threads) of the disk suite;
+  bus floor    the step's bytes copied to the device (["bytes_copied"]: out of
+               staging and out of the arena) / the host -> device bandwidth
+               (bus.transfer_bandwidth: arena copies of one layer; on the CPU a
+               host memcpy, or the simulated bus when LAYERWISE_SIM_BUS_GBPS
+               sets one);
+  floor        max(resident step, read floor, bus floor), and /floor against it.
+No target there (the disk is a shared VM's: see BENCHMARKS.md). On the CPU
+(without ``LAYERWISE_SIM_BUS_GBPS`` set) the disk tier's step is timed again,
+against resident, with its copies across the CPU backend's simulated bus
+(bus.simulated_bus), its speed chosen so that the step's copies take BUS_OVER
+(2) times its read floor or its resident step, whichever is longer: the step
+is then transfer-bound and the bus floor the floor, so the row shows whether
+the reads and the compute hide behind the copies. It carries the bus suite's
+target (transfer-bound <= 1.10x the floor); a miss says what the step waited
+on the copies and on reads, and what reads and copies one after the other
+would take.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -30,11 +49,14 @@ import textwrap
 
 import torch
 
-from .common import GB, MB, Context, Row, Target, compare, device_timer, inference_step, ratio
+from . import bus
+from .common import GB, MB, Context, Row, Target, compare, device_timer, inference_step, median, ratio
+from .stream import regime
 from .models import DiTStack, build
 
 SHAPES = {"full": (1024, 48, 256), "quick": (512, 48, 64), "tiny": (128, 12, 8)}  # hidden, layers, tokens
 REPEATS = {"full": 7, "quick": 5, "tiny": 2}
+BUS_OVER = 2.0  # the CPU's bus point: the step's copies take 2x its read floor or resident step, the longer
 
 RSS_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
@@ -103,6 +125,81 @@ def peak_rss(ckpt: str, shape, budget: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _load(ckpt: str, hidden: int, layers: int, device, x, want, name: str, **kw):
+    """The DiTStack loaded with load_offloaded(**kw), its output checked against `want`."""
+    import layerwise
+
+    with torch.device("meta"):
+        m = DiTStack(hidden, layers).to(torch.bfloat16)
+    layerwise.load_offloaded(m, ckpt, "blocks", device=device, **kw)
+    with torch.inference_mode():
+        if not torch.equal(m(x), want):
+            raise RuntimeError(f"{name}: the streamed output differs from the resident model's")
+    return m
+
+
+def _link(ctx: Context) -> str:
+    """What the copies to the device crossed in this run, for a note."""
+    import layerwise
+
+    if ctx.is_cuda:
+        return "host -> device"
+    gbps = layerwise._native._C.sim_bus()["gbps"]
+    return f"simulated bus ({gbps:.3g} GB/s)" if gbps else "host memcpy (the CPU backend: no bus)"
+
+
+def _timed(ctx: Context, models: dict, x, repeats: int, bar, direct_gbps: float) -> tuple[dict, dict, dict]:
+    """The step times of `models` (interleaved), the disk tier's stats, and its floors:
+    the read floor (disk bytes at `direct_gbps`, None without it) and the bus floor
+    (copied bytes at the bandwidth measured here, across whatever bus the copies cross
+    now)."""
+    import layerwise
+
+    (mgr,) = layerwise.contract.managers_of(models["disk tier"])
+    bandwidth = bus.transfer_bandwidth(ctx, mgr.plan.layers[0].nbytes)
+    samplers = {name: device_timer(ctx, inference_step(m, x)) for name, m in models.items()}
+    times = compare(samplers, repeats=repeats, warmup=1, bar=bar)
+    st = mgr.stats(sync=True)
+    last = st["last_step"]
+    read_floor = last["bytes_read"] / (direct_gbps * GB) if direct_gbps else None
+    return times, st, {"read floor": read_floor, "bus floor": last["bytes_copied"] / bandwidth,
+                       "h2d_bandwidth_GBps": bandwidth / 1e9, "link": _link(ctx)}
+
+
+def _step_row(measure: str, short: str, times: dict, f: dict, last: dict, targets: bool = False) -> Row:
+    """The disk tier's step against resident, in memory (when timed) and its floors;
+    with `targets`, the bus suite's at the step's C/T (resident / bus floor), a miss
+    saying what the step waited on."""
+    resident = times["resident"].median
+    floor = max(resident, f["read floor"] or 0.0, f["bus floor"])
+    ours = times["disk tier"]
+    base = {**{k: times[k] for k in ("in memory", "resident") if k in times},
+            **({"read floor": f["read floor"]} if f["read floor"] else {}), "bus floor": f["bus floor"], "floor": floor}
+    ratios = {"/floor": ratio(ours, floor)}
+    if "in memory" in times:
+        ratios["/in memory"] = ratio(ours, times["in memory"])
+    if f["read floor"]:
+        ratios["/read floor"] = ratio(ours, f["read floor"])
+    note = ("floor = max(resident step, read floor: the step's disk bytes at the best plain O_DIRECT bandwidth of "
+            f"this run; bus floor: the step's copied bytes at the bandwidth measured for the {f['link']})")
+    checks = []
+    if targets:
+        ratios["/resident"] = ratio(ours, times["resident"])
+        kind = regime(resident / f["bus floor"])
+        checks = bus.step_targets(kind, ratios)
+        measure += f" ({kind})"
+        if not all(t.met for t in checks):
+            reads, copies = (f["read floor"] or 0.0) * 1e3, f["bus floor"] * 1e3
+            note = bus.miss_note(last["stall_s"], copies, resident * 1e3,
+                                 f"not on reads (the host waited {last['read_wait_s'] * 1e3:.2f} ms on them); one "
+                                 f"after the other, reads and copies would take {reads + copies:.0f} ms, compute and "
+                                 f"copies {resident * 1e3 + copies:.0f} ms, against the step's "
+                                 f"{median(ours) * 1e3:.0f} ms") + "; " + note
+    else:
+        note += "; no target"
+    return Row("disk", measure, "s", ours, base, ratios, checks, short=short, note=note)
+
+
 def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row], dict]:
     import layerwise
 
@@ -115,52 +212,56 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
 
     save_file(ref.state_dict(), ckpt)
     x = torch.randn(1, tokens, hidden, dtype=torch.float32).to(torch.bfloat16).to(ctx.device)
+    resident = ref.to(ctx.device)
     with torch.inference_mode():
-        want = ref.to(ctx.device)(x)
+        want = resident(x)
     del ref
-    ctx.free_memory()
 
     budget = max(model_bytes // 4, smallest_budget(hidden, layers, ckpt, ctx.device))
-    models = {}
-    for name, kw in (("in memory", {}), ("disk tier", {"host_budget": budget})):
-        with torch.device("meta"):
-            m = DiTStack(hidden, layers).to(torch.bfloat16)
-        layerwise.load_offloaded(m, ckpt, "blocks", device=ctx.device, **kw)
-        with torch.inference_mode():
-            if not torch.equal(m(x), want):
-                raise RuntimeError(f"{name}: the streamed output differs from the resident model's")
-        models[name] = m
-    (mgr,) = layerwise.contract.managers_of(models["disk tier"])
-    samplers = {name: device_timer(ctx, inference_step(m, x)) for name, m in models.items()}
-    with ctx.progress(repeats + 1, "disk stream") as bar:
-        times = compare(samplers, repeats=repeats, warmup=1, bar=bar)
-    st = mgr.stats(sync=True)
-    disk = st["disk"]
-    per_step = st["last_step"]["bytes_read"]
-    floor = per_step / (direct_gbps * GB) if direct_gbps else None
-    for m in models.values():
-        layerwise.remove_layerwise_offload(m)
+    load = functools.partial(_load, ckpt, hidden, layers, ctx.device, x, want)
+    models = {"resident": resident, "in memory": load("in memory"), "disk tier": load("disk tier", host_budget=budget)}
+    # On the CPU without a simulated bus: the same step again over one, its speed such that the step's copies
+    # take BUS_OVER times its read floor or its resident step, the longer: the step is then transfer-bound,
+    # and shows whether the reads and the compute hide behind the bus.
+    over_bus = not ctx.is_cuda and not os.environ.get(bus.ENV) and direct_gbps > 0
+    with ctx.progress((repeats + 1) * (2 if over_bus else 1), "disk stream") as bar:
+        times, st, floors = _timed(ctx, models, x, repeats, bar, direct_gbps)
+        disk, last = st["disk"], st["last_step"]
+        for name in ("in memory", "disk tier"):
+            layerwise.remove_layerwise_offload(models.pop(name))
+        ctx.free_memory()
+        bus_data = None
+        if over_bus:
+            gbps = last["bytes_copied"] / (BUS_OVER * max(floors["read floor"], times["resident"].median)) / 1e9
+            with bus.simulated_bus(gbps) as cfg:
+                models["disk tier"] = load("disk tier over the simulated bus", host_budget=budget)
+                bus_times, bus_st, bus_floors = _timed(ctx, models, x, repeats, bar, direct_gbps)
+                layerwise.remove_layerwise_offload(models.pop("disk tier"))
+            bus_data = {"bus": cfg, "step_s": {k: v.median for k, v in bus_times.items()},
+                        "last_step": bus_st["last_step"], "read_floor_s": bus_floors["read floor"],
+                        "bus_floor_s": bus_floors["bus floor"], "h2d_bandwidth_GBps": bus_floors["h2d_bandwidth_GBps"]}
     models.clear()
+    del resident
     ctx.free_memory()
 
     rss = {"disk tier": peak_rss(ckpt, (hidden, layers, tokens), budget) if ctx.device.type == "cpu" else None}
     data = {"model_bytes": model_bytes, "host_budget": budget, "disk_layers": disk["layers"],
-            "disk_bytes_per_step": per_step, "read_gbps_per_read": disk["read_gbps"],
-            "read_wait_s_total": disk["read_wait_s"], "bytes_direct": disk["bytes_direct"],
-            "step_s": {k: v.median for k, v in times.items()}, "read_floor_s": floor, "rss": rss}
+            "disk_bytes_per_step": last["bytes_read"], "bytes_copied_per_step": last["bytes_copied"],
+            "read_gbps_per_read": disk["read_gbps"], "read_wait_s_total": disk["read_wait_s"],
+            "bytes_direct": disk["bytes_direct"], "h2d_bandwidth_GBps": floors["h2d_bandwidth_GBps"],
+            "step_s": {k: v.median for k, v in times.items()}, "read_floor_s": floors["read floor"],
+            "bus_floor_s": floors["bus floor"], "last_step": last, "over_bus": bus_data, "rss": rss}
 
     shape = f"DiTStack {layers}x{hidden} bf16, {model_bytes / MB:.0f} MiB, {tokens} tokens, {fs}"
     pct = 100 * budget / model_bytes
-    rows = [Row(
-        "disk", f"step, host_budget {pct:.0f}% of the model ({disk['layers']} of {layers} layers read from the "
-                f"checkpoint every step; {shape})", "s", times["disk tier"],
-        {"in memory": times["in memory"], **({"read floor": floor} if floor else {})},
-        {"/in memory": ratio(times["disk tier"], times["in memory"]),
-         **({"/read floor": ratio(times["disk tier"], floor)} if floor else {})},
-        [], short=f"step, host_budget {pct:.0f}%",
-        note="read floor: the step's disk bytes at the best plain O_DIRECT bandwidth of this run (1, 2 or 4 threads); "
-             "no target",
-    )]
+    what = f"host_budget {pct:.0f}% of the model ({disk['layers']} of {layers} layers read from the checkpoint every " \
+           f"step; {shape})"
+    rows = [_step_row(f"step, {what}", f"step, host_budget {pct:.0f}%", times, floors, last)]
+    if bus_data is not None:
+        g = bus_data["bus"]["gbps"]
+        rows.append(_step_row(f"step over the simulated bus ({g:.3g} GB/s: its copies {BUS_OVER:g}x the read floor or "
+                              f"the resident step), {what}", f"bus step, host_budget {pct:.0f}%", bus_times,
+                              bus_floors, bus_data["last_step"], targets=True))
     if rss["disk tier"] is not None:
         r = rss["disk tier"]
         limit = budget * 1.05

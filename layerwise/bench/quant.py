@@ -5,17 +5,40 @@ optimum-quanto (qint4, frozen) and as GGUF Q8_0 / Q4_0 (diffusers), each streame
 with ``compress=None`` and ``compress="lossless"``, beside the same quantized
 model resident on the device.
 
-Rows per form:
+Rows per form and ``compress``:
   bytes per step   bytes that crossed the bus in one forward
                    (stats()["last_step"]["bytes_copied"]) against the model's
                    streamed bf16 bytes and against its quantized bytes (what
                    the quantized layers hold; target <= 1.15x, issue 23);
   step             step time streamed against the same quantized model
-                   resident (no target on the CPU backend: there is no bus to
-                   save there, a "copy" is a host memcpy).
+                   resident and against the floor ``max(resident quantized
+                   step, bytes per step / measured bandwidth)``, the bandwidth
+                   measured in the same run (bus.transfer_bandwidth: arena
+                   copies of one bf16 layer). No target on CUDA (not measured
+                   yet) nor on the CPU without a simulated bus (a "copy" is a
+                   host memcpy on the compute's cores; the floor is then that
+                   memcpy's);
+  bus step         (CPU) the same step with the copies across the CPU
+                   backend's simulated bus (bus.simulated_bus), its speed
+                   chosen in the run so that bf16 is transfer-bound: one
+                   step's bf16 bytes take BUS_BF16_CT_INVERSE times the
+                   resident bf16 step (C/T 0.1): a form whose compute is about
+                   bf16's stays transfer-bound with half the bytes (C/T about
+                   0.2) or a quarter (about 0.4), so its step shows what its
+                   bytes buy (a form whose CPU kernels are slow is
+                   compute-bound there: fp8 and GGUF dequantize in Python). The
+                   floor as above, with the bandwidth measured through that bus
+                   (bus.bus_bandwidth); the bus suite's targets at each form's
+                   own C/T: compute-bound (>= 2) <= 1.05x resident,
+                   transfer-bound (<= 0.5) <= 1.10x the floor. A miss says what
+                   the step waited on the copies (and, compressed, what
+                   decoding took on the copy worker). With
+                   ``LAYERWISE_SIM_BUS_GBPS`` already set, every step runs over
+                   that bus and the step rows carry these targets (no separate
+                   bus rows).
 
 Every streamed output is checked bitwise against the resident quantized model
-before it is timed; a mismatch fails the suite. A library that is not
+before it is timed (over the bus too); a mismatch fails the suite. A library that is not
 importable skips its forms (said in the notes). Diffusers' group offloading
 needs a CUDA device: beside it "not measured" on a CPU. GGUF: diffusers'
 ``GGUFLinear`` over ``GGUFParameter`` blocks (Q8_0, Q4_0) quantized by the gguf
@@ -25,19 +48,22 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 
 import torch
 
 import layerwise
 
-from . import models
+from . import bus, models
 from .common import (MB, Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
                      ratio)
+from .stream import regime
 
 NAME = "quant"
 BYTES_TARGET = 1.15  # bytes per step / quantized bytes (issue 23)
 SIZES = {"full": (2048, 8, 64), "quick": (512, 6, 16), "tiny": (128, 4, 4)}  # hidden, layers, tokens
 REPEATS = {"full": 7, "quick": 5, "tiny": 2}
+BUS_BF16_CT_INVERSE = 10  # the chosen bus: one step's bf16 bytes cross it in 10x the resident bf16 step
 
 
 def _in_blocks(module, fqn: str) -> bool:
@@ -131,14 +157,33 @@ def _layer_bytes(model) -> int:
     return sum(param_bytes(p) for p in model.blocks.parameters())
 
 
+def _choose_bus(ctx: Context, base, x, bf16_bytes: int) -> float:
+    """GB/s of a simulated bus over which one step's bf16 bytes take
+    BUS_BF16_CT_INVERSE times the resident bf16 step (measured here)."""
+    resident_s = bus.resident_ms(ctx, base, {"bf16": x}, 3)["bf16"] / 1e3
+    return bf16_bytes / (BUS_BF16_CT_INVERSE * resident_s) / 1e9
+
+
 def run(ctx: Context) -> SuiteResult:
     hidden, layers, tokens = ctx.pick(SIZES)
     repeats = ctx.pick(REPEATS)
     base = models.build(models.DiTStack, hidden, layers, dtype=torch.bfloat16, generate_on=ctx.device)
     bf16_bytes = _layer_bytes(base)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(ctx.device)
+    given = not ctx.is_cuda and bool(os.environ.get(bus.ENV))  # every copy already crosses that bus
+    bandwidth = bus.transfer_bandwidth(ctx, bf16_bytes // layers)
     result = SuiteResult(NAME, data={"config": {"hidden": hidden, "layers": layers, "tokens": tokens,
-                                                "bf16_layer_bytes": bf16_bytes}, "forms": {}, "skipped": {}})
+                                                "bf16_layer_bytes": bf16_bytes},
+                                     "bandwidth_GBps": bandwidth / 1e9, "forms": {}, "skipped": {}})
+    over_bus = None  # the chosen bus: (GB/s, bandwidth measured across it)
+    if not ctx.is_cuda and not given:
+        gbps = _choose_bus(ctx, base, x, bf16_bytes)
+        with bus.simulated_bus(gbps) as cfg:
+            over_bus = (gbps, bus.bus_bandwidth(bf16_bytes // layers))
+        result.data["bus"] = {**cfg, "source": f"chosen: bf16 at C/T 1/{BUS_BF16_CT_INVERSE}",
+                              "bandwidth_GBps": over_bus[1] / 1e9}
+    elif given:
+        result.data["bus"] = {**layerwise._native._C.sim_bus(), "source": "given"}
     usable = {}
     for name, (library, quantize) in FORMS.items():
         why = _importable(library)
@@ -148,20 +193,20 @@ def run(ctx: Context) -> SuiteResult:
             usable[name] = quantize
     if not usable:
         raise Skip("no quantization library is importable")
-    with ctx.progress(len(usable) * (repeats + 1), NAME) as bar:
+    with ctx.progress(len(usable) * (repeats + 1) * (2 if over_bus else 1), NAME) as bar:
         for name, quantize in usable.items():
             # (each method quantizes its own copy: not every wrapper tensor can be deep-copied)
             make = lambda q=quantize: q(clone_module(base))  # noqa: E731
-            result.rows += _form(ctx, result, name, make, x, bf16_bytes, repeats, bar)
+            result.rows += _form(ctx, result, name, make, x, bf16_bytes, repeats, bar, bandwidth, given, over_bus)
     for name, why in result.data["skipped"].items():
         result.rows.append(Row(NAME, f"bytes per step, {name}", "MB", None, {}, {}, note=f"not measured: {why}",
                                short=f"bytes/step, {name}"))
     return result
 
 
-def _form(ctx: Context, result: SuiteResult, name: str, make, x, bf16_bytes: int, repeats: int, bar) -> list:
-    methods = {"resident": make().to(ctx.device)}
-    q_bytes = _layer_bytes(methods["resident"])
+def _streamed(ctx: Context, make, methods: dict, prefix: str = "") -> dict:
+    """A streamed copy of the form per ``compress`` (None, "lossless"), added to
+    `methods` by label; returns their managers by the same labels."""
     managers = {}
     for compress in (None, "lossless"):
         label = "layerwise" + (", compress" if compress else "")
@@ -169,14 +214,74 @@ def _form(ctx: Context, result: SuiteResult, name: str, make, x, bf16_bytes: int
         managers[label] = layerwise.configure_layerwise_offload(model, ["blocks"], device=ctx.device,
                                                                 prefetch_depth=1, compress=compress)
         methods[label] = model
+    return managers
+
+
+def _timed(ctx: Context, methods: dict, x, what: str, repeats: int, bar) -> dict:
+    """Every method's step (ms), interleaved, after the bitwise check against the resident one."""
     steps = {k: _step(m, x) for k, m in methods.items()}
-    check_bitwise(steps, steps["resident"](), f"quant, {name}")
+    check_bitwise(steps, steps["resident"](), what)
     samplers = {k: device_timer(ctx, s, prepare=s) for k, s in steps.items()}
-    ms = {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, repeats, warmup=1, bar=bar).items()}
+    return {k: s.map(lambda t: t * 1e3) for k, s in compare(samplers, repeats, warmup=1, bar=bar).items()}
+
+
+def _decode_ms(stats: dict) -> float | None:
+    """The mean time one step spent decoding on the copy worker (compressed layers), or None."""
+    c = stats.get("compress")
+    if not c or not c.get("decodes_timed"):
+        return None
+    return c["decode_s"] / c["decodes_timed"] * stats["last_step"]["copies"] * 1e3
+
+
+def _step_row(name: str, label: str, ms: dict, stats: dict, bandwidth: float, with_targets: bool,
+              gbps: float | None, note: str) -> tuple[Row, dict]:
+    """The step row of one streamed form against its resident model and its floor
+    ``max(resident, bytes copied / bandwidth)``; the bus suite's targets when
+    `with_targets`, and a miss says what the step waited on."""
+    last = stats["last_step"]
+    resident = ms["resident"].median
+    transfer_ms = last["bytes_copied"] / bandwidth * 1e3
+    floor_ms = max(resident, transfer_ms)
+    c = resident / transfer_ms
+    kind = regime(c)
+    ratios = {"/resident": ratio(ms[label], ms["resident"]), "/floor": ratio(ms[label], floor_ms)}
+    targets = bus.step_targets(kind, ratios) if with_targets else []
+    decode = _decode_ms(stats)
+    if not all(t.met for t in targets):
+        note = bus.miss_note(last["stall_s"], transfer_ms, resident,
+                             f"decoding on the copy worker ({decode:.2f} ms a step), hook time and the copies' "
+                             "memcpy on the shared cores" if decode else "")
+    compressed = ", compress" if "compress" in label else ""
+    where = f"step over the simulated bus ({gbps:.3g} GB/s)" if gbps else "step"
+    row = Row(NAME, f"{where}, {name}, {label} (C/T {c:.2g}, {kind})", "ms", ms[label],
+              {"resident": ms["resident"], "floor": floor_ms}, ratios, targets, note=note,
+              short=f"{'bus step' if gbps else 'step'}, {name}{compressed}, C/T {c:.2g}")
+    data = {"step_ms": ms[label], "resident_ms": ms["resident"], "bytes_per_step": last["bytes_copied"],
+            "transfer_ms": transfer_ms, "floor_ms": floor_ms, "compute_transfer_ratio": c, "regime": kind,
+            "stall_s": last["stall_s"], "decode_ms": decode}
+    return row, data
+
+
+def _form(ctx: Context, result: SuiteResult, name: str, make, x, bf16_bytes: int, repeats: int, bar,
+          bandwidth: float, given: bool, over_bus) -> list:
+    methods = {"resident": make().to(ctx.device)}
+    q_bytes = _layer_bytes(methods["resident"])
+    managers = _streamed(ctx, make, methods)
+    ms = _timed(ctx, methods, x, f"quant, {name}", repeats, bar)
     rows = []
-    data = result.data["forms"][name] = {"quantized_bytes": q_bytes, "step_ms": ms, "bytes_per_step": {}}
+    data = result.data["forms"][name] = {"quantized_bytes": q_bytes, "step_ms": ms, "bytes_per_step": {},
+                                         "step": {}, "bus_step": {}}
+    gbps = result.data["bus"]["gbps"] if given else None
+    if ctx.is_cuda:
+        note = "no target on CUDA yet (not measured)"
+    elif given:
+        note = ""
+    else:
+        note = ("CPU backend, no simulated bus: a copy is a host memcpy (the floor's bandwidth is that memcpy's), no "
+                "target; diffusers: not measured (CUDA)")
     for label, (m,) in managers.items():
-        copied = m.stats(sync=True)["last_step"]["bytes_copied"]
+        stats = m.stats(sync=True)
+        copied = stats["last_step"]["bytes_copied"]
         if copied <= 0:  # every layer must be copied again each step (more layers than ring slots)
             raise AssertionError(f"quant: {name}, {label}: no bytes crossed the bus in a step")
         data["bytes_per_step"][label] = copied
@@ -187,8 +292,20 @@ def _form(ctx: Context, result: SuiteResult, name: str, make, x, bf16_bytes: int
             {"/bf16": copied / bf16_bytes, "/quantized": per_q},
             [Target.at_most(per_q, BYTES_TARGET, "quantized")],
             short=f"bytes/step, {name}{', compress' if 'compress' in label else ''}"))
-        ratios = {"/resident": ratio(ms[label], ms["resident"])}
-        note = "" if ctx.is_cuda else "CPU backend: no bus, a copy is a host memcpy; diffusers: not measured (CUDA)"
-        rows.append(Row(NAME, f"step, {name}, {label}", "ms", ms[label], {"resident": ms["resident"]}, ratios,
-                        note=note, short=f"step, {name}{', compress' if 'compress' in label else ''}"))
+        row, data["step"][label] = _step_row(name, label, ms, stats, bandwidth, given, gbps, note)
+        rows.append(row)
+    if over_bus is None:
+        return rows
+    for model in [m for k, m in methods.items() if k != "resident"]:
+        layerwise.remove_layerwise_offload(model)
+    gbps, bus_bw = over_bus
+    with bus.simulated_bus(gbps):
+        methods = {"resident": methods["resident"]}
+        managers = _streamed(ctx, make, methods)
+        ms = _timed(ctx, methods, x, f"quant over the simulated bus, {name}", repeats, bar)
+        for label, (m,) in managers.items():
+            row, data["bus_step"][label] = _step_row(name, label, ms, m.stats(sync=True), bus_bw, True, gbps, "")
+            rows.append(row)
+        for model in [m for k, m in methods.items() if k != "resident"]:
+            layerwise.remove_layerwise_offload(model)
     return rows

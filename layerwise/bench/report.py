@@ -131,7 +131,8 @@ def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str
             "over streamed bytes at the bandwidth measured in the same run); above 1 the copy hides behind "
             f"compute (compute-bound), below 1 the bus is the limit (transfer-bound). A point counts as "
             f"compute-bound from C/T {COMPUTE_BOUND:g}, as transfer-bound up to {TRANSFER_BOUND:g} (balanced in "
-            "between); that decides its target on CUDA. On a CPU the \"bus\" is a host memory copy.")
+            "between); that decides its target on CUDA and over the CPU backend's simulated bus (the bus "
+            "suite, the quant suite's \"bus step\" rows). Elsewhere on a CPU the \"bus\" is a host memory copy.")
     if " tok" in text:
         items.append("N tok: tokens per step, the batch each block processes.")
     if "d=" in text:
@@ -139,7 +140,8 @@ def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str
                      "computes.")
     if "floor" in text:
         items.append("floor = max(resident step, streamed bytes / measured bandwidth): the fastest a streamed step "
-                     "can be.")
+                     "can be" + ("; for the disk tier also at least its read floor (disk bytes / the best plain "
+                                 "O_DIRECT bandwidth of the run)." if "read floor" in text else "."))
     if "resident" in text:
         items.append("resident: the whole model kept on the device, no streaming.")
     if "RSS" in text:
