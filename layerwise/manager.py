@@ -568,7 +568,12 @@ class LayerwiseOffloadManager:
             self._prefetch_after(i)
             if ev is not None:
                 try:
-                    self.meter.wait(self._engine, ev, self._stream())
+                    meanwhile = self._chain.meanwhile(i, not self._engine.is_cuda) if self._chain.reads_ahead else None
+                    if meanwhile is None:
+                        self.meter.wait(self._engine, ev, self._stream())
+                    else:
+                        with self._queueing():  # (reads and copies issued while the host waits)
+                            self.meter.wait(self._engine, ev, self._stream(), meanwhile)
                 except Exception as err:
                     self._fetch_failed(i, err)
                     raise

@@ -68,10 +68,13 @@ class Meter:
         if not prefetch:
             self.sync_loads += 1
 
-    def wait(self, engine, ev, stream) -> None:
+    def wait(self, engine, ev, stream, meanwhile=None) -> None:
         """Make the compute stream wait for `ev`, timing the stall on timed steps
-        (CUDA: an event pair, resolved later; CPU: the host's wait)."""
+        (CUDA: an event pair, resolved later; CPU: the host's wait, `meanwhile(ev)`
+        included: what the stages do while the host waits, stages.Chain.meanwhile)."""
         if not self.timing:
+            if meanwhile is not None:
+                meanwhile(ev)
             engine.wait(ev, stream)
         elif engine.is_cuda:
             start = engine.record(stream, True)
@@ -79,6 +82,8 @@ class Meter:
             self.stall_pairs.append((self.steps, start, engine.record(stream, True)))
         else:
             t0 = time.perf_counter()
+            if meanwhile is not None:
+                meanwhile(ev)
             engine.wait(ev, stream)
             self.stall_s += time.perf_counter() - t0
 

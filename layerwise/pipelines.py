@@ -629,6 +629,14 @@ def streamed_components(pipe) -> list:
     return [(c.name, c.module) for c in state.components if managers_of(c.module)]
 
 
+def resident_component_bytes(pipe) -> int:
+    """Device bytes of the components of an offloaded pipeline kept whole on the
+    device (counted against a device budget as offload_pipeline counts them)."""
+    state: PipelineState = pipe.__dict__[_STATE]
+    return sum(_param_bytes(c.module) + sum(b.numel() * b.element_size() for b in c.module.buffers())
+               for c in state.components if not managers_of(c.module))
+
+
 # ----------------------------------------------------------------- report
 WIDTH = 120
 _COLUMNS = [("component", "component", str), ("class", "class", str), ("placement", "placement", str),

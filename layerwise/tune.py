@@ -208,6 +208,13 @@ def _models(obj) -> list:
     return [obj]
 
 
+def _whole_bytes(obj) -> int:
+    """A pipeline's components kept whole on the device (offload_pipeline counts them in its budget)."""
+    from . import pipelines
+
+    return pipelines.resident_component_bytes(obj) if pipelines.is_offloaded_pipeline(obj) else 0
+
+
 def _timed_runs(run, obj, clock: _Clock, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
@@ -339,7 +346,7 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
                            "only its share of the streamed layers); tune it by configuring again")
     device = managers[0].device
     clock = _Clock(device)
-    fixed = sum(non_layer_bytes(model, managers_of(model)) for model in models)
+    fixed = sum(non_layer_bytes(model, managers_of(model)) for model in models) + _whole_bytes(model_or_pipe)
     old = [(list(m.resident), m.prefetch_depth) for m in managers]
     with torch.no_grad():
         run(model_or_pipe)  # warm: caches, first-call work, the wrap-around's prefetches

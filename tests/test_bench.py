@@ -16,7 +16,7 @@ import torch
 from layerwise.bench import cli, hooks, report, stream
 from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
 
-CPU_SUITES = ["h2d", "stream", "bus", "startup", "hooks", "quant"]
+CPU_SUITES = ["h2d", "stream", "bus", "tune", "startup", "hooks", "quant"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_cli_runs_every_cpu_suite(tiny_run):
     # a section is "name: title", or "name" alone for a suite without a title in report.SUITE_TITLES
     sections = [re.match(r"\| [*_]+(\w+)(: |\*\* \|)", line) for line in md
                 if line.startswith("| **") or line.startswith("| _")]
-    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant"}
+    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "bus", "tune", "startup", "hooks", "disk", "quant"}
     assert "| _scatter: skipped: " in md_text
 
 
@@ -68,7 +68,7 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
     assert env["device"] == "cpu" and "--tiny" in env["argv"]
 
     suites = doc["suites"]
-    assert set(suites) == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant"}
+    assert set(suites) == {"h2d", "scatter", "stream", "bus", "tune", "startup", "hooks", "disk", "quant"}
     assert suites["scatter"]["status"] == "skipped" and "CUDA" in suites["scatter"]["reason"]
     # disk: skipped only where no disk-backed file system is writable (the reason says so)
     assert suites["disk"]["status"] == "ok" or (suites["disk"]["status"] == "skipped" and
@@ -104,6 +104,21 @@ def test_suite_specific_figures(tiny_run):
         # ... while the naive per-group order carries a group not packed yet along.
         naive = data["runs"]["naive per-group"]
         assert max(r["moved_bytes"] for r in naive) > data["non_layer_bytes"]
+    # tune: every placement within the one budget, the bus chosen against the compute, tune's row
+    # against both policies and its own prediction (the figures of the row, from its data)
+    tune = suites["tune"]["data"]
+    assert tune["bus"]["gbps"] > 0 and tune["bus_source"].startswith("chosen")
+    assert set(tune["placements"]) == {"tune", "leading", "strided"}
+    assert all(b <= tune["budget"] for b in tune["device_bytes"].values()), tune["device_bytes"]
+    plan = tune["plan"]
+    assert plan["floor_ms"] <= plan["predicted_ms"] * (1 + 1e-9) and plan["measured_ms"] > 0
+    assert "strided, depth 1" in plan["alternatives_ms"] and "in force" in plan["alternatives_ms"]
+    (row,) = [r for r in suites["tune"]["rows"] if "layerwise.tune" in r["measure"]]
+    ms = tune["step_ms"]
+    assert row["ratios"]["/leading"] == pytest.approx(ms["tune"] / ms["leading"])
+    assert row["ratios"]["/predicted"] == pytest.approx(ms["tune"] / plan["predicted_ms"])
+    assert [t["label"] for t in row["targets"]] == ["<= 1x leading", "<= 1x strided", "<= 1.1x predicted",
+                                                    ">= 0.9x predicted"]
     # stream: every point timed every method; CPU rows carry no pass/fail.
     stream = suites["stream"]
     for point in stream["data"]["points"]:

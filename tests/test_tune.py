@@ -307,3 +307,22 @@ def test_tune_beats_both_fixed_policies_on_the_simulated_bus_and_predicts_honest
     assert t["tune"] < t["leading"] and t["tune"] < t["strided"], (t, r["table"], r["policies"])
     # honest: within 10% of what it predicted, or the plan says why
     assert abs(r["error"]) <= 0.10 or "off the predicted" in r["note"], r["table"]
+
+
+def test_tune_takes_an_offloaded_pipeline_and_keeps_its_image_bitwise():
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from layerwise.bench.pipeline import SIZES, generate, tiny_flux_pipeline
+
+    size = SIZES["tiny"]
+    want = generate(tiny_flux_pipeline(size), size)
+    pipe = tiny_flux_pipeline(size)
+    managers = layerwise.offload_pipeline(pipe, device="cpu")
+    plan = layerwise.tune(pipe, lambda p: generate(p, size), repeats=1)
+    groups = [m for ms in managers.values() for m in ms if m.enabled]
+    assert {g["group"] for g in plan.groups} == {m.layer_name for m in groups}
+    assert len(plan.groups) == len(groups) >= 4  # every streamed group of every component
+    assert torch.equal(generate(pipe, size), want)
+    assert plan.device_bytes <= plan.budget
+    layerwise.remove_pipeline_offload(pipe)
+    assert torch.equal(generate(pipe, size), want)

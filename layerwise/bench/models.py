@@ -120,3 +120,45 @@ class HolderStack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+class WideLight(nn.Module):
+    """Many bytes, little compute: a wide weight applied to one token."""
+
+    def __init__(self, hidden: int, wide: int):
+        super().__init__()
+        self.w = nn.Linear(hidden, wide)
+
+    def forward(self, x):
+        return x + self.w(x[:1]).mean() * 0
+
+
+class NarrowHeavy(nn.Module):
+    """Few bytes, much compute: a hidden x hidden weight applied `reps` times to every token."""
+
+    def __init__(self, hidden: int, reps: int):
+        super().__init__()
+        self.w = nn.Linear(hidden, hidden)
+        self.reps = reps
+
+    def forward(self, x):
+        for _ in range(self.reps):
+            x = torch.tanh(self.w(x))
+        return x
+
+
+class MixedStack(nn.Module):
+    """A block list whose layers differ in size and compute, in an irregular order
+    (`kinds`: "B" a WideLight, "H" a NarrowHeavy): the layers whose transfer is least
+    hidden are the big light ones, not the first ones (layerwise.tune's case)."""
+
+    def __init__(self, kinds: str, hidden: int, wide: int, reps: int):
+        super().__init__()
+        self.proj_in = nn.Linear(hidden, hidden)
+        self.blocks = nn.ModuleList(WideLight(hidden, wide) if k == "B" else NarrowHeavy(hidden, reps) for k in kinds)
+
+    def forward(self, x):
+        x = self.proj_in(x)
+        for b in self.blocks:
+            x = b(x)
+        return x

@@ -36,6 +36,7 @@ SUITE_TITLES = {
     "hooks": "CPU time of the offload hooks per layer",
     "compress": "lossless compression of 16-bit weights: ratio, C++ encode/decode, Triton decode",
     "bus": "the stream sweep over the CPU backend's simulated bus (its speed set from the compute)",
+    "tune": "layerwise.tune against the leading and strided policies at one device budget",
     "quant": "a quantized model streamed as its quantized bytes (torchao, optimum-quanto), beside bf16",
     "split": "split fetch over torch.distributed: N ranks each fetch 1/N of a layer, then all-gather",
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import time
 
 import torch
 
@@ -32,6 +33,8 @@ from .source import ArenaSource
 from .transfer import Transfer
 
 log = logging.getLogger("layerwise")
+
+POLL_S = 50e-6  # between looks at a fetch the host waits for (Chain.meanwhile)
 
 
 class Chain:
@@ -158,6 +161,27 @@ class Chain:
         if self.disk is not None:
             self.disk.read_ahead(self._upcoming[i])
 
+    def meanwhile(self, i: int, host_blocks: bool):
+        """What the stages do while the host waits for layer i's fetch, or None: where
+        the wait blocks the host (the CPU backend), the disk stage keeps the bus busy
+        by issuing, as they finish, the copies of reads done and reads into staging
+        slots freed (else they would wait for the next hook, one compute later)."""
+        if self.disk is None or not host_blocks:
+            return None
+        disk, upcoming = self.disk, self._upcoming[i]
+
+        def work(ev) -> None:
+            while not ev.query():
+                if not disk.pending and not disk.can_read_ahead(upcoming):
+                    return  # nothing left to issue: block on ev
+                before = len(disk.pending)
+                disk.pump()
+                disk.copies_meanwhile += before - len(disk.pending)
+                disk.read_ahead(upcoming)
+                time.sleep(POLL_S)
+
+        return work
+
     def flush(self, collectives: bool = True) -> None:
         """Issue everything queued (blocking on reads; the collectives too unless
         `collectives=False`: stats() issues none); then wait for the reads and the
@@ -208,6 +232,7 @@ class Chain:
             "bytes_direct": r.get("bytes_direct", 0),
             "bytes_buffered": r.get("bytes_buffered", 0),
             "read_failures": r.get("failed", 0),
+            "copies_meanwhile": d.copies_meanwhile,  # issued while the host waited for a fetch (meanwhile)
         }
 
     def stats(self) -> dict:

@@ -325,6 +325,7 @@ class DiskTier:
         self.read_wait_s = 0.0  # host time the hooks blocked on reads
         self.read_s = 0.0  # time reads took, from start to end, summed (several run at once)
         self.timed_bytes = 0.0  # the bytes of those reads
+        self.copies_meanwhile = 0  # copies issued while the host waited for another fetch (Chain.meanwhile)
 
     def _staging(self, nbytes: int):
         cuda = self.device.type == "cuda"
@@ -494,6 +495,13 @@ class DiskTier:
         for d in list(self.pending):
             if d.ev is None and d.error is None and d.ready():
                 self._settle(d)
+
+    def can_read_ahead(self, upcoming) -> bool:
+        """read_ahead(upcoming) would queue a read now."""
+        upcoming = upcoming[: len(self.slots)]
+        want = set(upcoming)
+        return any(not self._staged(src) and not src.file_failed() for src in upcoming) and \
+            any(s.pending is None and (s.src is None or s.src not in want) for s in self.slots)
 
     def read_ahead(self, upcoming) -> None:
         """Queue reads of the next disk layers (`upcoming`, in order) while slots
