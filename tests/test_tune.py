@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import layerwise
 from layerwise import placement as pm
+from layerwise.bench.models import MixedStack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,43 +89,12 @@ def test_the_bus_fit_finds_latency_and_bandwidth():
 
 
 # ------------------------------------------------------------ tune, in process
-class Big(nn.Module):  # many bytes, little compute
-    def __init__(self, h, big):
-        super().__init__()
-        self.w = nn.Linear(h, big)
-
-    def forward(self, x):
-        return x + self.w(x[:1]).mean() * 0
+Stack = MixedStack  # big light layers ("B") irregularly among small heavy ones ("H")
 
 
-class Heavy(nn.Module):  # few bytes, much compute
-    def __init__(self, h, reps):
-        super().__init__()
-        self.w = nn.Linear(h, h)
-        self.reps = reps
-
-    def forward(self, x):
-        for _ in range(self.reps):
-            x = torch.tanh(self.w(x))
-        return x
-
-
-class Stack(nn.Module):
-    def __init__(self, kinds, h=64, big=1024, reps=2):
-        super().__init__()
-        self.proj_in = nn.Linear(h, h)
-        self.blocks = nn.ModuleList(Big(h, big) if k == "B" else Heavy(h, reps) for k in kinds)
-
-    def forward(self, x):
-        x = self.proj_in(x)
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def stack(seed=0, **kw):
+def stack(seed=0):
     torch.manual_seed(seed)
-    return Stack("HBHHBHBBHH", **kw).eval()
+    return Stack("HBHHBHBBHH", 64, 1024, 2).eval()
 
 
 def test_tune_is_bitwise_within_its_budget_and_reported():
@@ -221,7 +190,7 @@ TUNE = """
     import os
     torch.manual_seed(0)
     kinds = "HBHHBHBBHHHBHB"
-    make = lambda: T.Stack(kinds, h=256, big=4096, reps=4).eval()
+    make = lambda: T.Stack(kinds, 256, 4096, 4).eval()
     torch.manual_seed(0); ref = make()
     x = torch.randn(256, 256)
     with torch.no_grad():

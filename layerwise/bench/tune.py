@@ -24,7 +24,6 @@ prediction (issue 24). Outputs are checked bitwise against the resident model.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import statistics
 import time
