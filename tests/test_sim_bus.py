@@ -182,3 +182,29 @@ def test_the_disk_tier_keeps_the_bus_busy_while_the_host_waits(tmp_path):
     # (each copy takes ~13 ms on this bus, a read well under that: in steady state every disk
     # layer's copy but the first of a step goes out while the host waits for the one before)
     assert meanwhile >= (layers - 2) * (steps - 1), (layers, meanwhile, steps)
+
+
+def test_bitwise_under_the_bus_and_random_copy_delays_together_across_placements():
+    out = run("""
+    import torch, layerwise
+    from torch import nn
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(128, 128) for _ in range(7)])
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(7)])
+    model.load_state_dict(ref.state_dict())
+    holder = nn.Module(); holder.blocks = model
+    (m,) = layerwise.configure_layerwise_offload(holder, "blocks", device="cpu", debug_copy_delay_us=700)
+    xs = [torch.randn(3, 128) for _ in range(3)]
+    checked = 0
+    with torch.no_grad():
+        want = [ref(x) for x in xs]
+        for res, depth in [([], 1), ([], 2), ([2, 5], 1), ([0], 3), ([1, 3, 4], 0), ([], 1)]:
+            m.set_residency(res, depth)
+            for _ in range(2):
+                for x, w in zip(xs, want):
+                    assert torch.equal(model(x), w), (res, depth)
+                    checked += 1
+    print(checked, layerwise._native._C.sim_bus()["gbps"])
+    """, LAYERWISE_SIM_BUS_GBPS="0.2", LAYERWISE_SIM_BUS_LATENCY_US="300")
+    checked, gbps = out.split()
+    assert int(checked) == 36 and float(gbps) == 0.2
