@@ -107,7 +107,7 @@ stage cuda 120 bash -c cuda_tests
 # shellcheck disable=SC2046
 stage tests 120 "$PY" -m pytest -q -rfE -p no:cacheprovider -k "not cuda" $(junit tests) ${GPU_CHECK_TESTS:-$CPU_TESTS}
 # shellcheck disable=SC2086
-stage bench 150 "$PY" -m layerwise.bench ${BENCH_SUITES:-h2d scatter stream startup hooks disk compress} \
+stage bench 150 "$PY" -m layerwise.bench ${BENCH_SUITES:-h2d scatter stream tune startup hooks disk compress} \
   --device "${BENCH_DEVICE:-cuda}" ${BENCH_ARGS:-} \
   --json "$OUT/bench.json" --plot "$OUT/stream.png" --markdown "$OUT/bench.md"
 

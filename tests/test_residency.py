@@ -55,14 +55,18 @@ def resident_of(m, spec):
     return list(range(m.num_layers)) if spec == "all" else [i for i in spec if i < m.num_layers]
 
 
+def outputs_on(model, xs, device):
+    return [y.cpu() for y in outputs(model, [x.to(device) for x in xs])]
+
+
 @pytest.mark.parametrize("delay", [None, 300])
-def test_every_placement_is_bitwise_and_sized_as_planned(delay):
+def test_every_placement_is_bitwise_and_sized_as_planned(delay, device):
     ref = make()
     xs = inputs()
     want = outputs(ref, xs)
     model = make()
-    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", debug_copy_delay_us=delay)
-    assert same(outputs(model, xs), want)
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device=device, debug_copy_delay_us=delay)
+    assert same(outputs_on(model, xs, device), want)
     for spec, depth in PLACEMENTS:
         for m in managers:
             res = resident_of(m, spec)
@@ -72,17 +76,17 @@ def test_every_placement_is_bitwise_and_sized_as_planned(delay):
             assert st["resident_layers"] == res and st["prefetch_depth"] == depth
             assert st["ring_bytes"] + st["resident_bytes"] == m._device_bytes(), spec
         for _ in range(2):
-            assert same(outputs(model, xs), want), (spec, depth)
+            assert same(outputs_on(model, xs, device), want), (spec, depth)
     # a count or a fraction, spread by the group's residency policy
     a = managers[0]
     a.set_residency(0.5)
     assert a.resident == [0, 1, 2]
     a.set_residency(2)
     assert a.resident == [0, 1]
-    assert same(outputs(model, xs), want)
+    assert same(outputs_on(model, xs, device), want)
     layerwise.remove_layerwise_offload(model)
-    assert same(outputs(model, xs), want)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert same(outputs_on(model, xs, device), want)
+    assert all(torch.equal(model.state_dict()[k].cpu(), v) for k, v in ref.state_dict().items())
 
 
 def test_state_contract_across_a_change():
