@@ -801,6 +801,13 @@ def _bound_to_truth(manager, wrapped, destination, prefix):
     over their true bytes while the body runs (a module's own save), then bound to
     their slot views again; a wrapper the body put in `destination` itself
     (keep_vars) is replaced by one over the true bytes, which outlives the body."""
+    for _, w, _ in wrapped:  # (before anything is rebound: torch.utils.swap_tensors' own refusals)
+        why = quantized.swap_refused(w.param)
+        if why:
+            raise RuntimeError(
+                f"layerwise: state_dict() cannot read the streamed {w.library_type} weight {w.qualname}: {why}, "
+                "and torch cannot swap a wrapper over its true bytes into it. Drop that reference (or call "
+                "layerwise.remove_layerwise_offload(model) first). The model is unchanged.")
     with torch.inference_mode(False):
         copies: dict = {}
         truth = {id(w): {e.leaf: _true_tensor(manager, e, i, copies) for e in w.entries} for _, w, i in wrapped}

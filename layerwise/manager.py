@@ -51,6 +51,13 @@ class Lifecycle(enum.Enum):
     STREAMING = "streaming"  # finalised: ring, hooks; its layers stream
 
 
+class _RingView:
+    """What drift.Bound reads of a manager (its plan, its ring), for a ring not in force yet."""
+
+    def __init__(self, plan, ring):
+        self.plan, self.ring = plan, ring
+
+
 class LayerwiseOffloadManager:
     """Streams the layers of `model.<layer_name>` to `device` (see module doc)."""
 
@@ -164,6 +171,9 @@ class LayerwiseOffloadManager:
             self._drain()
             if self._dirty:
                 self._resync()
+            # A parameter a library (or the user) rebound since the last check is settled
+            # first (layerwise/drift.py: adopted or refused): the rebinding below would drop it.
+            self.bound.check_all(self)
             old = list(self.resident)
             if new == old and depth == self.prefetch_depth:
                 self.placement = note
@@ -174,6 +184,15 @@ class LayerwiseOffloadManager:
             for i in sorted(set(old) - set(new)):
                 block = self._resident_block(i)
                 if not torch.equal(block, self._read_layer(i)):
+                    if not self._src[i].writable:
+                        try:
+                            self._src[i].refuse_write()
+                        except RuntimeError as err:
+                            raise RuntimeError(
+                                f"layerwise: {self.layer_name}: set_residency: layer {self.layer_name}[{i}] was "
+                                "changed while resident (load_state_dict, or a write into its weights) and cannot "
+                                f"leave the device: {err} Keep it resident (leave {i} in the resident layers), "
+                                "or load its original values back first. The placement is unchanged.") from None
                     self._write_layer(i, lambda b, block=block: b.copy_(block))
             layers = self.plan.layers
             start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
@@ -185,6 +204,8 @@ class LayerwiseOffloadManager:
                     binding.data([(e, e.wrap(materialize(e, block, self.device))) for e in layers[i].params])
                 for i in ring.streamed:
                     binding.slot(layers[i].params, ring.slots[ring.slot_of[i]])
+                binding.check(self.layer_name)  # a wrapper torch cannot swap is refused here, not half-way
+                bound = drift.Bound(_RingView(self.plan, ring))
             # Phase two only rebinds and releases.
             with contract.defer_interrupts():
                 for h in self._guard_hooks:
@@ -197,7 +218,7 @@ class LayerwiseOffloadManager:
                 self.prefetch_depth = depth
                 self.options = dataclasses.replace(self.options, prefetch_depth=depth)
                 self._resident_bytes = sum(layers[i].nbytes for i in new)
-                self.bound = drift.Bound(self)
+                self.bound = bound
                 self._chain.restream(self.num_layers, ring.streamed)
                 self._guard_hooks = contract.install_layer_hooks(self)
                 self.placement = note

@@ -104,6 +104,7 @@ class Rebinding:
         self.to_slot: list = []  # (plain entry, slot view): bind_to_slot
         self.to_data: list = []  # (plain entry, tensor of its own): .data
         self.swaps: list = []  # (wrapper parameter, rebuilt wrapper)
+        self.names: list = []  # each swapped wrapper's qualified name
 
     def slot(self, entries, slot: torch.Tensor) -> None:
         """The layer's parameters onto their views of `slot` (streamed)."""
@@ -115,8 +116,21 @@ class Rebinding:
 
     def _add(self, pairs, plain: list) -> None:
         plain.extend((e, t) for e, t in pairs if e.leaf is None)
-        self.swaps.extend((w.param, quantized.rebuilt(w.param, w.form, tensors))
-                          for w, tensors in _by_wrapper([(e, t) for e, t in pairs if e.leaf is not None]))
+        for w, tensors in _by_wrapper([(e, t) for e, t in pairs if e.leaf is not None]):
+            self.swaps.append((w.param, quantized.rebuilt(w.param, w.form, tensors)))
+            self.names.append(w.qualname)
+
+    def check(self, group: str) -> None:
+        """Refuse, before anything changed, a wrapper that torch.utils.swap_tensors
+        would refuse in `commit` (a weak reference to it, or references to its
+        tensor held elsewhere)."""
+        for (param, _), name in zip(self.swaps, self.names):
+            why = quantized.swap_refused(param)
+            if why:
+                raise RuntimeError(
+                    f"layerwise: {group}: set_residency cannot rebind the {quantized.library_type(param)} weight "
+                    f"{name}: {why}, and torch cannot swap a rebuilt wrapper into it. Drop that reference, then call set_residency again. The placement "
+                    "is unchanged.")
 
     def commit(self) -> None:
         for e, view in self.to_slot:

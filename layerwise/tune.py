@@ -25,13 +25,17 @@ pipeline call). `tune`
 
 Interrupt-safe: the probe is removed and every group keeps its old placement
 unless every group's new one was applied (a group that fails puts the others
-back). `apply=False` chooses and predicts only.
+back); a failure or an interrupt while the new placement is measured puts every
+group's old one back (a tune that raises changes nothing). `apply=False` chooses and predicts only.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 import statistics
+import threading
 import time
 
 import torch
@@ -297,8 +301,9 @@ def _budget(device, device_budget, fixed: int, current: int) -> int:
                      "it uses now (%s); pass bytes to plan against a budget", fmt_bytes(current))
             return current
         return resolve_budget(device, "auto", None)
-    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, float)) or device_budget < 0:
-        raise ValueError(f"device_budget must be a number of bytes >= 0, 'auto' or None, got {device_budget!r}")
+    if isinstance(device_budget, bool) or not isinstance(device_budget, (int, float)) or not \
+            math.isfinite(device_budget) or device_budget < 0:
+        raise ValueError(f"device_budget must be a finite number of bytes >= 0, 'auto' or None, got {device_budget!r}")
     return int(device_budget)
 
 
@@ -334,9 +339,10 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
         raise TypeError("layerwise.tune(model, run, ...): run(model) must be a callable that performs one step")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    depths = tuple(depths)
+    if not depths or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in depths):
+        raise ValueError(f"depths must be prefetch depths (ints >= 0), got {depths!r}")
     depths = tuple(sorted({int(d) for d in depths}))
-    if not depths or any(d < 0 for d in depths):
-        raise ValueError(f"depths must be prefetch depths >= 0, got {depths!r}")
     models = _models(model_or_pipe)
     managers = [m for model in models for m in managers_of(model) if m.enabled and m.state is Lifecycle.STREAMING]
     if not managers:
@@ -348,6 +354,7 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
     clock = _Clock(device)
     fixed = sum(non_layer_bytes(model, managers_of(model)) for model in models) + _whole_bytes(model_or_pipe)
     old = [(list(m.resident), m.prefetch_depth) for m in managers]
+    notes = [m.placement for m in managers]
     with torch.no_grad():
         run(model_or_pipe)  # warm: caches, first-call work, the wrap-around's prefetches
         before_s = statistics.median(_timed_runs(run, model_or_pipe, clock, repeats))
@@ -390,7 +397,27 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
         budget=budget, bus_gbps=step.bus_gbps, applied=False)
     if not apply:
         return plan
-    _apply(managers, chosen, old, f"layerwise.tune ({best}): predicted {pred.step_s * 1e3:.2f} ms")
+    _apply(managers, chosen, old, f"layerwise.tune ({best}): predicted {pred.step_s * 1e3:.2f} ms", notes)
+    try:
+        _check(plan, run, model_or_pipe, managers, clock, repeats, step, pred, best)
+    except BaseException as err:
+        # The step failed under the new placement (a block that calls another one of its
+        # list and now shares its slot, say), or was interrupted: every group gets its old
+        # placement back; a tune that raises changes nothing.
+        with contract.defer_interrupts():
+            for m in managers:
+                _forget_abandoned_forward(m)
+            _restore(managers, managers, old, notes)
+        if isinstance(err, Exception):
+            err.add_note(f"layerwise.tune: raised while measuring the placement it chose ({best}); every group's "
+                         "old placement was put back")
+        raise
+    log.info("%s", plan.summary())
+    return plan
+
+
+def _check(plan: TunePlan, run, model_or_pipe, managers, clock, repeats, step, pred, best) -> None:
+    """Measure the step under the placement applied, and record it (module doc, 4)."""
     plan.applied = True
     with torch.no_grad():
         run(model_or_pipe)
@@ -408,11 +435,29 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
         note += f" ({plan.note})"
     for m in managers:
         m.set_residency(m.resident, m.prefetch_depth, note=note)  # (the same placement: only its note)
-    log.info("%s", plan.summary())
-    return plan
 
 
-def _apply(managers, chosen: pm.Placement, old, note: str) -> None:
+def _forget_abandoned_forward(m) -> None:
+    """run() returned or raised: no forward of this thread is in flight, so a layer
+    still marked computing (and the lock still held) was left so by a forward that
+    an exception or an interrupt abandoned (as the model's root pre-hook clears it)."""
+    lock = m._lock
+    while lock._is_owned():
+        lock.release()
+    with lock:
+        if m.ring.computing() or any(o == threading.get_ident() for o, _ in m._grad_hooks):
+            m._reset_entered()
+
+
+def _restore(managers, which, old, notes) -> None:
+    """The groups `which` back to their old placements (and the notes that said who chose them)."""
+    for m in which:
+        k = managers.index(m)
+        r, d = old[k]
+        m.set_residency(r, d, note=notes[k])
+
+
+def _apply(managers, chosen: pm.Placement, old, note: str, notes) -> None:
     """Every group's new placement, or (a failure, an interrupt) every group's old one."""
     done = []
     try:
@@ -421,7 +466,5 @@ def _apply(managers, chosen: pm.Placement, old, note: str) -> None:
             done.append(m)
     except BaseException:
         with contract.defer_interrupts():
-            for m in done:
-                r, d = old[managers.index(m)]
-                m.set_residency(r, d)
+            _restore(managers, done, old, notes)
         raise

@@ -155,6 +155,18 @@ def rebind(param: torch.Tensor, form: Structure, tensors: dict) -> None:
     torch.utils.swap_tensors(param, rebuilt(param, form, tensors))
 
 
+def swap_refused(param: torch.Tensor) -> str | None:
+    """Why torch.utils.swap_tensors would refuse to swap into `param` (its own
+    checks, made before anything changes), or None."""
+    refs = weakref.getweakrefs(param)
+    if refs:
+        return f"it is referenced weakly ({refs[0]!r})"
+    count = param._use_count()
+    if count > 2 or (count == 2 and not param.is_leaf):
+        return f"its tensor is referenced {count - 1} more time(s) from outside Python (an autograd graph, say)"
+    return None
+
+
 def rebuilt(param: torch.Tensor, form: Structure, tensors: dict) -> torch.Tensor:
     """What `rebind` swaps into `param`, built and nothing changed: the library's
     `__tensor_unflatten__` runs here (it may raise), so that a transaction can build

@@ -1,0 +1,179 @@
+"""Attacks on LayerwiseOffloadManager.set_residency (issue 24) that the suite in
+test_residency.py does not cover: a weakly referenced quantized wrapper, a
+parameter rebound (`.data =`) since the last check, a failure in the second
+phase, a read-only checkpoint layer changed while resident."""
+import os
+import sys
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import layerwise
+from layerwise import contract, drift
+from layerwise import manager as manager_mod
+
+from models import TwoGroupModel
+
+GROUPS = ["transformer_blocks", "single_transformer_blocks"]
+
+
+def make(seed=0, n_a=6, n_b=4, d=32):
+    torch.manual_seed(seed)
+    return TwoGroupModel(d=d, n_a=n_a, n_b=n_b).eval()
+
+
+def inputs(n=2, d=32):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(3, d, generator=g) for _ in range(n)]
+
+
+def outputs(model, xs):
+    with torch.no_grad():
+        return [model(x) for x in xs]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def leaves_equal(got, want) -> bool:
+    if hasattr(want, "__tensor_flatten__") and type(want) is not torch.Tensor:
+        names, _ = want.__tensor_flatten__()
+        return all(torch.equal(getattr(got, n), getattr(want, n)) for n in names)
+    return torch.equal(got, want)
+
+
+def sd_diffs(model, ref) -> list:
+    sd = model.state_dict()
+    return [k for k, v in ref.state_dict().items() if not leaves_equal(sd[k], v)]
+
+
+def test_a_weakly_referenced_quantized_weight_is_refused_before_anything_changes():
+    """A weak reference to a streamed torchao wrapper (taken after configure, which
+    refuses one at configure) makes torch.utils.swap_tensors refuse in the second
+    phase: the group was left half-applied (new ring, old bindings), outputs and
+    state_dict wrong. It must be refused in phase one, the old placement whole."""
+    quant = pytest.importorskip("torchao.quantization")
+
+    def q():
+        m = make()
+        for blocks in (m.transformer_blocks, m.single_transformer_blocks):
+            quant.quantize_(blocks, quant.Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+        return m
+
+    ref = q()
+    xs = inputs()
+    want = outputs(ref, xs)
+    model = q()
+    a = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")[0]
+    held = weakref.ref(model.transformer_blocks[2].up.weight)
+    with pytest.raises(RuntimeError, match="weak"):
+        a.set_residency([1, 2], 2)
+    assert (a.resident, a.prefetch_depth) == ([], 1)
+    assert same(outputs(model, xs), want)
+    del held
+    assert sd_diffs(model, ref) == []
+    a.set_residency([1, 2], 2)
+    assert same(outputs(model, xs), want)
+    assert sd_diffs(model, ref) == []
+
+
+@pytest.mark.parametrize("case", ["made resident", "stays streamed"])
+def test_a_parameter_rebound_since_the_last_check_is_kept(case):
+    """`p.data = t` on a streamed parameter outside a forward is adopted by the
+    state contract (layerwise/drift.py) at the next check; set_residency rebound
+    every parameter without that check and silently dropped the new values."""
+    ref = make()
+    xs = inputs()
+    model = make()
+    a = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")[0]
+    outputs(model, xs)
+    for m in (model, ref):
+        b = m.transformer_blocks[3].up.bias
+        b.data = torch.full_like(b.data, 0.5)
+    a.set_residency([3] if case == "made resident" else [0], 2)
+    assert same(outputs(model, xs), outputs(ref, xs))
+    assert sd_diffs(model, ref) == []
+
+
+@pytest.mark.parametrize("target", [
+    pytest.param("install_layer_hooks", marks=pytest.mark.xfail(strict=True, reason="phase two registers the contract's hooks after tearing the old ones down: a MemoryError there half-applies")),
+    "Bound",
+    pytest.param("unwatch", marks=pytest.mark.xfail(strict=True, reason="phase two unwatches after removing the guard hooks: a MemoryError there half-applies")),
+])
+def test_a_failure_in_the_second_phase_leaves_one_placement_whole(monkeypatch, target):
+    """Phase two of set_residency allocates (the drift record, the contract's hooks):
+    a MemoryError there left the new ring bound without the contract's hooks (or
+    the old bindings over a released ring): state_dict() read slot views."""
+    ref = make()
+    xs = inputs()
+    want = outputs(ref, xs)
+    model = make()
+    a = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")[0]
+    a.set_residency([5], 1)  # five streamed layers over three slots
+    where = {"install_layer_hooks": contract, "Bound": drift, "unwatch": contract}[target]
+
+    def refuse(*args, **kw):
+        raise MemoryError(f"injected in {target}")
+
+    monkeypatch.setattr(where, target, refuse)
+    with pytest.raises(MemoryError):
+        a.set_residency([], 2)  # six over three: a slot view is not its layer's bytes between forwards
+    monkeypatch.undo()
+    assert (a.resident, a.prefetch_depth) in (([5], 1), ([], 2))
+    assert same(outputs(model, xs), want)
+    assert sd_diffs(model, ref) == []
+    a.set_residency([0], 1)
+    assert same(outputs(model, xs), want)
+    assert sd_diffs(model, ref) == []
+
+
+def test_a_checkpoint_layer_changed_while_resident_is_refused_with_the_way_out(tmp_path):
+    """A layer streamed from a read-only checkpoint file, made resident, changed by
+    load_state_dict, then made streamed: refused, the model unchanged. The error
+    named only configure-time remedies (load_offloaded's spill_dir / host_budget),
+    not the call that failed nor what to do now (keep the layer resident)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_disk_tier import budget, make as make_net, meta_model, save_checkpoint, inputs as net_inputs
+
+    ref = make_net()
+    ckpt = save_checkpoint(ref, str(tmp_path / "model.safetensors"))
+    model = meta_model()
+    (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
+    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    k = disk[1]
+    m.set_residency([k], 1)
+    key = f"blocks.{k}.fc.weight"
+    new = {key: ref.state_dict()[key] * 2}
+    model.load_state_dict(new, strict=False)
+    ref.load_state_dict(new, strict=False)
+    xs = net_inputs()
+    want = outputs(ref, xs)
+    with pytest.raises(RuntimeError, match=rf"(?si)set_residency.*blocks\[{k}\].*changed while resident.*keep it resident"):
+        m.set_residency([], 1)
+    assert (m.resident, m.prefetch_depth) == ([k], 1)
+    assert same(outputs(model, xs), want)
+    assert sd_diffs(model, ref) == []
+    layerwise.remove_layerwise_offload(model)
+
+
+def test_state_dict_of_a_weakly_referenced_quantized_weight_says_what_to_do():
+    """Found on the way: state_dict() rebinds a streamed wrapper over its true bytes
+    (contract._bound_to_truth) with swap_tensors, which refuses a weakly referenced
+    one: "Cannot swap t1 because it has weakref associated with it", naming neither
+    the parameter nor the way out."""
+    quant = pytest.importorskip("torchao.quantization")
+    model = make()
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        quant.quantize_(blocks, quant.Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+    xs = inputs()
+    layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+    want = outputs(model, xs)
+    held = weakref.ref(model.transformer_blocks[2].up.weight)
+    with pytest.raises(RuntimeError, match=r"(?s)transformer_blocks\.2\.up\.weight.*referenced weakly.*Drop"):
+        model.state_dict()
+    assert same(outputs(model, xs), want)
+    del held
+    model.state_dict()
