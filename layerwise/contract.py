@@ -603,12 +603,12 @@ def _guarded_apply(model: nn.Module, mod: nn.Module, name: str):
 
 
 # ------------------------------------------------- state_dict, load, edits
-def _owned(manager):
+def _owned(manager, streamed=None):
     """{module: [(attr, entry, layer index)]} for the streamed parameters each
     module holds directly (a quantized wrapper: its `Wrapped` record in place of
-    the entry)."""
+    the entry); `streamed`: the streamed layers (default: the ring's)."""
     out: dict = {}
-    streamed = set(manager.ring.streamed)
+    streamed = set(manager.ring.streamed if streamed is None else streamed)
     for lp in manager.plan.layers:
         if lp.index not in streamed:
             continue  # resident layers are ordinary device tensors: nothing to guard
@@ -620,30 +620,48 @@ def _owned(manager):
     return out
 
 
-def install_layer_hooks(manager) -> list:
+def install_layer_hooks(manager, streamed=None) -> list:
     """state_dict / load_state_dict hooks on every module that holds streamed
-    parameters, and peft merge guards in every streamed layer."""
-    handles = _split_load_guards(manager)  # first: they refuse before any write hook ran
-    handles += _quantized_load_guards(manager)
-    for mod, owned in _owned(manager).items():
-        handles.append(_guard_save(mod, manager, owned))
-        handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
-        handles.append(mod.register_load_state_dict_post_hook(_load_post_hook(manager)))
-    for i in manager.ring.streamed:
-        module = manager.plan.layers[i].module
-        for sub in module.modules():
-            _WATCHED[sub] = (weakref.ref(manager), i)
-            handles.extend(_guard_merge(sub))
-    handles.extend(_read_only_guards(manager))
-    _ensure_registration_hook()
+    parameters, and peft merge guards in every streamed layer (`streamed`: the
+    streamed layers, default the ring's; set_residency installs the new
+    placement's before it commits). On failure none stays registered."""
+    streamed = list(manager.ring.streamed if streamed is None else streamed)
+    handles: list = []
+    watched = watching(manager)
+    try:
+        handles += _split_load_guards(manager)  # first: they refuse before any write hook ran
+        handles += _quantized_load_guards(manager, streamed)
+        for mod, owned in _owned(manager, streamed).items():
+            handles.append(_guard_save(mod, manager, owned))
+            handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
+            handles.append(mod.register_load_state_dict_post_hook(_load_post_hook(manager)))
+        for i in streamed:
+            module = manager.plan.layers[i].module
+            for sub in module.modules():
+                _WATCHED[sub] = (weakref.ref(manager), i)
+                handles.extend(_guard_merge(sub))
+        handles.extend(_read_only_guards(manager, streamed))
+        _ensure_registration_hook()
+    except BaseException:
+        for h in handles:
+            h.remove()
+        unwatch(manager)
+        _WATCHED.update(watched)
+        raise
     return handles
 
 
-def unwatch(manager) -> None:
-    """Forget the modules install_layer_hooks watched for `manager` (its streamed
-    layers change: set_residency installs the hooks again)."""
-    for mod, (ref, _) in list(_WATCHED.items()):
-        if ref() is manager:
+def watching(manager) -> dict:
+    """{module: record} of the modules watched for `manager` (install_layer_hooks)."""
+    return {mod: rec for mod, rec in list(_WATCHED.items()) if rec[0]() is manager}
+
+
+def unwatch(manager, keep=()) -> None:
+    """Forget the modules install_layer_hooks watched for `manager`, but those of
+    the layers in `keep` (set_residency: the layers that stream after the change)."""
+    keep = set(keep)
+    for mod, (ref, i) in list(_WATCHED.items()):
+        if ref() is manager and i not in keep:
             del _WATCHED[mod]
 
 
@@ -701,11 +719,11 @@ def _split_load_values(state_dict, prefix, inner) -> list:
     return named
 
 
-def _read_only_guards(manager) -> list:
+def _read_only_guards(manager, streamed) -> list:
     """Layers whose truth cannot be written (a checkpoint file the disk tier reads):
     a load_state_dict that would change one is refused where it starts - in the
     outermost module it was called on, before any tensor was copied."""
-    fixed = {id(e.param): i for i in manager.ring.streamed if not manager._src[i].writable
+    fixed = {id(e.param): i for i in streamed if not manager._src[i].writable
              for e in manager.plan.layers[i].params}
     return _load_guards(manager, fixed, _refuse_read_only)
 
@@ -983,15 +1001,16 @@ def _quantized_mismatch(w, key, why) -> str:
             "layerwise.remove_layerwise_offload(model) first). The model is unchanged.")
 
 
-def _quantized_load_guards(manager) -> list:
+def _quantized_load_guards(manager, streamed) -> list:
     """A load_state_dict whose quantized values do not have the form of the model's
     streamed wrappers is refused where it starts, before anything is written: a
     wrapper under the parameter's key (torchao) must flatten the same way; the
     tensors a library saves under keys of its own (quanto: `weight._data`, ...)
     must have the dtypes and shapes the module's own state_dict gives."""
     wrapped = {}
+    streamed = set(streamed)
     for lp in manager.plan.layers:
-        if lp.index in manager.ring.streamed:
+        if lp.index in streamed:
             for e in lp.params:
                 if e.wrapped is not None:
                     wrapped[id(e.param)] = e.wrapped

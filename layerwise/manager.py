@@ -206,29 +206,50 @@ class LayerwiseOffloadManager:
                     binding.slot(layers[i].params, ring.slots[ring.slot_of[i]])
                 binding.check(self.layer_name)  # a wrapper torch cannot swap is refused here, not half-way
                 bound = drift.Bound(_RingView(self.plan, ring))
-            # Phase two only rebinds and releases.
-            with contract.defer_interrupts():
-                for h in self._guard_hooks:
-                    h.remove()
-                contract.unwatch(self)
-                self.ring.release()
-                self.ring = ring
-                binding.commit()
-                self.resident = new
-                self.prefetch_depth = depth
-                self.options = dataclasses.replace(self.options, prefetch_depth=depth)
-                self._resident_bytes = sum(layers[i].nbytes for i in new)
-                self.bound = bound
-                self._chain.restream(self.num_layers, ring.streamed)
-                self._guard_hooks = contract.install_layer_hooks(self)
-                self.placement = note
-                try:
-                    for i in ring.streamed[:depth]:
-                        self._load(i, prefetch=True)
-                except Exception:  # noqa: BLE001 - raised again where the layer is needed (dirty: the next hook resyncs)
-                    pass
+            self._commit_residency(ring, binding, bound, new, depth, note)
         log.info("layerwise: %s: placement changed: %d of %d layers resident (%s), prefetch depth %d",
                  self.layer_name, len(new), self.num_layers, new[:16], depth)
+
+    def _commit_residency(self, ring, binding, bound, new, depth, note) -> None:
+        """set_residency's phase two, with Ctrl-C held back: the state contract's hooks
+        of the new placement first (they patch the modules in place, so the old ones
+        go first; a failure there puts the old ones back and changes nothing else),
+        then only rebinds and releases."""
+        with contract.defer_interrupts():
+            for h in self._guard_hooks:
+                h.remove()
+            try:
+                guards = contract.install_layer_hooks(self, ring.streamed)  # (on failure: none of them stays)
+            except BaseException:
+                try:
+                    self._guard_hooks = contract.install_layer_hooks(self)  # the old placement's again
+                except BaseException:  # a second failure: the group refuses to run rather than run unguarded
+                    self._guard_hooks = []
+                    self.guard.error = (f"layerwise: {self.layer_name}: the state contract's hooks could not be "
+                                        "installed again after a failed set_residency; call "
+                                        "layerwise.remove_layerwise_offload(model) (the weights are exact) and "
+                                        "configure again")
+                raise
+            try:
+                contract.unwatch(self, keep=ring.streamed)
+            except Exception:  # noqa: BLE001 - stale records only make guards refuse: never wrong
+                log.warning("layerwise: %s: could not forget the modules of the layers made resident", self.layer_name)
+            self.ring.release()
+            self.ring = ring
+            binding.commit()
+            self.resident = new
+            self.prefetch_depth = depth
+            self.options = dataclasses.replace(self.options, prefetch_depth=depth)
+            self._resident_bytes = sum(self.plan.layers[i].nbytes for i in new)
+            self.bound = bound
+            self._chain.restream(self.num_layers, ring.streamed)
+            self._guard_hooks = guards
+            self.placement = note
+            try:
+                for i in ring.streamed[:depth]:
+                    self._load(i, prefetch=True)
+            except Exception:  # noqa: BLE001 - raised again where the layer is needed (dirty: the next hook resyncs)
+                pass
 
     def _resident_list(self, resident) -> list[int]:
         n = self.num_layers

@@ -99,9 +99,9 @@ def test_a_parameter_rebound_since_the_last_check_is_kept(case):
 
 
 @pytest.mark.parametrize("target", [
-    pytest.param("install_layer_hooks", marks=pytest.mark.xfail(strict=True, reason="phase two registers the contract's hooks after tearing the old ones down: a MemoryError there half-applies")),
+    "install_layer_hooks",
     "Bound",
-    pytest.param("unwatch", marks=pytest.mark.xfail(strict=True, reason="phase two unwatches after removing the guard hooks: a MemoryError there half-applies")),
+    "unwatch",
 ])
 def test_a_failure_in_the_second_phase_leaves_one_placement_whole(monkeypatch, target):
     """Phase two of set_residency allocates (the drift record, the contract's hooks):
@@ -115,13 +115,22 @@ def test_a_failure_in_the_second_phase_leaves_one_placement_whole(monkeypatch, t
     a.set_residency([5], 1)  # five streamed layers over three slots
     where = {"install_layer_hooks": contract, "Bound": drift, "unwatch": contract}[target]
 
-    def refuse(*args, **kw):
-        raise MemoryError(f"injected in {target}")
+    real, calls = getattr(where, target), [0]
+
+    def refuse(*args, **kw):  # (the first call fails: the way back may call it again)
+        calls[0] += 1
+        if calls[0] == 1:
+            raise MemoryError(f"injected in {target}")
+        return real(*args, **kw)
 
     monkeypatch.setattr(where, target, refuse)
-    with pytest.raises(MemoryError):
-        a.set_residency([], 2)  # six over three: a slot view is not its layer's bytes between forwards
+    if target == "unwatch":  # (stale records only make guards refuse: the change goes through)
+        a.set_residency([], 2)
+    else:
+        with pytest.raises(MemoryError):
+            a.set_residency([], 2)  # six over three: a slot view is not its layer's bytes between forwards
     monkeypatch.undo()
+    assert calls[0] >= 1
     assert (a.resident, a.prefetch_depth) in (([5], 1), ([], 2))
     assert same(outputs(model, xs), want)
     assert sd_diffs(model, ref) == []
