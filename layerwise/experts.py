@@ -119,12 +119,12 @@ def routing_argument(module: nn.Module) -> tuple | None:
 def _why_not(module: nn.Module, entries: dict, qual: str) -> tuple[str | None, int, list]:
     """(why the module cannot be routed or None, experts, its plan entries)."""
     own = [(n, p) for n, p in module._parameters.items() if p is not None]
-    if not own:
-        return "it holds no parameters of its own", 0, []
     for cname, child in module.named_children():
         if any(True for _ in child.parameters()):
             return (f"its submodule {cname!r} holds parameters (only fused expert-major parameters "
-                    "[num_experts, ...] are routed)"), 0, []
+                    "[num_experts, ...] of the module itself are routed)"), 0, []
+    if not own:
+        return "it holds no parameters of its own", 0, []
     n_exp = getattr(module, "num_experts", None)
     if not isinstance(n_exp, int) or isinstance(n_exp, bool):
         n_exp = own[0][1].shape[0] if own[0][1].dim() else 0

@@ -105,47 +105,72 @@ class _SlotRows:
 
 
 class ExpertCache:
-    """Device entries of one expert each, least recently used out first."""
+    """Device entries of one expert each, shared out evenly among the MoE layers
+    streamed, least recently used out first within a layer. (One LRU over all
+    layers would evict every entry before its next use: a step visits the layers
+    in a cycle, and a cycle longer than the cache defeats LRU.)"""
 
-    def __init__(self, capacity: int, entry_bytes: int, device: torch.device):
+    def __init__(self, capacity: int, entry_bytes: int, device: torch.device, layers):
         self.entry_bytes = entry_bytes
         self.entries = capacity // entry_bytes
         self.pool = torch.empty(self.entries * entry_bytes, dtype=torch.uint8, device=device)
-        self.lru: collections.OrderedDict = collections.OrderedDict()  # key -> (entry, version)
-        self.free = list(range(self.entries - 1, -1, -1))
+        self.layers = sorted(layers)
+        self.clear()
 
     @property
     def nbytes(self) -> int:
         return self.pool.numel()
 
+    def clear(self) -> None:
+        n, q = len(self.layers), self.entries // max(len(self.layers), 1)
+        extra = self.entries - q * n
+        self.lru: dict = {i: collections.OrderedDict() for i in self.layers}  # key -> (entry, version)
+        self.free: dict = {}
+        j = 0
+        for k, i in enumerate(self.layers):
+            m = q + (1 if k < extra else 0)
+            self.free[i] = list(range(j + m - 1, j - 1, -1))
+            j += m
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.lru.values())
+
     def get(self, key, version) -> int | None:
-        got = self.lru.get(key)
+        lru = self.lru.get(key[0])
+        got = lru.get(key) if lru is not None else None
         if got is None:
             return None
         j, v = got
         if v != version:  # the layer's true bytes changed since
-            del self.lru[key]
-            self.free.append(j)
+            del lru[key]
+            self.free[key[0]].append(j)
             return None
-        self.lru.move_to_end(key)
+        lru.move_to_end(key)
         return j
 
-    def put(self, key, version) -> int:
-        if key in self.lru:
-            j = self.lru.pop(key)[0]
-        elif self.free:
-            j = self.free.pop()
+    def has(self, key, version) -> bool:
+        lru = self.lru.get(key[0])
+        got = lru.get(key) if lru is not None else None
+        return got is not None and got[1] == version
+
+    def put(self, key, version) -> int | None:
+        """The entry that holds `key` from now on (None: its layer has no entries)."""
+        lru, free = self.lru.get(key[0]), self.free.get(key[0])
+        if lru is None:
+            return None
+        if key in lru:
+            j = lru.pop(key)[0]
+        elif free:
+            j = free.pop()
+        elif lru:
+            j = lru.popitem(last=False)[1][0]
         else:
-            j = self.lru.popitem(last=False)[1][0]
-        self.lru[key] = (j, version)
+            return None
+        lru[key] = (j, version)
         return j
 
     def view(self, j: int) -> torch.Tensor:
         return self.pool[j * self.entry_bytes: (j + 1) * self.entry_bytes]
-
-    def clear(self) -> None:
-        self.free = list(range(self.entries - 1, -1, -1))
-        self.lru.clear()
 
 
 def cache_bytes(spec, plan, streamed, device: torch.device) -> int:
@@ -184,7 +209,7 @@ class ExpertTier:
             if n < entry:
                 raise ValueError(f"layerwise: expert_cache={self.cache_spec!r} holds no expert of group "
                                  f"{self.group!r}: one expert takes {entry} bytes; give at least that, or None")
-            self.cache = ExpertCache(n, entry, self.device)
+            self.cache = ExpertCache(n, entry, self.device, [i for i in ring.streamed if i in self.plan.layers])
 
     def restream(self, ring) -> None:
         """A new ring (start, or set_residency): nothing is known of its slots."""
@@ -194,6 +219,9 @@ class ExpertTier:
         # (the manager reads a change of it as a user's in-place write).
         self.alias = [torch.empty(0, dtype=torch.uint8, device=self.device).set_(t.untyped_storage())
                       for t in ring.slots]
+        if self.cache is not None:  # its entries are shared out again among the layers streamed now
+            self.cache.layers = sorted(i for i in ring.streamed if i in self.plan.layers)
+            self.cache.clear()
 
     def forget(self) -> None:
         """After an interrupt (the engine is synchronised next): nothing is known."""
@@ -286,7 +314,10 @@ class ExpertTier:
         xm = self.plan.layers[i][k]
         src = self.alias[s]
         for x in need.inserts:
-            entry, at = self.cache.view(self.cache.put((i, k, x), r.stamp[2])), 0
+            j = self.cache.put((i, k, x), r.stamp[2])
+            if j is None:
+                continue
+            entry, at = self.cache.view(j), 0
             for off, n in self._unit(xm, x):
                 entry[at: at + n].copy_(src[off: off + n])
                 at += n
@@ -305,8 +336,7 @@ class ExpertTier:
         after = None
         for k, xm in enumerate(self.plan.layers[j]):
             want = [x for x in self.last_used.get((j, k), ())
-                    if (k, x) not in r.units and (self.cache is None or (j, k, x) not in self.cache.lru
-                                                  or self.cache.lru[(j, k, x)][1] != version)]
+                    if (k, x) not in r.units and (self.cache is None or not self.cache.has((j, k, x), version))]
             if not want:
                 continue
             if after is None:
@@ -371,7 +401,7 @@ class ExpertTier:
             "speculative_wasted_bytes": self.spec_bytes - self.spec_used_bytes,
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
             "cache_entries": self.cache.entries if self.cache is not None else 0,
-            "cached": len(self.cache.lru) if self.cache is not None else 0,
+            "cached": len(self.cache) if self.cache is not None else 0,
         }
 
     def close(self) -> None:
