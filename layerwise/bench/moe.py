@@ -153,7 +153,7 @@ def run(ctx: Context) -> SuiteResult:
                 data["bus"] = {**cfg, "source": "given" if given else f"chosen: whole layers at C/T "
                                                                         f"1/{BUS_CT_INVERSE} at decode"}
                 for wname, (fn, ids) in workloads.items():
-                    n = steps if fn is _decode else max(2, steps // 3)
+                    n = steps if fn is _decode else warm + 3
                     ref = fn(base, ids, n)
                     bar.update(1)
                     tokens = ids.shape[0] * (1 if fn is _decode else ids.shape[1])
