@@ -16,7 +16,7 @@ import torch
 from layerwise.bench import cli, hooks, report, stream
 from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
 
-CPU_SUITES = ["h2d", "stream", "bus", "startup", "hooks", "quant"]
+CPU_SUITES = ["h2d", "stream", "bus", "startup", "hooks", "quant", "moe"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_cli_runs_every_cpu_suite(tiny_run):
     # a section is "name: title", or "name" alone for a suite without a title in report.SUITE_TITLES
     sections = [re.match(r"\| [*_]+(\w+)(: |\*\* \|)", line) for line in md
                 if line.startswith("| **") or line.startswith("| _")]
-    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant"}
+    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant", "moe"}
     assert "| _scatter: skipped: " in md_text
 
 
@@ -68,7 +68,7 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
     assert env["device"] == "cpu" and "--tiny" in env["argv"]
 
     suites = doc["suites"]
-    assert set(suites) == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant"}
+    assert set(suites) == {"h2d", "scatter", "stream", "bus", "startup", "hooks", "disk", "quant", "moe"}
     assert suites["scatter"]["status"] == "skipped" and "CUDA" in suites["scatter"]["reason"]
     # disk: skipped only where no disk-backed file system is writable (the reason says so)
     assert suites["disk"]["status"] == "ok" or (suites["disk"]["status"] == "skipped" and

@@ -38,6 +38,7 @@ SUITE_TITLES = {
     "bus": "the stream sweep over the CPU backend's simulated bus (its speed set from the compute)",
     "quant": "a quantized model streamed as its quantized bytes (torchao, optimum-quanto), beside bf16",
     "split": "split fetch over torch.distributed: N ranks each fetch 1/N of a layer, then all-gather",
+    "moe": "routed experts: bytes per token and step of tiny MoE models against the ideal (simulated bus)",
 }
 
 
