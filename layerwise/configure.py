@@ -63,6 +63,10 @@ def configure_layerwise_offload(
     debug_read_delay_us: int | None = None,
     split_fetch=None,
     measure_stalls: bool = True,
+    experts: str = "all",
+    expert_modules=None,
+    expert_cache=None,
+    expert_prefetch: bool = False,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -84,6 +88,14 @@ def configure_layerwise_offload(
     `split_fetch` (a torch.distributed ProcessGroup): ranks that run this model
     in lockstep each keep and copy only their share of every streamed layer and
     all-gather the rest (layerwise/stages/gather.py says which calls are collective).
+
+    `experts="routed"`: in a mixture-of-experts model only the experts the router
+    picked cross the bus; the rest of each layer streams as before
+    (layerwise/experts.py). `expert_modules` names the expert modules (relative to
+    a layer, or a predicate(name, module)) where detection does not find them;
+    `expert_cache` (bytes or "auto") keeps recently used experts on the device;
+    `expert_prefetch=True` copies the experts each MoE layer used at its previous
+    call while the layer before it computes.
 
     `measure_stalls=False` skips the timing of waits behind stats()' stall figures.
     Every option is validated once, into a layerwise.options.OffloadOptions.

@@ -31,7 +31,7 @@ from numbers import Integral
 import torch
 from torch import nn
 
-from . import _native, contract, drift, gpu_checks, stages
+from . import _native, contract, drift, experts, gpu_checks, stages
 from .options import (OffloadOptions, manager_options, named_options, resolve_resident, validate_depth,
                       validate_residency)
 from .meter import Meter
@@ -105,6 +105,8 @@ class LayerwiseOffloadManager:
         self.resident = resolve_resident(options.resident_layers, self.num_layers, options.residency_policy)
         self.pin_memory = options.pin_memory  # (the other options are read from self.options)
         self.tiers = TierChoice(layer_name)  # the tier plan's inputs, set by the planners (layerwise/tierplan.py)
+        # experts="routed": the group's expert modules, its layers laid out expert-last (layerwise/experts.py)
+        self.experts = self.tiers.experts = experts.plan_experts(self.plan, options)
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
         self.state = Lifecycle.PLANNED
@@ -242,7 +244,7 @@ class LayerwiseOffloadManager:
             self.options = dataclasses.replace(self.options, prefetch_depth=depth)
             self._resident_bytes = sum(self.plan.layers[i].nbytes for i in new)
             self.bound = bound
-            self._chain.restream(self.num_layers, ring.streamed)
+            self._chain.restream(self.num_layers, ring.streamed, ring)
             self._guard_hooks = guards
             self.placement = note
             try:
@@ -374,7 +376,7 @@ class LayerwiseOffloadManager:
             self.bound = drift.Bound(self)  # where each streamed parameter must still point (layerwise/drift.py)
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
-            self._chain.start(self._engine, self._src, self.ring.streamed, self.prefetch_depth, start)
+            self._chain.start(self._engine, self._src, self.ring.streamed, self.prefetch_depth, start, self.ring)
             for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -389,6 +391,7 @@ class LayerwiseOffloadManager:
                     post = torch.compiler.disable(functools.partial(self._post_hook, lp.index))
                     self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
                     self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
+                self._hooks.extend(experts.install_hooks(self))  # routed experts: the expert modules' pre-hooks
                 self._guard_hooks = contract.install_layer_hooks(self)
         self.state = Lifecycle.STREAMING
         self._reset_stats()
@@ -574,6 +577,8 @@ class LayerwiseOffloadManager:
                 self._fetch_failed(i, err)  # a split gather's failure is a SplitError
                 raise
             self.ring.fetched[i] = None
+        if s >= 0:
+            self._chain.fill(i)  # rows a stage copies on demand only (routed experts), for the edit
 
     def _check_slot_writes(self, s: int) -> None:
         """Our fetches do not bump version counters: a change means someone wrote into

@@ -68,6 +68,12 @@ class Meter:
         if not prefetch:
             self.sync_loads += 1
 
+    def moved(self, nbytes: int, copies: int) -> None:
+        """Copies queued beside the layers' fetches (routed experts' rows: layerwise/experts.py)."""
+        self.bytes += nbytes
+        self.bytes_raw += nbytes
+        self.copies += copies
+
     def wait(self, engine, ev, stream, meanwhile=None) -> None:
         """Make the compute stream wait for `ev`, timing the stall on timed steps
         (CUDA: an event pair, resolved later; CPU: the host's wait, `meanwhile(ev)`

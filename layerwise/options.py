@@ -48,6 +48,10 @@ class OffloadOptions:
     spill_dir: str | None = None  # a writable directory (needs host_budget)
     disk_prefetch_depth: int | None = None  # staging slots of the disk tier (None: prefetch_depth + 1, >= 2)
     split_fetch: object = field(default=None, compare=False)  # a torch.distributed ProcessGroup, or None
+    experts: str = "all"  # "all" | "routed": only the experts the router picked cross the bus (layerwise/experts.py)
+    expert_modules: object = field(default=None, compare=False)  # None | (names in a layer) | predicate(name, module)
+    expert_cache: int | str | None = None  # bytes | "auto" | None: device cache of recently used experts
+    expert_prefetch: bool = False  # copy the experts each MoE layer used last, while the one before computes
 
     @classmethod
     def build(cls, *, caller: str = "OffloadOptions.build", also: tuple = (), **options) -> OffloadOptions:
@@ -76,6 +80,7 @@ class OffloadOptions:
         v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"] = check_disk_options(
             v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"])
         v["split_fetch"] = validate_split_fetch(v["split_fetch"])
+        v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"] = validate_experts(v)
         return cls(**v)
 
 
@@ -285,6 +290,48 @@ def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> tuple:
         if not os.access(spill_dir, os.W_OK | os.X_OK):
             raise ValueError(f"spill_dir {spill_dir!r} is not writable by this process")
     return host_budget, spill_dir, disk_prefetch_depth
+
+
+def validate_experts(v: dict) -> tuple:
+    """experts: "all" or "routed"; expert_modules: None, a sequence of module names
+    (relative to a layer: "mlp.experts") or a predicate(name, module); expert_cache:
+    None, bytes or "auto"; expert_prefetch: a bool. The expert options need
+    experts="routed", and routed experts do not compose yet with compress,
+    split_fetch or the disk tier (host_budget): refused here, naming what to do."""
+    experts, modules, cache, prefetch = v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"]
+    if not (isinstance(experts, str) and experts in ("all", "routed")):
+        raise ValueError(f"experts must be 'all' (every expert streams with its layer) or 'routed' (only the "
+                         f"experts the router picked cross the bus), got {experts!r}")
+    if modules is not None and not callable(modules):
+        if isinstance(modules, str):
+            modules = [modules]
+        try:
+            modules = tuple(modules)
+        except TypeError:
+            modules = None
+        if not modules or not all(isinstance(m, str) and m for m in modules):
+            raise TypeError(f"expert_modules must be None, module names relative to a layer (e.g. ['mlp.experts']) "
+                            f"or a predicate(name, module) -> bool, got {v['expert_modules']!r}")
+    if cache is not None and not (isinstance(cache, str) and cache == "auto"):
+        cache = validate_bytes("expert_cache", cache, "'auto' or None")
+    prefetch = validate_flag("expert_prefetch", prefetch)
+    if experts == "all":
+        given = [k for k, x in (("expert_modules", modules), ("expert_cache", cache), ("expert_prefetch", prefetch))
+                 if x not in (None, False)]
+        if given:
+            raise ValueError(f"{', '.join(given)} given with experts='all': they apply to routed experts only; "
+                             "pass experts='routed' too")
+        return experts, modules, cache, prefetch
+    clash = [(k, why) for k, why in (
+        ("compress", "the codec encodes whole segments, and an expert's rows must be copied on their own"),
+        ("split_fetch", "each rank keeps a share of the layer's bytes, not whole experts"),
+        ("host_budget", "layers in files (the disk tier) are read whole"),
+    ) if v[k] is not None]
+    if clash:
+        k, why = clash[0]
+        raise ValueError(f"experts='routed' does not compose with {k}={v[k]!r} yet ({why}): drop {k}, or use "
+                         "experts='all'. The model is unchanged.")
+    return experts, modules, cache, prefetch
 
 
 def validate_pin_memory(pin_memory):

@@ -240,6 +240,8 @@ class HostLayers:
                 del wrapped
                 if elsewhere:
                     self.src[-1] = chain.keep(lp, route, block)
+                else:
+                    self.src[-1] = chain.keep_plain(lp, self.src[-1])
                 if bar is not None:
                     bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
         finally:

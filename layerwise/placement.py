@@ -23,15 +23,17 @@ depth. `predict` walks the calls the way the hooks do (manager.py):
 - between steps the model's work outside its layers runs (`Step.outside_s`)
   while fetches go on.
 
-Two passes over the calls; the second is the steady state (the wrap-around's
-prefetches made in the first). The floor of a placement is max(the resident
-step, the bytes it moves over the bus at the fitted bandwidth).
+Three passes over the calls; the last is the steady state (the wrap-around's
+prefetches made in the ones before). The floor of a placement is max(the resident
+step, the time its fetches take on the bus).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from .plan import assign_slots
+
+PASSES = 3  # walks over the calls; the last one is the steady state predicted
 
 
 @dataclasses.dataclass
@@ -115,19 +117,22 @@ def predict(step: Step, placement: Placement) -> Prediction:
     bus = [0.0]
     moved = [0]
 
+    busy = [0.0]
+
     def fetch(gi: int, j: int, t: float) -> None:
         start = max(t, bus[0])
         bus[0] = start + step.copy_s[gi][j]
+        busy[0] += step.copy_s[gi][j]
         holder[gi][slot_of[gi][j]] = j
         ready[gi][j] = bus[0]
         moved[0] += groups[gi].fetch_bytes[j]
 
     t = 0.0
     stall = 0.0
-    for p in range(2):
-        if p == 1:
+    for p in range(PASSES):
+        if p == PASSES - 1:
             t += step.outside_s
-            t0, stall0, moved0 = t, stall, moved[0]
+            t0, stall0, moved0, busy0 = t, stall, moved[0], busy[0]
         for c in step.calls:
             gi, i = c.group, c.layer
             t += c.gap_s
@@ -156,9 +161,9 @@ def predict(step: Step, placement: Placement) -> Prediction:
                 t += wait
             t += c.compute_s + step.post_hook_s
     step_s = t - t0 + step.outside_s
-    bus_bytes = moved[0] - moved0
-    transfer = bus_bytes / (step.bus_gbps * 1e9) if step.bus_gbps else 0.0
-    return Prediction(step_s, stall - stall0, bus_bytes, max(step.resident_s(), transfer))
+    # (the floor's transfer: the bus time of the step's fetches, each at its own measured copy time,
+    # as the walk above charges them: never above the prediction)
+    return Prediction(step_s, stall - stall0, moved[0] - moved0, max(step.resident_s(), busy[0] - busy0))
 
 
 def fit_bus(samples) -> tuple[float, float] | None:

@@ -124,19 +124,33 @@ class LayerPlan:
     params: list[ParamEntry] = field(default_factory=list)
     nbytes: int = 0
     segments: dict = field(default_factory=dict)  # dtype -> (byte offset, byte length)
+    base_bytes: int = 0  # bytes before the tail (layout(tail=...)); nbytes without one
 
-    def layout(self) -> None:
-        """Assign aligned offsets: one segment per dtype, dtypes in a fixed order."""
-        self.params.sort(key=lambda e: str(e.dtype))  # stable: declaration order inside a dtype
+    def layout(self, tail=frozenset()) -> None:
+        """Assign aligned offsets: one segment per dtype, dtypes in a fixed order.
+        `tail`: ids of entries placed after all the others (routed experts,
+        layerwise/experts.py), so that the rest of the layer is one prefix of
+        `base_bytes`; `segments` then describes that prefix only (a tail layout
+        is refused with compress, which encodes by segment)."""
+        self.params.sort(key=lambda e: (id(e) in tail, str(e.dtype)))  # stable: declaration order inside a dtype
         offset = 0
         self.segments = {}
+        self.base_bytes = None
         for e in self.params:
             offset = round_up(offset, PARAM_ALIGN)
+            if id(e) in tail:
+                if self.base_bytes is None:
+                    self.base_bytes = offset
+                e.offset = offset
+                offset += e.span_bytes
+                continue
             start = self.segments.get(e.dtype, (offset, 0))[0]
             e.offset = offset
             offset += e.span_bytes
             self.segments[e.dtype] = (start, offset - start)
         self.nbytes = offset
+        if self.base_bytes is None:
+            self.base_bytes = offset
 
 
 @dataclass

@@ -169,6 +169,17 @@ def _summary(r: dict) -> str:
         parts.append(f"compress='lossless': {c['layers']} layers kept encoded, {fmt_bytes(c['stored_bytes'])} "
                      f"for {fmt_bytes(c['raw_bytes'])} ({c['ratio']:.3f}x){raw}" if c["ratio"] is not None else
                      "compress='lossless': no layer to encode")
+    x = r.get("experts")
+    if x:
+        text = (f"routed experts: {x['modules']} expert modules; {x['experts_used']} experts used, {x['hits']} hits "
+                f"({x['cache_hits']} from the device cache, {x['slot_hits']} in the slot already), {x['misses']} "
+                f"misses ({fmt_bytes(x['demand_bytes'])} copied on demand)")
+        if x["cache_bytes"]:
+            text += f"; cache {fmt_bytes(x['cache_bytes'])} ({x['cached']} of {x['cache_entries']} entries held)"
+        if x["speculative_bytes"]:
+            text += (f"; speculative {fmt_bytes(x['speculative_bytes'])}, "
+                     f"{fmt_bytes(x['speculative_wasted_bytes'])} of it not used (yet)")
+        parts.append(text)
     sf = r.get("split_fetch")
     if sf:
         text = (f"split fetch, rank {sf['rank']} of {sf['world']} ({sf['backend']}): holds "
@@ -259,6 +270,7 @@ def _row(m, s: dict) -> dict:
         "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,
         "disk_wait_ms_per_step": last["read_wait_s"] * 1e3 if has and s.get("disk") else None,
         "split_fetch": s.get("split_fetch"),  # stages/gather.py: shares, bytes copied locally / gathered, waits
+        "experts": s.get("experts"),  # experts="routed" (stages/experts.py): hits, misses, speculative bytes, cache
         "step_ms": last["wall_s"] * 1e3 if has and last.get("wall_s") is not None else None,
         "recent": _recent(s.get("recent_steps") or ([last] if has else [])),
         "saves_nothing": streaming_saves_nothing(m),

@@ -179,6 +179,7 @@ class TierChoice:
         self.disk_layers: frozenset = frozenset()
         self.disk_where = "spill"  # "spill" or "checkpoint"
         self.make_store = None  # make_store(files) -> the file store (stages/chain.py) of the disk layers
+        self.experts = None  # the group's routed experts (layerwise/experts.ExpertPlan), or None
         self.fixed = False
 
     def _check(self) -> None:

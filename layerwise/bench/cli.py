@@ -13,11 +13,11 @@ import torch
 
 import layerwise
 
-from . import bus, compress, disk, h2d, hooks, pipeline, quant, report, scatter, split, startup, stream, tune
+from . import bus, compress, disk, h2d, hooks, moe, pipeline, quant, report, scatter, split, startup, stream, tune
 from .common import Context, Skip, SuiteResult
 
-SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, bus, tune, startup, hooks, disk, quant, pipeline, compress,
-                                   split)}
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, bus, tune, startup, hooks, disk, quant, moe, pipeline,
+                                   compress, split)}
 # Run only when named: it needs diffusers and transformers, and starts a fresh
 # interpreter per method (python -m layerwise.bench pipeline).
 # compress (python -m layerwise.bench compress) too, until the manager streams

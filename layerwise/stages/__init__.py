@@ -16,6 +16,9 @@ module of this package:
                   staging (DiskTier): read -> transfer
     decode.py     CodecSource: the payload is encoded -> decode into the slot
     gather.py     ShareSource: the payload is this rank's share -> all-gather
+    experts.py    ExpertSource / ExpertTier: routed experts (the layer's fetch copies
+                  its non-expert prefix; the experts a forward needs come from the
+                  device expert cache or over the bus, from the expert hooks)
     chain.py      one group's stages: builds each layer's source from its route
                   (layerwise.tierplan), starts them, runs their work at the hooks
 """
@@ -23,9 +26,10 @@ from . import gather
 from .chain import Chain, attached
 from .decode import CodecSource, CodecTier
 from .disk import DiskSource, DiskTier, ReadCopy, SpillFile
+from .experts import ExpertSource, ExpertTier
 from .result import Deferred, Pending, is_deferred, then
 from .source import ArenaSource, Source
 from .transfer import Transfer
 
-__all__ = ["ArenaSource", "Chain", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "Pending",
+__all__ = ["ArenaSource", "Chain", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "ExpertSource", "ExpertTier", "Pending",
            "ReadCopy", "Source", "SpillFile", "Transfer", "gather", "is_deferred", "then"]

@@ -28,6 +28,7 @@ import torch
 
 from .decode import CodecSource, CodecTier, segments_of
 from .disk import DiskSource, DiskTier, staging_slots
+from .experts import ExpertSource, ExpertTier
 from .result import Pending
 from .source import ArenaSource
 from .transfer import Transfer
@@ -39,7 +40,8 @@ POLL_S = 50e-6  # between looks at a fetch the host waits for (Chain.meanwhile)
 
 class Chain:
     def __init__(self, group: str, device: torch.device, pin_memory, compress=None, split=None, file_store=None,
-                 disk_prefetch_depth: int | None = None, debug_read_delay_us: int | None = None):
+                 disk_prefetch_depth: int | None = None, debug_read_delay_us: int | None = None, experts=None,
+                 expert_cache=None):
         self.group = group
         self.device = device
         self.pin_memory = pin_memory
@@ -54,6 +56,9 @@ class Chain:
         self.transfer: Transfer | None = None
         self._disk_of: dict[int, DiskSource] = {}  # layer index -> the disk source in its chain
         self._upcoming: list = []
+        # routed experts (layerwise/experts.py plans them): every layer's ordinary fetch copies its
+        # non-expert prefix; the experts' rows are copied by this stage from the expert modules' hooks
+        self.experts = ExpertTier(group, experts, device, expert_cache) if experts is not None else None
 
     @classmethod
     def for_group(cls, group: str, device, pin_memory, options, tiers) -> "Chain":
@@ -61,7 +66,8 @@ class Chain:
         set by the planners): its codec, its share store, the store of its disk layers
         (whose files it opens: closed with it)."""
         chain = cls(group, device, pin_memory, options.compress, tiers.split_store,
-                    disk_prefetch_depth=options.disk_prefetch_depth, debug_read_delay_us=options.debug_read_delay_us)
+                    disk_prefetch_depth=options.disk_prefetch_depth, debug_read_delay_us=options.debug_read_delay_us,
+                    experts=tiers.experts, expert_cache=options.expert_cache)
         if tiers.disk_layers:
             try:
                 chain.file_store = tiers.make_store(chain.files)
@@ -98,8 +104,16 @@ class Chain:
             src = self.split.wrap(lp.index, lp.nbytes, src)
         return src
 
+    def keep_plain(self, lp, src):
+        """The source of a layer packed in the arena (`src`, its ArenaSource): itself,
+        or in a group with routed experts an ExpertSource around it."""
+        if self.experts is None:
+            return src
+        return ExpertSource(src, lp.base_bytes, self.experts)
+
     # ------------------------------------------------------------ run time
-    def start(self, engine, sources: list, streamed: list[int], prefetch_depth: int, compute_ready=None) -> None:
+    def start(self, engine, sources: list, streamed: list[int], prefetch_depth: int, compute_ready=None,
+              ring=None) -> None:
         """Give every stage what it needs (once the group is packed): `sources` every
         layer's source, `streamed` the streamed layers in order, `prefetch_depth` the
         ring's (the disk stage's staging slots follow it), `compute_ready` an event on
@@ -113,6 +127,8 @@ class Chain:
             self.codec.start(engine, self.transfer, self.pending, compute_ready)
         if self.split is not None:
             self.split.start(engine, self.pending)
+        if self.experts is not None:
+            self.experts.start(engine, sources, ring)
         order = [i for i in streamed if i in self._disk_of]
         if not order:
             return
@@ -124,12 +140,14 @@ class Chain:
             s.tier = self.disk
         self.restream(len(sources), streamed)
 
-    def restream(self, num_layers: int, streamed: list[int]) -> None:
+    def restream(self, num_layers: int, streamed: list[int], ring=None) -> None:
         """The streamed layers are `streamed` now (start, or a placement change:
-        LayerwiseOffloadManager.set_residency). The disk stage keeps the staging it
-        was planned with (the host side does not change); what it reads ahead
-        follows: the disk layers streamed after layer i, in order (wrapping around),
-        as many as there are staging slots."""
+        LayerwiseOffloadManager.set_residency; `ring`: the new slot ring). The disk
+        stage keeps the staging it was planned with (the host side does not change);
+        what it reads ahead follows: the disk layers streamed after layer i, in order
+        (wrapping around), as many as there are staging slots."""
+        if ring is not None and self.experts is not None:
+            self.experts.restream(ring)
         if self.disk is None:
             return
         order = [i for i in streamed if i in self._disk_of]
@@ -195,9 +213,17 @@ class Chain:
         if self.split is not None:
             self.split.synchronize()
 
+    def fill(self, i: int) -> None:
+        """Layer i whole in its slot (waited for on the host): the rows a stage copies
+        only on demand (routed experts) too. For an edit of the layer in place."""
+        if self.experts is not None:
+            self.experts.fill(i)
+
     def forget(self) -> None:
         """After an interrupt: wait for the reads, drop what is queued and not issued."""
         self.pending.forget()
+        if self.experts is not None:
+            self.experts.forget()
         if self.codec is not None:
             self.codec.forget()
         if self.disk is not None:
@@ -238,7 +264,8 @@ class Chain:
     def stats(self) -> dict:
         """The stages' own sections of the group's stats(): compress, disk, split fetch."""
         out = {"compress": self.codec.stats() if self.codec is not None else None,
-               "disk": self.disk_stats()}
+               "disk": self.disk_stats(),
+               "experts": self.experts.stats() if self.experts is not None else None}
         if self.split is not None:
             out.update(self.split.stats())
         return out
@@ -255,6 +282,8 @@ class Chain:
         """Close the stages and files: `attempt(what, fn, *args)` runs each, logging a failure."""
         if self.codec is not None:
             attempt("closing the codec stage", self.codec.close)
+        if self.experts is not None:
+            attempt("closing the experts stage", self.experts.close)
         reader = self.disk.reader if self.disk is not None else None
         for f in self.files:
             attempt(f"closing {getattr(f, 'path', 'a file')}", f.close, reader)

@@ -117,6 +117,12 @@ class ArenaSource:
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
         return self.transfer.copy(dst[: self.nbytes], self.block, after, timing, self.cuts)
 
+    def copy_range(self, dst: torch.Tensor, lo: int, hi: int, after, timing: bool = False):
+        """Queue bytes [lo, hi) of the block into the same bytes of `dst` (a slot)
+        after `after`: a part of the layer (routed experts, stages/experts.py)."""
+        cuts = tuple(c - lo for c in self.cuts if lo < c < hi)
+        return self.transfer.copy(dst[lo:hi], self.block[lo:hi], after, timing, cuts)
+
     def close(self) -> None:
         self.block = self.arena = None
         self.cuts = ()

@@ -1,0 +1,262 @@
+"""Routed experts: in a mixture-of-experts block only the experts the router
+picked cross the bus (DESIGN.md, "Routed experts"; README, "Mixture-of-experts
+models").
+
+Plan (`plan_experts`, before packing). In each layer of a group, an *expert
+module* is a module whose forward takes the routing (an argument named like
+transformers' `top_k_index` / `router_indices`) and whose own parameters are
+all expert-major: plain, contiguous, dim 0 = the number of experts (the fused
+`gate_up_proj[E, 2I, H]`, `down_proj[E, H, I]`, their biases). Expert e of
+such a parameter is the contiguous slice e of dim 0, so the parameter's bytes
+are already expert-major: the layout puts every expert parameter after the
+rest of the layer (plan.LayerPlan.layout(tail=...)), and the layer's ordinary
+fetch copies only the prefix (stages/experts.ExpertSource). A module that
+looks like one (it takes the routing) but whose parameters are not so is
+streamed whole, with a WARNING naming why; one named in `expert_modules`
+that cannot be placed is refused.
+
+Run (`install_hooks`, at finalisation). A pre-hook on each expert module
+reads the routing (on CUDA: one small device -> host copy of E flags per MoE
+layer, a host sync), asks the expert stage (stages/experts.ExpertTier) for
+the rows of exactly the experts that received tokens (from its device cache,
+or copied over the bus, one copy per expert range per parameter), makes the
+compute wait for them and lets the forward run. The rows of the other experts
+hold stale bytes that the forward never reads (transformers' eager,
+batched_mm and grouped_mm forwards index the experts that got tokens), so the
+output is bitwise the resident model's. With `expert_prefetch`, the hook then
+copies, into the next MoE layer's slot, the experts that layer used at its
+previous call: a wrong guess costs bytes, never correctness.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .formats import quantized
+
+log = logging.getLogger("layerwise")
+
+# The names transformers 5.x gives the routing argument of an experts module's forward.
+ROUTING_ARGS = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_idx", "topk_indices")
+
+
+@dataclass(eq=False)
+class ExpertModule:
+    """One expert module of one layer: its expert-major parameters (plan entries)
+    and where each expert's rows lie in the layer's block (after layout)."""
+
+    layer: int
+    name: str  # relative to the layer
+    module: nn.Module
+    num_experts: int
+    entries: list
+    routing: tuple  # (position in forward's arguments after self, keyword name)
+    rows: list = field(default_factory=list)  # (byte offset of the parameter in the block, bytes per expert)
+
+    def place(self) -> None:
+        self.rows = [(e.offset, e.span_bytes // self.num_experts) for e in self.entries]
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one expert (its rows of every expert parameter)."""
+        return sum(n for _, n in self.rows)
+
+    def spans(self, experts) -> list[tuple[int, int]]:
+        """[lo, hi) byte ranges of the block holding `experts` (sorted), adjacent ones merged."""
+        out: list = []
+        for off, n in self.rows:
+            for x in experts:
+                lo = off + x * n
+                if out and out[-1][1] == lo:
+                    out[-1] = (out[-1][0], lo + n)
+                else:
+                    out.append((lo, lo + n))
+        return out
+
+    def routed(self, args, kwargs) -> torch.Tensor | None:
+        pos, name = self.routing
+        if name in kwargs:
+            return kwargs[name]
+        return args[pos] if pos < len(args) else None
+
+
+@dataclass
+class ExpertPlan:
+    """A group's expert modules, per layer (layers without any: absent)."""
+
+    group: str
+    layers: dict  # layer index -> [ExpertModule]
+
+    def modules(self):
+        for mods in self.layers.values():
+            yield from mods
+
+    def expert_bytes(self, layers=None) -> int:
+        keep = None if layers is None else set(layers)
+        return sum(m.unit_bytes * m.num_experts for i, mods in self.layers.items() for m in mods
+                   if keep is None or i in keep)
+
+
+def routing_argument(module: nn.Module) -> tuple | None:
+    """(position, name) of the routing argument of module.forward, or None."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                                  p.KEYWORD_ONLY)]
+    for pos, p in enumerate(params):
+        if p.name in ROUTING_ARGS:
+            return (pos if p.kind != p.KEYWORD_ONLY else 1 << 30, p.name)
+    return None
+
+
+def _why_not(module: nn.Module, entries: dict, qual: str) -> tuple[str | None, int, list]:
+    """(why the module cannot be routed or None, experts, its plan entries)."""
+    own = [(n, p) for n, p in module._parameters.items() if p is not None]
+    for cname, child in module.named_children():
+        if any(True for _ in child.parameters()):
+            return (f"its submodule {cname!r} holds parameters (only fused expert-major parameters "
+                    "[num_experts, ...] of the module itself are routed)"), 0, []
+    if not own:
+        return "it holds no parameters of its own", 0, []
+    n_exp = getattr(module, "num_experts", None)
+    if not isinstance(n_exp, int) or isinstance(n_exp, bool):
+        n_exp = own[0][1].shape[0] if own[0][1].dim() else 0
+    out = []
+    for n, p in own:
+        e = entries.get(id(p))
+        if e is None:
+            return f"its parameter {n!r} is tied to another module or not streamed", 0, []
+        if e.leaf is not None or quantized.is_wrapper(p):
+            return f"its parameter {n!r} is a quantized tensor ({quantized.library_type(p)})", 0, []
+        if e.dspec is not None:
+            return f"its parameter {n!r} is a DTensor", 0, []
+        if len(e.shape) < 2 or e.shape[0] != n_exp:
+            return f"its parameter {n!r} has shape {list(e.shape)}, not [num_experts={n_exp}, ...]", 0, []
+        if e.span != e.numel or tuple(e.stride) != tuple(torch.empty(e.shape, device="meta").stride()):
+            return f"its parameter {n!r} is not contiguous (strides {list(e.stride)})", 0, []
+        out.append(e)
+    if n_exp < 2:
+        return f"it has {n_exp} expert(s)", 0, []
+    return None, n_exp, out
+
+
+def _wanted(spec, name: str, module: nn.Module) -> bool:
+    if callable(spec):
+        return bool(spec(name, module))
+    return name in spec
+
+
+def plan_experts(plan, options) -> ExpertPlan | None:
+    """The group's expert modules (module doc), its layers laid out expert-tail;
+    None with experts="all" or where the group has none (said at WARNING)."""
+    if options.experts != "routed":
+        return None
+    spec = options.expert_modules
+    layers: dict = {}
+    named_found = set()
+    for lp in plan.layers:
+        entries = {id(e.param): e for e in lp.params}
+        mods = []
+        for name, m in lp.module.named_modules():
+            if not name:
+                continue
+            named = spec is not None and _wanted(spec, name, m)
+            if spec is not None and not named:
+                continue
+            routing = routing_argument(m)
+            qual = f"{plan.path}.{lp.index}.{name}"
+            if routing is None:
+                if named:
+                    raise ValueError(
+                        f"layerwise: expert_modules names {qual!r} ({type(m).__name__}), but its forward takes no "
+                        f"routing argument (one of {list(ROUTING_ARGS)}): the experts that received tokens cannot "
+                        "be known before it runs. Name the module whose forward takes the routing, or use "
+                        "experts='all'. The model is unchanged.")
+                continue
+            why, n_exp, ents = _why_not(m, entries, qual)
+            if why is not None:
+                if named:
+                    raise ValueError(f"layerwise: expert_modules names {qual!r} ({type(m).__name__}), which cannot "
+                                     f"be routed: {why}. Use experts='all' for it. The model is unchanged.")
+                log.warning("layerwise: %s (%s) takes the routing but streams whole: %s", qual, type(m).__name__, why)
+                continue
+            named_found.add(name)
+            mods.append(ExpertModule(lp.index, name, m, n_exp, ents, routing))
+        if mods:
+            lp.layout(tail={id(e) for m in mods for e in m.entries})
+            for m in mods:
+                m.place()
+            layers[lp.index] = mods
+    if spec is not None and not callable(spec):
+        missing = sorted(set(spec) - named_found)
+        if missing:
+            raise ValueError(f"layerwise: expert_modules names {missing}, which no layer of {plan.path!r} has "
+                             "(names are relative to a layer, e.g. 'mlp.experts'). The model is unchanged.")
+    if not layers:
+        log.warning("layerwise: experts='routed': no layer of %r has an expert module (a module whose forward takes "
+                    "the routing, one of %s, over expert-major parameters): its layers stream whole",
+                    plan.path, list(ROUTING_ARGS))
+        return None
+    return ExpertPlan(plan.path, layers)
+
+
+# ------------------------------------------------------------------ run time
+def chosen_experts(index: torch.Tensor, num_experts: int) -> list[int]:
+    """The experts that received at least one token, ascending: one flag per
+    expert computed where the routing is, one small copy to the host."""
+    flat = index.reshape(-1).long()
+    inside = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    hit = torch.zeros(num_experts + 1, dtype=torch.bool, device=flat.device).index_fill_(0, inside, True)
+    return hit[:num_experts].cpu().nonzero().reshape(-1).tolist()
+
+
+def install_hooks(manager) -> list:
+    """A pre-hook on every expert module of the group's layers (module doc);
+    returns the handles (removed with the group)."""
+    plan = manager.experts
+    if plan is None:
+        return []
+    handles = []
+    order = sorted(plan.layers)
+    nxt = {i: order[(k + 1) % len(order)] for k, i in enumerate(order)}
+    for i, mods in plan.layers.items():
+        for k, xm in enumerate(mods):
+            hook = torch.compiler.disable(functools.partial(_pre_hook, manager, xm, k, nxt[i]))
+            handles.append(xm.module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+    return handles
+
+
+def _pre_hook(manager, xm: ExpertModule, k: int, next_layer: int, module, args, kwargs):
+    ring = manager.ring
+    i = xm.layer
+    if not manager._finalized or ring is None or ring.slot_of[i] < 0:
+        return None  # removed, or a resident layer: every expert is on the device
+    if i not in ring.entered:
+        raise RuntimeError(
+            f"layerwise: expert module {manager.layer_name}.{i}.{xm.name} was called outside the forward of its "
+            f"layer {manager.layer_name}[{i}] (whose weights are streamed, and placed only while it runs): call "
+            "the layer, or configure with experts='all'")
+    index = xm.routed(args, kwargs)
+    if not isinstance(index, torch.Tensor):
+        raise RuntimeError(
+            f"layerwise: expert module {manager.layer_name}.{i}.{xm.name} was called without its routing "
+            f"argument {xm.routing[1]!r} as a tensor: the experts to fetch are unknown. Configure with "
+            "experts='all' for this model.")
+    chosen = chosen_experts(index, xm.num_experts)
+    tier = manager._chain.experts
+    engine, stream = manager._engine, manager._stream()
+    with manager._queueing():  # copies queued before the record: an interrupt makes the next hook resync
+        need = tier.make_ready(i, k, chosen, stream)
+        spec = tier.speculate(next_layer, stream) if manager.options.expert_prefetch and k == 0 else (0, 0)
+    manager.meter.moved(need.bytes + spec[0], need.copies + spec[1])
+    for ev in need.events:
+        manager.meter.wait(engine, ev, stream)
+    tier.settle(need)
+    return None

@@ -1,0 +1,409 @@
+"""experts: the routed-experts stage (DESIGN.md, "Routed experts"; the plan
+and the hooks: layerwise/experts.py).
+
+A layer of a group with routed experts is laid out with its expert
+parameters last (plan.LayerPlan.layout(tail=...)). Its source is an
+``ExpertSource`` around the layer's ``ArenaSource``: the layer's ordinary
+fetch (the manager's) copies only the prefix before the experts, so that
+fetch is "a second kind of fetch" without a branch in the manager. The rows
+of the experts a forward needs are made ready by ``ExpertTier.make_ready``
+(from the expert module's pre-hook): taken from the device expert cache
+(a device-to-device copy into the slot) or copied over the bus from the
+arena, one copy per contiguous range of each expert parameter.
+
+What each slot holds is recorded per slot: the layer and the fetch
+generation (ring.gen) and version of its true bytes it was stamped with, and
+the experts whose rows are in place. A new fetch into the slot (another
+layer, or this one reloaded) changes the stamp, so nothing stale is ever
+taken for present. Every fetch into a slot of such a group waits for the
+expert copies still in flight into it (``before_fetch``): every layer of the
+group gets an ExpertSource (one without experts copies all of itself).
+
+The expert cache (``ExpertCache``): fixed-size device entries, one expert
+(its rows of every expert parameter) each, least recently used out first,
+keyed by (layer, module, expert) and the version of the layer's true bytes
+(a load_state_dict makes its entries stale). A miss is inserted once it has
+arrived; a hit costs a copy on the device and no bus bytes.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .._native import current_stream_handle
+
+log = logging.getLogger("layerwise")
+
+ENTRY_ALIGN = 256
+
+
+class ExpertSource:
+    """A layer of a group with routed experts (module doc): the layer's source
+    `inner` (an ArenaSource), whose fetch copies only bytes [0, base)."""
+
+    def __init__(self, inner, base: int, tier: "ExpertTier"):
+        self.inner, self.base, self.tier = inner, base, tier
+
+    kind = property(lambda self: self.inner.kind)
+    nbytes = property(lambda self: self.inner.nbytes)
+    stored_bytes = property(lambda self: self.inner.stored_bytes)
+    slot_bytes = property(lambda self: self.inner.slot_bytes)
+    writable = property(lambda self: self.inner.writable)
+    host = property(lambda self: self.inner.host)
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.base  # the experts' rows are counted as they are copied (layerwise/experts.py)
+
+    def version(self) -> int:
+        return self.inner.version()
+
+    def read(self) -> torch.Tensor:
+        return self.inner.read()
+
+    def write(self, block: torch.Tensor, undo: bool = False):
+        return self.inner.write(block, undo)
+
+    def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
+        after = self.tier.before_fetch(dst, after)
+        return self.inner.copy_range(dst, 0, self.base, after, timing)
+
+    def copy_range(self, dst, lo: int, hi: int, after, timing: bool = False):
+        return self.inner.copy_range(dst, lo, hi, after, timing)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def holders(self):
+        yield from self.inner.holders()
+
+
+@dataclass
+class Need:
+    """What one expert module's call needs (ExpertTier.make_ready)."""
+
+    layer: int
+    module: int
+    events: list = field(default_factory=list)  # what the compute waits on
+    bytes: int = 0  # copied over the bus for it
+    copies: int = 0
+    inserts: list = field(default_factory=list)  # experts to put in the cache once arrived
+
+
+class _SlotRows:
+    """What one ring slot holds of its layer's experts."""
+
+    __slots__ = ("stamp", "units", "pending")
+
+    def __init__(self):
+        self.stamp = None  # (layer, ring generation, version of its true bytes)
+        self.units: dict = {}  # (module, expert) -> (event or None, speculative)
+        self.pending: list = []  # expert copies into the slot that may be in flight
+
+
+class ExpertCache:
+    """Device entries of one expert each, shared out evenly among the MoE layers
+    streamed, least recently used out first within a layer. (One LRU over all
+    layers would evict every entry before its next use: a step visits the layers
+    in a cycle, and a cycle longer than the cache defeats LRU.)"""
+
+    def __init__(self, capacity: int, entry_bytes: int, device: torch.device, layers):
+        self.entry_bytes = entry_bytes
+        self.entries = capacity // entry_bytes
+        self.pool = torch.empty(self.entries * entry_bytes, dtype=torch.uint8, device=device)
+        self.layers = sorted(layers)
+        self.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel()
+
+    def clear(self) -> None:
+        n, q = len(self.layers), self.entries // max(len(self.layers), 1)
+        extra = self.entries - q * n
+        self.lru: dict = {i: collections.OrderedDict() for i in self.layers}  # key -> (entry, version)
+        self.free: dict = {}
+        j = 0
+        for k, i in enumerate(self.layers):
+            m = q + (1 if k < extra else 0)
+            self.free[i] = list(range(j + m - 1, j - 1, -1))
+            j += m
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.lru.values())
+
+    def get(self, key, version) -> int | None:
+        lru = self.lru.get(key[0])
+        got = lru.get(key) if lru is not None else None
+        if got is None:
+            return None
+        j, v = got
+        if v != version:  # the layer's true bytes changed since
+            del lru[key]
+            self.free[key[0]].append(j)
+            return None
+        lru.move_to_end(key)
+        return j
+
+    def has(self, key, version) -> bool:
+        lru = self.lru.get(key[0])
+        got = lru.get(key) if lru is not None else None
+        return got is not None and got[1] == version
+
+    def put(self, key, version) -> int | None:
+        """The entry that holds `key` from now on (None: its layer has no entries)."""
+        lru, free = self.lru.get(key[0]), self.free.get(key[0])
+        if lru is None:
+            return None
+        if key in lru:
+            j = lru.pop(key)[0]
+        elif free:
+            j = free.pop()
+        elif lru:
+            j = lru.popitem(last=False)[1][0]
+        else:
+            return None
+        lru[key] = (j, version)
+        return j
+
+    def view(self, j: int) -> torch.Tensor:
+        return self.pool[j * self.entry_bytes: (j + 1) * self.entry_bytes]
+
+
+def cache_bytes(spec, plan, streamed, device: torch.device) -> int:
+    """The cache's size: bytes as given; "auto": a quarter of the streamed layers'
+    expert bytes, on CUDA at most a quarter of the free device memory."""
+    if spec is None:
+        return 0
+    if spec != "auto":
+        return int(spec)
+    total = plan.expert_bytes(streamed)
+    n = total // 4
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        n = min(n, free // 4)
+    return n
+
+
+class ExpertTier:
+    def __init__(self, group: str, plan, device: torch.device, cache=None):
+        self.group, self.plan, self.device, self.cache_spec = group, plan, device, cache
+        self.engine = self.ring = self.cache = None
+        self.sources: list = []
+        self.rows: list[_SlotRows] = []
+        self.alias: list = []
+        self.last_used: dict = {}  # (layer, module) -> the experts of its last call
+        self.used = self.cache_hits = self.slot_hits = self.misses = 0
+        self.demand_bytes = self.spec_bytes = self.spec_used_bytes = 0
+
+    # ------------------------------------------------------------ set up
+    def start(self, engine, sources: list, ring) -> None:
+        self.engine, self.sources = engine, sources
+        self.restream(ring)
+        n = cache_bytes(self.cache_spec, self.plan, ring.streamed, self.device)
+        if self.cache_spec is not None:
+            entry = max(-(-m.unit_bytes // ENTRY_ALIGN) * ENTRY_ALIGN for m in self.plan.modules())
+            if n < entry:
+                raise ValueError(f"layerwise: expert_cache={self.cache_spec!r} holds no expert of group "
+                                 f"{self.group!r}: one expert takes {entry} bytes; give at least that, or None")
+            self.cache = ExpertCache(n, entry, self.device, [i for i in ring.streamed if i in self.plan.layers])
+
+    def restream(self, ring) -> None:
+        """A new ring (start, or set_residency): nothing is known of its slots."""
+        self.ring = ring
+        self.rows = [_SlotRows() for _ in ring.slots]
+        # Writes into a slot through these aliases leave the slot's version counter alone
+        # (the manager reads a change of it as a user's in-place write).
+        self.alias = [torch.empty(0, dtype=torch.uint8, device=self.device).set_(t.untyped_storage())
+                      for t in ring.slots]
+        if self.cache is not None:  # its entries are shared out again among the layers streamed now
+            self.cache.layers = sorted(i for i in ring.streamed if i in self.plan.layers)
+            self.cache.clear()
+
+    def forget(self) -> None:
+        """After an interrupt (the engine is synchronised next): nothing is known."""
+        for r in self.rows:
+            r.stamp, r.units, r.pending = None, {}, []
+        if self.cache is not None:
+            self.cache.clear()
+
+    # ------------------------------------------------------------ run time
+    def _rows(self, i: int, s: int) -> _SlotRows:
+        stamp = (i, self.ring.gen[s], self.sources[i].version())
+        r = self.rows[s]
+        if r.stamp != stamp:
+            r.stamp, r.units = stamp, {}
+        return r
+
+    def _after(self, stream):
+        """What expert copies into a slot wait for: on CUDA everything enqueued on
+        the compute stream (the slot's previous users); on the CPU nothing (the
+        compute ran on this thread)."""
+        return self.engine.record(stream, False) if self.engine.is_cuda else None
+
+    def _copy(self, i: int, s: int, spans, after, r: _SlotRows):
+        """Queue the copies of `spans` of layer i into slot s, chained; the last event."""
+        src = self.sources[i]
+        ev = after
+        for lo, hi in spans:
+            ev = src.copy_range(self.ring.slots[s], lo, hi, ev)
+        r.pending = [e for e in r.pending if not e.query()] + [ev]
+        return ev
+
+    def _unit(self, xm, x: int):
+        """(offset in the block, bytes) of expert x's rows of each expert parameter."""
+        return [(off + x * n, n) for off, n in xm.rows]
+
+    def make_ready(self, i: int, k: int, chosen, stream) -> Need:
+        """Expert module k of layer i is about to run with `chosen` experts: queue
+        what brings their rows into the layer's slot; the compute waits on
+        Need.events, then settle(Need) fills the cache."""
+        s = self.ring.slot_of[i]
+        r = self._rows(i, s)
+        xm = self.plan.layers[i][k]
+        version = r.stamp[2]
+        need = Need(i, k)
+        missing = []
+        self.last_used[(i, k)] = chosen
+        for x in chosen:
+            self.used += 1
+            unit = r.units.get((k, x))
+            if unit is not None:
+                ev, spec = unit
+                if ev is not None and not ev.query():
+                    need.events.append(ev)
+                if spec:
+                    self.spec_used_bytes += xm.unit_bytes
+                    r.units[(k, x)] = (ev, False)
+                    need.inserts.append(x)
+                self.slot_hits += 1
+                continue
+            j = self.cache.get((i, k, x), version) if self.cache is not None else None
+            if j is not None:
+                entry, dst, at = self.cache.view(j), self.alias[s], 0
+                for off, n in self._unit(xm, x):
+                    dst[off: off + n].copy_(entry[at: at + n])
+                    at += n
+                r.units[(k, x)] = (None, False)
+                self.cache_hits += 1
+                continue
+            missing.append(x)
+        if missing:
+            ev = self._copy(i, s, xm.spans(missing), self._after(stream), r)
+            for x in missing:
+                r.units[(k, x)] = (ev, False)
+            need.events.append(ev)
+            need.bytes = xm.unit_bytes * len(missing)
+            need.copies = len(xm.spans(missing))
+            need.inserts.extend(missing)
+            self.misses += len(missing)
+            self.demand_bytes += need.bytes
+        return need
+
+    def settle(self, need: Need) -> None:
+        """After the compute waited for Need.events: the experts that crossed the
+        bus for it go into the cache (a copy on the device, ordered after the wait)."""
+        if self.cache is None or not need.inserts:
+            return
+        i, k = need.layer, need.module
+        s = self.ring.slot_of[i]
+        r = self.rows[s]
+        xm = self.plan.layers[i][k]
+        src = self.alias[s]
+        for x in need.inserts:
+            j = self.cache.put((i, k, x), r.stamp[2])
+            if j is None:
+                continue
+            entry, at = self.cache.view(j), 0
+            for off, n in self._unit(xm, x):
+                entry[at: at + n].copy_(src[off: off + n])
+                at += n
+
+    def speculate(self, j: int, stream) -> tuple[int, int]:
+        """Copy into layer j's slot the experts it used at its previous call, where
+        the slot holds j (its fetch queued) and nothing computes in it; returns
+        (bytes, copies). A wrong guess costs its bytes only."""
+        ring = self.ring
+        s = ring.slot_of[j]
+        if s < 0 or ring.busy[s] or ring.holder[s] != j or ring.version[s] != self.sources[j].version():
+            return 0, 0
+        r = self._rows(j, s)
+        version = r.stamp[2]
+        total = copies = 0
+        after = None
+        for k, xm in enumerate(self.plan.layers[j]):
+            want = [x for x in self.last_used.get((j, k), ())
+                    if (k, x) not in r.units and (self.cache is None or not self.cache.has((j, k, x), version))]
+            if not want:
+                continue
+            if after is None:
+                after = self._after(stream)
+            spans = xm.spans(want)
+            ev = self._copy(j, s, spans, after, r)
+            for x in want:
+                r.units[(k, x)] = (ev, True)
+            total += xm.unit_bytes * len(want)
+            copies += len(spans)
+        self.spec_bytes += total
+        return total, copies
+
+    def before_fetch(self, dst: torch.Tensor, after):
+        """A fetch into the slot `dst` lies in waits for the expert copies still in
+        flight into it (an unused speculative one, say); returns its `after`."""
+        s = self.ring.ptrs.get(dst.untyped_storage().data_ptr()) if self.ring is not None else None
+        if s is None:
+            return after
+        r = self.rows[s]
+        pending = [ev for ev in r.pending if not ev.query()]
+        r.pending, r.units, r.stamp = [], {}, None
+        if not pending:
+            return after
+        if not self.engine.is_cuda:
+            for ev in pending:
+                ev.synchronize()
+            return after
+        stream = current_stream_handle(self.device)
+        for ev in pending:
+            self.engine.wait(ev, stream)
+        return self.engine.record(stream, False)
+
+    def fill(self, i: int) -> None:
+        """Every expert of layer i in its slot, waited for on the host (an edit in
+        place of the layer: contract.editing writes the whole slot back)."""
+        s = self.ring.slot_of[i]
+        if s < 0 or i not in self.plan.layers:
+            return
+        stream = current_stream_handle(self.device)
+        for k, xm in enumerate(self.plan.layers[i]):
+            need = self.make_ready(i, k, list(range(xm.num_experts)), stream)
+            for ev in need.events:
+                ev.synchronize()
+        if self.engine.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ------------------------------------------------------------ figures
+    def stats(self) -> dict:
+        return {
+            "modules": sum(1 for _ in self.plan.modules()),
+            "layers": sorted(self.plan.layers),
+            "expert_bytes": self.plan.expert_bytes(),  # every expert of every layer
+            "experts_used": self.used,  # (layer, module, expert) demanded by forwards
+            "hits": self.cache_hits + self.slot_hits,  # served without a demand copy over the bus
+            "cache_hits": self.cache_hits,
+            "slot_hits": self.slot_hits,  # rows in the slot already (this call's prefetch, or not overwritten)
+            "misses": self.misses,  # copied over the bus on demand
+            "demand_bytes": self.demand_bytes,
+            "speculative_bytes": self.spec_bytes,
+            "speculative_used_bytes": self.spec_used_bytes,
+            "speculative_wasted_bytes": self.spec_bytes - self.spec_used_bytes,
+            "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            "cache_entries": self.cache.entries if self.cache is not None else 0,
+            "cached": len(self.cache) if self.cache is not None else 0,
+        }
+
+    def close(self) -> None:
+        self.cache = None
+        self.rows, self.alias, self.sources, self.ring = [], [], [], None

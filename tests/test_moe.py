@@ -1,0 +1,411 @@
+"""Routed experts (issue 26, layerwise/experts.py, layerwise/stages/experts.py):
+tiny Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 (shared experts, a dense first
+layer) from small configs on the CPU backend, with random copy delays: outputs
+bitwise the resident model's; bytes per decode step against the ideal (the
+non-expert bytes + the experts used); the state contract; refusals."""
+import copy
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import layerwise
+from layerwise import experts as experts_mod
+
+transformers = pytest.importorskip("transformers")
+
+V = 128
+
+
+def _mixtral(dtype=torch.float32, layers=6):
+    cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=128)
+    return transformers.MixtralForCausalLM(cfg).to(dtype).eval()
+
+
+def _qwen3():
+    cfg = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                      num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, head_dim=16)
+    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def _olmoe():
+    cfg = transformers.OlmoeConfig(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                   max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return transformers.OlmoeForCausalLM(cfg).eval()
+
+
+def _deepseek():
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=128)
+    return transformers.DeepseekV3ForCausalLM(cfg).eval()
+
+
+ARCHS = {"mixtral": _mixtral, "qwen3": _qwen3, "olmoe": _olmoe, "deepseek": _deepseek}
+
+
+def _make(arch, seed=0):
+    torch.manual_seed(seed)
+    return ARCHS[arch]()
+
+
+def _ids(batch=1, tokens=6, seed=1):
+    return torch.randint(3, V, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, ids, new=5):
+    with torch.no_grad():
+        logits = model(ids).logits
+        gen = model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    return logits, gen
+
+
+def _configure(model, **kw):
+    kw.setdefault("debug_copy_delay_us", 300)
+    return layerwise.configure_layerwise_offload(model, "model.layers", device="cpu", experts="routed", **kw)
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("cache", [None, "auto"])
+def test_routed_is_bitwise_the_resident_model(arch, depth, cache):
+    ref = _make(arch)
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=2)
+    want = _run(ref, ids)
+    (m,) = _configure(model, prefetch_depth=depth, expert_cache=cache)
+    assert m.experts is not None and len(m.experts.layers) == (5 if arch == "deepseek" else 6)
+    got = _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats(sync=True)["experts"]
+    assert st["misses"] > 0 and st["experts_used"] == st["hits"] + st["misses"]
+    if cache is not None:
+        assert st["cache_hits"] > 0 and st["cache_bytes"] > 0
+    layerwise.remove_layerwise_offload(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek"])
+def test_speculative_prefetch_costs_bytes_never_correctness(arch):
+    ref = _make(arch)
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=1)
+    want = _run(ref, ids, new=8)
+    (m,) = _configure(model, prefetch_depth=2, expert_prefetch=True)
+    got = _run(model, ids, new=8)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats(sync=True)["experts"]
+    assert st["speculative_bytes"] > 0
+    assert st["speculative_used_bytes"] + st["speculative_wasted_bytes"] == st["speculative_bytes"]
+
+
+def test_bf16_experts_bitwise():
+    torch.manual_seed(0)
+    ref = _mixtral(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=3)
+    want = _run(ref, ids)
+    _configure(model, expert_cache=1 << 20)
+    got = _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_resident_layers_and_set_residency():
+    ref = _make("qwen3")
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=2)
+    want = _run(ref, ids)
+    (m,) = _configure(model, resident_layers=1, expert_cache="auto")
+    assert torch.equal(_run(model, ids)[1], want[1])
+    m.set_residency([2, 3], prefetch_depth=2)
+    got = _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+# ---------------------------------------------------------------------- bytes
+def _step_bytes(model, m, ids, steps):
+    """(ours, ideal) per decode step: bytes_copied of the step, and the non-expert
+    bytes of the streamed layers plus the experts its forwards used."""
+    used = [set()]
+    handles = []
+    for i, mods in m.experts.layers.items():
+        for k, xm in enumerate(mods):
+            def rec(mod, args, kwargs, i=i, xm=xm):
+                used[-1].update((i, xm.name, x) for x in experts_mod.chosen_experts(xm.routed(args, kwargs),
+                                                                                     xm.num_experts))
+            handles.append(xm.module.register_forward_pre_hook(rec, with_kwargs=True))
+    unit = {(i, xm.name): xm.unit_bytes for i, mods in m.experts.layers.items() for xm in mods}
+    expert_ids = {id(e) for mods in m.experts.layers.values() for xm in mods for e in xm.entries}
+    streamed = set(m.ring.streamed)
+    base = sum(e.numel * e.dtype.itemsize for lp in m.plan.layers if lp.index in streamed
+               for e in lp.params if id(e) not in expert_ids)
+    out = []
+    past = None
+    with torch.no_grad():
+        o = model(ids, use_cache=True)
+        past, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            used.append(set())
+            o = model(nxt, past_key_values=past, use_cache=True)
+            past, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            ours = m.stats(sync=True)["last_step"]["bytes_copied"]
+            ideal = base + sum(unit[(i, name)] for i, name, _ in used[-1])
+            out.append((ours, ideal))
+    for h in handles:
+        h.remove()
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_decode_bytes_at_most_1_1x_the_ideal(arch):
+    model = _make(arch)
+    (m,) = _configure(model, debug_copy_delay_us=None)
+    rows = _step_bytes(model, m, _ids(batch=1), steps=6)
+    for ours, ideal in rows:
+        assert ours <= 1.1 * ideal, rows
+    full = sum(lp.nbytes for lp in m.plan.layers)
+    assert rows[-1][0] < 0.8 * full  # (and far below the whole layers)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3"])
+def test_decode_bytes_below_the_ideal_with_a_warm_cache(arch):
+    model = _make(arch)
+    (m,) = _configure(model, debug_copy_delay_us=None, expert_cache=m_bytes(model))
+    rows = _step_bytes(model, m, _ids(batch=1), steps=12)
+    warm = rows[6:]
+    assert all(ours <= 1.1 * ideal for ours, ideal in rows)
+    assert all(ours < ideal for ours, ideal in warm), rows
+    assert m.stats()["experts"]["cache_hits"] > 0
+
+
+def m_bytes(model):
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+
+
+# ------------------------------------------------------------- state contract
+def test_state_dict_gives_true_bytes_of_experts_never_fetched():
+    ref = _make("mixtral")
+    model = copy.deepcopy(ref)
+    _configure(model, expert_cache="auto")
+    _run(model, _ids(batch=1), new=2)
+    sd, want = model.state_dict(), ref.state_dict()
+    assert sd.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(sd[k], v), k
+
+
+@pytest.mark.parametrize("cache", [None, 1 << 22])
+def test_load_state_dict_into_one_expert(cache):
+    ref = _make("mixtral")
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=2)
+    _configure(model, expert_cache=cache)
+    _run(model, ids)  # warm: the cache holds experts of every layer
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    with torch.no_grad():
+        for e in range(8):  # every expert of layer 1 changes, so the routing meets a changed one
+            ref.model.layers[1].mlp.experts.gate_up_proj[e].mul_(1.5)
+    model.load_state_dict({key: ref.state_dict()[key]}, strict=False)
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert torch.equal(model.state_dict()[key], ref.state_dict()[key])
+
+
+def test_editing_a_routed_layer_in_place_keeps_every_expert():
+    from layerwise import contract
+
+    ref = _make("olmoe")
+    model = copy.deepcopy(ref)
+    (m,) = _configure(model)
+    ids = _ids(batch=1)
+    _run(model, ids, new=2)
+    with contract.editing(m, 2):
+        model.model.layers[2].mlp.experts.down_proj.data.mul_(2)
+    with torch.no_grad():
+        ref.model.layers[2].mlp.experts.down_proj.mul_(2)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert torch.equal(_run(model, ids)[1], _run(ref, ids)[1])
+
+
+SIGINT_SCRIPT = textwrap.dedent(r"""
+    import copy, os, random, signal, statistics, sys, time
+    import torch
+    sys.path.insert(0, {tests!r})
+    torch.set_num_threads(1)
+    import layerwise
+    from test_moe import _make, _ids
+    target, cap = int(sys.argv[1]), float(sys.argv[2])
+    rng = random.Random(7)
+    pid = os.getpid()
+    signal.signal(signal.SIGALRM, lambda *a: os.kill(pid, signal.SIGINT))
+    ref = _make("mixtral")
+    model = copy.deepcopy(ref)
+    layerwise.configure_layerwise_offload(model, "model.layers", device="cpu", experts="routed",
+                                          expert_cache=1 << 20, expert_prefetch=True, debug_copy_delay_us=300)
+    xs = [_ids(batch=2, seed=s) for s in range(4)]
+    with torch.no_grad():
+        want = [ref(x).logits for x in xs]
+    durations = []
+    for x in xs:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(x)
+        durations.append(time.perf_counter() - t0)
+    interrupted = bad = k = 0
+    deadline = time.monotonic() + cap
+    while interrupted < target and time.monotonic() < deadline:
+        finished = False
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, max(rng.uniform(0, 1.2 * statistics.median(durations)), 1e-6))
+                with torch.no_grad():
+                    model(xs[k % 4])
+                finished = True
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except KeyboardInterrupt:
+            interrupted += not finished
+        with torch.no_grad():
+            if not torch.equal(model(xs[(k + 1) % 4]).logits, want[(k + 1) % 4]):
+                bad += 1
+                print("WRONG", k, flush=True)
+        k += 1
+    print("RESULT", interrupted, bad, k, flush=True)
+""")
+
+
+def test_real_sigints_during_a_routed_forward(tmp_path):
+    script = tmp_path / "sigint.py"
+    script.write_text(SIGINT_SCRIPT.format(tests=os.path.dirname(__file__)))
+    target, cap = 30, 180
+    proc = subprocess.run([sys.executable, str(script), str(target), str(cap)], capture_output=True, text=True,
+                          timeout=cap + 240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    interrupted, bad, attempts = map(int, [ln for ln in proc.stdout.splitlines()
+                                           if ln.startswith("RESULT")][-1].split()[1:])
+    assert bad == 0, proc.stdout[-3000:]
+    assert interrupted >= target, f"only {interrupted} of {attempts} interrupts landed inside a forward"
+
+
+# ------------------------------------------------------------------ refusals
+class ListExperts(nn.Module):
+    """Takes the routing, but its experts are a ModuleList: not placeable (streamed whole)."""
+
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.num_experts = n
+        self.experts = nn.ModuleList([nn.Linear(d, d) for _ in range(n)])
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for k in range(top_k_index.shape[-1]):
+            for e in range(self.num_experts):
+                sel = top_k_index[:, k] == e
+                out[sel] += top_k_weights[sel, k, None] * self.experts[e](x[sel])
+        return out
+
+
+class ToyMoE(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = ListExperts(d, n)
+
+    def forward(self, x):
+        w, idx = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        return x + self.experts(x, idx, w)
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([ToyMoE() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return x
+
+
+def test_an_expert_module_that_cannot_be_placed_streams_whole(caplog):
+    torch.manual_seed(0)
+    ref = ToyModel().eval()
+    model = copy.deepcopy(ref)
+    x = torch.randn(5, 16)
+    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed")
+    assert "streams whole" in caplog.text and "submodule" in caplog.text
+    assert m.experts is None
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_naming_an_expert_module_that_cannot_be_placed_is_refused():
+    model = ToyModel()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="cannot be routed.*submodule"):
+        layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
+                                              expert_modules=["experts"])
+    with pytest.raises(ValueError, match="no routing argument"):
+        layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
+                                              expert_modules=["gate"])
+    with pytest.raises(ValueError, match="no layer of"):
+        layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
+                                              expert_modules=["mlp.experts"])
+    assert not layerwise.configure.managers_of(model)
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+
+
+def test_expert_modules_override_and_predicate():
+    ref = _make("mixtral")
+    ids = _ids(batch=1)
+    want = _run(ref, ids)
+    for spec in (["mlp.experts"], lambda name, mod: name.endswith(".experts")):
+        model = copy.deepcopy(ref)
+        (m,) = _configure(model, expert_modules=spec)
+        assert len(m.experts.layers) == 6
+        assert torch.equal(_run(model, ids)[1], want[1])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(experts="some"), "experts must be 'all' or|experts must be"),
+    (dict(experts="all", expert_cache=1 << 20), "experts='routed' too"),
+    (dict(experts="routed", expert_cache=-1), "expert_cache must be"),
+    (dict(experts="routed", expert_prefetch="yes"), "expert_prefetch must be"),
+    (dict(experts="routed", expert_modules=[3]), "expert_modules must be"),
+    (dict(experts="routed", compress="lossless"), "does not compose with compress"),
+    (dict(experts="routed", host_budget=1 << 20), "does not compose with host_budget"),
+])
+def test_bad_expert_options_are_refused(kw, match):
+    model = _make("mixtral")
+    with pytest.raises((ValueError, TypeError), match=match):
+        layerwise.configure_layerwise_offload(model, "model.layers", device="cpu", **kw)
+    assert not layerwise.configure.managers_of(model)
+
+
+def test_a_cache_smaller_than_one_expert_is_refused():
+    model = _make("mixtral")
+    with pytest.raises(ValueError, match="holds no expert"):
+        _configure(model, expert_cache=1024)
+    assert not layerwise.configure.managers_of(model)
+
+
+def test_an_expert_module_called_outside_its_layer_is_refused():
+    model = _make("mixtral")
+    _configure(model)
+    ex = model.model.layers[1].mlp.experts
+    with pytest.raises(RuntimeError, match="outside the forward of its layer"):
+        ex(torch.randn(2, 64), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
