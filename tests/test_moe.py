@@ -409,3 +409,60 @@ def test_an_expert_module_called_outside_its_layer_is_refused():
     ex = model.model.layers[1].mlp.experts
     with pytest.raises(RuntimeError, match="outside the forward of its layer"):
         ex(torch.randn(2, 64), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+
+
+# ------------------------------------------------------------- front doors
+def _meta(arch):
+    """The arch's model built on meta (for load_offloaded), same config as _make."""
+    ref = _make(arch)
+    with torch.device("meta"):
+        empty = type(ref)(ref.config).eval()
+    return ref, empty
+
+
+def _save(ref, path):
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    return path
+
+
+def _assert_routed_like(ref, model, m, ids):
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    rows = _step_bytes(model, m, _ids(batch=1, seed=3), steps=4)
+    for ours, ideal in rows:
+        assert ours <= 1.1 * ideal, rows
+    assert rows[-1][0] < 0.8 * sum(lp.nbytes for lp in m.plan.layers)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3"])
+def test_load_offloaded_routed_from_a_checkpoint(arch, tmp_path):
+    ref, model = _meta(arch)
+    path = _save(ref, tmp_path / "model.safetensors")
+    (m,) = layerwise.load_offloaded(model, path, ["model.layers"], device="cpu", experts="routed",
+                                    expert_cache="auto", debug_copy_delay_us=300)
+    assert m.experts is not None and len(m.experts.layers) == 6
+    _assert_routed_like(ref, model, m, _ids(batch=2))
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_offload_pipeline_routed_with_a_moe_component():
+    class Holder:
+        def __init__(self):
+            self.lm = _make("mixtral")
+            self.name = "not a module"
+
+        def __call__(self, ids):
+            return self.lm(ids)
+
+    ref, holder = _make("mixtral"), Holder()
+    managers = layerwise.offload_pipeline(holder, device="cpu", experts="routed", expert_cache="auto")
+    assert list(managers) == ["lm"]
+    (m,) = [m for m in managers["lm"] if m.experts is not None]
+    _assert_routed_like(ref, holder.lm, m, _ids(batch=2))
+    layerwise.remove_pipeline_offload(holder)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(holder.lm.state_dict()[k], v), k
