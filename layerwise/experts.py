@@ -96,6 +96,18 @@ class ExpertPlan:
         for mods in self.layers.values():
             yield from mods
 
+    def segments(self, lp) -> tuple:
+        """((dtype, offset, nbytes), ...) of layer `lp` in plan layout, for the codec
+        (compress="lossless"): the prefix's dtype segments, then one segment per
+        expert per expert parameter, so that each expert's rows decode on their own
+        (stages/decode.CodecSource.copy_range). A layer without experts: its segments."""
+        out = [(dt, off, n) for dt, (off, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0])]
+        rows = sorted((e.offset, e.span_bytes // m.num_experts, m.num_experts, e.dtype)
+                      for m in self.layers.get(lp.index, ()) for e in m.entries)
+        for off, n, count, dt in rows:
+            out.extend((dt, off + x * n, n) for x in range(count))
+        return tuple(out)
+
     def expert_bytes(self, layers=None) -> int:
         keep = None if layers is None else set(layers)
         return sum(m.unit_bytes * m.num_experts for i, mods in self.layers.items() for m in mods

@@ -296,8 +296,10 @@ def validate_experts(v: dict) -> tuple:
     """experts: "all" or "routed"; expert_modules: None, a sequence of module names
     (relative to a layer: "mlp.experts") or a predicate(name, module); expert_cache:
     None, bytes or "auto"; expert_prefetch: a bool. The expert options need
-    experts="routed", and routed experts do not compose yet with compress,
-    split_fetch or the disk tier (host_budget): refused here, naming what to do."""
+    experts="routed". Routed experts compose with compress="lossless" (each
+    expert's rows are codec segments of their own: an expert fetch copies and
+    decodes its own encoded span). They do not compose yet with split_fetch or
+    the disk tier (host_budget): refused here, naming what to do."""
     experts, modules, cache, prefetch = v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"]
     if not (isinstance(experts, str) and experts in ("all", "routed")):
         raise ValueError(f"experts must be 'all' (every expert streams with its layer) or 'routed' (only the "
@@ -323,7 +325,6 @@ def validate_experts(v: dict) -> tuple:
                              "pass experts='routed' too")
         return experts, modules, cache, prefetch
     clash = [(k, why) for k, why in (
-        ("compress", "the codec encodes whole segments, and an expert's rows must be copied on their own"),
         ("split_fetch", "each rank keeps a share of the layer's bytes, not whole experts"),
         ("host_budget", "layers in files (the disk tier) are read whole"),
     ) if v[k] is not None]

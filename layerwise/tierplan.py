@@ -67,38 +67,61 @@ def segment_encoded_bytes(hist: torch.Tensor, n_bytes: int, dtype: torch.dtype) 
     return stored if best * 100 > n_bytes * 97 else best
 
 
-def _histogram(entries, dtype: torch.dtype, seg_bytes: int) -> torch.Tensor | None:
-    """Symbol histogram of one packed segment: its parameters' storage spans, and
-    zeros for the alignment gaps between them. None: a parameter has no data (meta)."""
+def _flat(e, lo: int = 0, hi: int | None = None) -> torch.Tensor | None:
+    """Elements [lo, hi) of entry e's storage span, as int16 (None: no data yet)."""
+    data = e.source()
+    if data.is_meta:
+        return None
+    flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
+    return flat[lo: e.span if hi is None else hi]
+
+
+def _histogram(flats, dtype: torch.dtype, seg_bytes: int) -> torch.Tensor | None:
+    """Symbol histogram of one packed segment: the values in `flats` (tensors of
+    `dtype`), and zeros for the alignment gaps. None: one has no data (meta)."""
     shift, mask, n_sym = _SYMBOL[dtype]
     hist = torch.zeros(n_sym, dtype=torch.int64)
     values = 0
-    for e in entries:
-        data = e.source()
-        if data.is_meta or data.dtype != dtype:
+    for flat in flats:
+        if flat is None or flat.dtype != dtype:
             return None
-        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset()).view(torch.int16)
-        for k in range(0, e.span, _CHUNK):
+        flat = flat.view(torch.int16)
+        for k in range(0, flat.numel(), _CHUNK):
             sym = (flat[k : k + _CHUNK] >> shift) & mask
             hist += torch.bincount(sym.reshape(-1).to("cpu"), minlength=n_sym)
-        values += e.span
+        values += flat.numel()
     hist[0] += seg_bytes // 2 - values  # the gaps are zero bytes: symbol 0
     return hist
 
 
-def encoded_layer_bytes(lp) -> int | None:
-    """The exact byte count stages/decode.encode_layer gives layer `lp` (its
+def _segment_bytes(flats, dtype, n: int) -> int | None:
+    if dtype not in _MAX_WIDTH:
+        return _a16(_a16(_codec.HEADER_BYTES + n))
+    hist = _histogram(flats, dtype, n)
+    return None if hist is None else _a16(segment_encoded_bytes(hist, n, dtype))
+
+
+def encoded_layer_bytes(lp, experts=None) -> int | None:
+    """The exact byte count stages/decode.encode_segments gives layer `lp` (its
     segments one after the other, 16-byte aligned); None where its parameters
-    hold no data yet."""
+    hold no data yet. `experts` (layerwise/experts.ExpertPlan): the layer's
+    expert rows are segments of their own, one per expert (ExpertPlan.segments)."""
+    mods = experts.layers.get(lp.index, ()) if experts is not None else ()
+    tail = {id(e) for m in mods for e in m.entries}
     total = 0
     for dtype, (_, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0]):
-        if dtype in _MAX_WIDTH:
-            hist = _histogram([e for e in lp.params if e.dtype == dtype], dtype, n)
-            if hist is None:
-                return None
-            total += _a16(segment_encoded_bytes(hist, n, dtype))
-        else:
-            total += _a16(_a16(_codec.HEADER_BYTES + n))
+        got = _segment_bytes([_flat(e) for e in lp.params if e.dtype == dtype and id(e) not in tail], dtype, n)
+        if got is None:
+            return None
+        total += got
+    for m in mods:
+        for e in m.entries:
+            per = e.span // m.num_experts
+            for x in range(m.num_experts):
+                got = _segment_bytes([_flat(e, x * per, (x + 1) * per)], e.dtype, per * e.dtype.itemsize)
+                if got is None:
+                    return None
+                total += got
     return total
 
 
@@ -126,10 +149,11 @@ class Route:
 
 
 def plan_routes(plan, resident, compress, spans=None, disk_layers=frozenset(), disk_where: str = "spill",
-                sizes: bool = True) -> list[Route]:
+                sizes: bool = True, experts=None) -> list[Route]:
     """Every layer's route (module doc). `spans`: {layer: (share, lo, hi)} of split
     fetch; `disk_layers` kept in files (`disk_where`: "spill" or "checkpoint").
-    `sizes`: compute encoded sizes (histograms of the weights; else raw)."""
+    `sizes`: compute encoded sizes (histograms of the weights; else raw).
+    `experts`: the group's routed experts (their rows are encoded per expert)."""
     from .stages.decode import MIN_SAVING
 
     resident = set(resident)
@@ -143,13 +167,13 @@ def plan_routes(plan, resident, compress, spans=None, disk_layers=frozenset(), d
         where = disk_where if i in disk_layers else "arena"
         split = spans.get(i)
         encoded = (compress == "lossless" and where != "checkpoint"
-                   and any(dt in _codec.CODED_DTYPES for dt in lp.segments))
+                   and any(e.dtype in _codec.CODED_DTYPES for e in lp.params))
         payload = lp.nbytes if split is None else split[2] - split[1]
         host = 0
         if where == "arena":
             size = payload
             if encoded and sizes:
-                enc = encoded_layer_bytes(lp)
+                enc = encoded_layer_bytes(lp, experts)
                 if enc is not None and enc <= MIN_SAVING * lp.nbytes:
                     size = -(-enc * payload // max(lp.nbytes, 1))
             host = round_up(max(size, 1), BLOCK_ALIGN) if payload else 0
@@ -205,4 +229,4 @@ class TierChoice:
     def routes(self, plan, resident, compress, sizes: bool = True) -> list[Route]:
         store = self.split_store
         return plan_routes(plan, resident, compress, store.spans if store is not None else None,
-                           self.disk_layers, self.disk_where, sizes)
+                           self.disk_layers, self.disk_where, sizes, self.experts)

@@ -386,7 +386,6 @@ def test_expert_modules_override_and_predicate():
     (dict(experts="routed", expert_cache=-1), "expert_cache must be"),
     (dict(experts="routed", expert_prefetch="yes"), "expert_prefetch must be"),
     (dict(experts="routed", expert_modules=[3]), "expert_modules must be"),
-    (dict(experts="routed", compress="lossless"), "does not compose with compress"),
     (dict(experts="routed", host_budget=1 << 20), "does not compose with host_budget"),
 ])
 def test_bad_expert_options_are_refused(kw, match):
@@ -466,3 +465,118 @@ def test_offload_pipeline_routed_with_a_moe_component():
     layerwise.remove_pipeline_offload(holder)
     for k, v in ref.state_dict().items():
         assert torch.equal(holder.lm.state_dict()[k], v), k
+
+
+# ------------------------------------------------------------ compress="lossless"
+def _bf16(arch):
+    torch.manual_seed(0)
+    return (_mixtral(torch.bfloat16) if arch == "mixtral" else _make(arch).to(torch.bfloat16))
+
+
+def _encoded_ideal(m, used):
+    """What one decode step moves at best, encoded: each streamed layer's prefix as
+    it travels, plus the encoded rows of each expert used."""
+    streamed = set(m.ring.streamed)
+    out = sum(m._src[i].transfer_bytes for i in streamed)
+    for i, name, x in used:
+        (xm,) = [xm for xm in m.experts.layers[i] if xm.name == name]
+        out += sum(m._src[i].range_bytes(lo, hi) for lo, hi in xm.spans([x]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("cache", [None, "auto"])
+def test_compressed_routed_experts_are_bitwise_and_move_encoded_bytes(arch, cache):
+    ref = _bf16(arch)
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=2)
+    want = _run(ref, ids)
+    (m,) = _configure(model, compress="lossless", expert_cache=cache, expert_prefetch=cache is not None)
+    got = _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats(sync=True)
+    assert st["compress"]["layers_raw"] == [] and st["compress"]["ratio"] < 0.8
+    # every expert's rows are segments of their own: an expert fetch moves its encoded rows
+    for i, mods in m.experts.layers.items():
+        for xm in mods:
+            for x in range(xm.num_experts):
+                enc = sum(m._src[i].range_bytes(lo, hi) for lo, hi in xm.spans([x]))
+                assert 0 < enc < 0.85 * xm.unit_bytes
+    if cache is None:  # (a warm cache moves less than the ideal)
+        used = [set()]
+        hooks = [xm.module.register_forward_pre_hook(
+            lambda mod, a, kw, i=i, xm=xm: used[-1].update(
+                (i, xm.name, x) for x in experts_mod.chosen_experts(xm.routed(a, kw), xm.num_experts)),
+            with_kwargs=True) for i, mods in m.experts.layers.items() for xm in mods]
+        rows = _step_bytes(model, m, _ids(batch=1), steps=4)
+        for h in hooks:
+            h.remove()
+        for (ours, raw_ideal), u in zip(rows, used[-4:]):
+            assert ours <= 1.1 * _encoded_ideal(m, u), rows
+            assert ours < 0.85 * raw_ideal, rows
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    layerwise.remove_layerwise_offload(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("cache", [None, 1 << 22])
+def test_compressed_load_state_dict_into_one_expert_re_encodes(cache):
+    ref = _bf16("mixtral")
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=2)
+    (m,) = _configure(model, compress="lossless", expert_cache=cache)
+    _run(model, ids)
+    before = m._src[1].version()
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    with torch.no_grad():
+        for e in range(8):
+            ref.model.layers[1].mlp.experts.gate_up_proj[e].mul_(1.5)
+        ref.model.layers[1].mlp.experts.gate_up_proj[3].mul_(1e4)  # another exponent histogram
+    model.load_state_dict({key: ref.state_dict()[key]}, strict=False)
+    assert m._src[1].version() != before  # re-encoded
+    assert m.stats()["compress"]["layers_raw"] == []
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_compressed_routed_host_bytes_are_planned_exactly():
+    from layerwise import tierplan
+    from layerwise.plan import BLOCK_ALIGN, round_up
+
+    model = _bf16("mixtral")
+    planned = {}
+    (m,) = _configure(model, compress="lossless")
+    ref = _bf16("mixtral")
+    # plan the same group on an unpacked copy: the encoded size from the weights' histograms
+    from layerwise.options import OffloadOptions
+
+    opts = OffloadOptions.build(device="cpu", experts="routed", compress="lossless")
+    mm = layerwise.LayerwiseOffloadManager(ref, layer_name="model.layers", initialize=False, options=opts)
+    for lp in mm.plan.layers:
+        planned[lp.index] = tierplan.encoded_layer_bytes(lp, mm.experts)
+    for i, n in planned.items():
+        assert n == m._src[i].stored_bytes, (i, n, m._src[i].stored_bytes)
+    assert [r.host_bytes for r in mm.tier_plan()] == [round_up(n, BLOCK_ALIGN) for n in planned.values()]
+
+
+def test_compressed_routed_edit_in_place_and_set_residency():
+    from layerwise import contract
+
+    ref = _bf16("qwen3")
+    model = copy.deepcopy(ref)
+    ids = _ids(batch=2)
+    (m,) = _configure(model, compress="lossless", expert_cache="auto")
+    _run(model, ids, new=2)
+    with contract.editing(m, 2):
+        model.model.layers[2].mlp.experts.down_proj.data.mul_(2)
+    with torch.no_grad():
+        ref.model.layers[2].mlp.experts.down_proj.mul_(2)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    m.set_residency([1, 4], prefetch_depth=2)
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

@@ -86,7 +86,8 @@ class Chain:
         pieces = None
         codec = self.codec if route.encoded else None
         if codec is not None:
-            segments = segments_of(lp, lo, hi)
+            # (routed experts: each expert's rows a segment of its own, so that they decode alone)
+            segments = segments_of(lp, lo, hi) if self.experts is None else self.experts.plan.segments(lp)
             payload, pieces = codec.keep(segments, payload)
         if route.where in ("spill", "checkpoint"):
             src = self.file_store(lp, payload, route.split and (lo, hi), what)
@@ -102,11 +103,12 @@ class Chain:
             src = CodecSource(codec, lp.index, segments, hi - lo, src, pieces)
         if route.split is not None:
             src = self.split.wrap(lp.index, lp.nbytes, src)
-        return src
+        return self.keep_plain(lp, src)
 
     def keep_plain(self, lp, src):
-        """The source of a layer packed in the arena (`src`, its ArenaSource): itself,
-        or in a group with routed experts an ExpertSource around it."""
+        """The source of a layer (`src`: its ArenaSource in the arena, or the chain
+        keep() built): itself, or in a group with routed experts an ExpertSource
+        around it (every layer of such a group: its fetches wait for expert copies)."""
         if self.experts is None:
             return src
         return ExpertSource(src, lp.base_bytes, self.experts)

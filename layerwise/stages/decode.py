@@ -135,6 +135,7 @@ class CodecSource:
 
     def _set_pieces(self, pieces) -> None:
         self.pieces = None if pieces is None else tuple(pieces)
+        self._ranges: dict = {}  # (lo, hi) -> the pieces within (routed experts: asked at every fetch)
         self.spans = () if pieces is None else tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces)
 
     @property
@@ -193,6 +194,38 @@ class CodecSource:
         if self.pieces is None:
             return self.inner.fetch(i, dst, after, timing)
         return self.tier.fetch(self, i, dst, after, timing)
+
+    def _within(self, lo: int, hi: int) -> tuple:
+        """The pieces that decode into bytes [lo, hi) of the layer (routed experts: a
+        range is the prefix, or whole experts' rows, each expert its own segment);
+        a piece that straddles an end of the range is an error."""
+        got = self._ranges.get((lo, hi))
+        if got is not None:
+            return got
+        got = tuple(p for p in self.pieces if lo <= p.dst_off and p.dst_off + p.dst_n <= hi)
+        if any(p.dst_off < hi and p.dst_off + p.dst_n > lo for p in self.pieces if p not in got):
+            raise ValueError(f"layerwise: internal: bytes [{lo}, {hi}) of layer {self.tier.group}[{self.index}] "
+                             "cut a segment of its encoding")
+        if len(self._ranges) < 4096:
+            self._ranges[(lo, hi)] = got
+        return got
+
+    def range_bytes(self, lo: int, hi: int) -> int:
+        """The bytes copy_range(dst, lo, hi) moves over the bus: the encoded span of
+        the pieces that decode into [lo, hi) (raw: hi - lo)."""
+        if self.pieces is None:
+            return self.inner.range_bytes(lo, hi)
+        got = self._within(lo, hi)
+        return got[-1].enc_off + got[-1].enc_n - got[0].enc_off if got else 0
+
+    def copy_range(self, dst: torch.Tensor, lo: int, hi: int, after, timing: bool = False):
+        """Queue what makes bytes [lo, hi) of the layer land in the same bytes of `dst`
+        (a slot) after `after`: a raw payload's copy, or the copy of the encoded span
+        of the pieces that tile [lo, hi) and their decode (routed experts,
+        stages/experts.py). The inner source must copy ranges (a host block)."""
+        if self.pieces is None:
+            return self.inner.copy_range(dst, lo, hi, after, timing)
+        return self.tier.fetch(self, self.index, dst, after, timing, part=(lo, hi))
 
     def close(self) -> None:
         self.inner.close()
@@ -303,9 +336,11 @@ class CodecTier:
             pass
         return self._fresh[k]
 
-    def fetch(self, src: CodecSource, i: int, dst: torch.Tensor, after, timing: bool):
+    def fetch(self, src: CodecSource, i: int, dst: torch.Tensor, after, timing: bool, part=None):
         """copy (the inner source's fetch) payload -> staging k, after the last decode
-        out of staging k; then decode staging k -> dst, after the copy and `after`."""
+        out of staging k; then decode staging k -> dst, after the copy and `after`.
+        `part=(lo, hi)`: only the pieces that tile bytes [lo, hi) of the layer: their
+        encoded span is copied to the same offsets of staging k (CodecSource.copy_range)."""
         k = self._next
         self._next = (k + 1) % len(self._staging)
 
@@ -314,7 +349,19 @@ class CodecTier:
             # payload and pieces together; the manager then reloads the slot anyway).
             pieces, spans, need = src.pieces, src.spans, src.transfer_bytes
             if pieces is None:
+                if part is not None:
+                    return src.inner.copy_range(dst, part[0], part[1], after, timing)
                 return src.inner.fetch(i, dst, after, timing)
+            if part is not None:
+                pieces = src._within(*part)
+                if not pieces:
+                    return after
+                spans = tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces)
+                a, b = pieces[0].enc_off, pieces[-1].enc_off + pieces[-1].enc_n
+                staging, ready = self._staging_for(k, b, prev)
+                copied = src.inner.copy_range(staging, a, b, ready, timing=False)
+                return then(copied, lambda copy_ev: self._decode(staging, dst, pieces, spans, copy_ev, after,
+                                                                 timing), self.pending)
             staging, ready = self._staging_for(k, need, prev)
             staging = staging[:need]
             copied = src.inner.fetch(i, staging, ready, timing=False)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._native import current_stream_handle
+from .result import is_deferred
 
 log = logging.getLogger("layerwise")
 
@@ -56,7 +57,9 @@ class ExpertSource:
 
     @property
     def transfer_bytes(self) -> int:
-        return self.base  # the experts' rows are counted as they are copied (layerwise/experts.py)
+        # the prefix as it travels (encoded: its pieces); the experts' rows are counted as
+        # they are copied (layerwise/experts.py)
+        return self.inner.range_bytes(0, self.base)
 
     def version(self) -> int:
         return self.inner.version()
@@ -73,6 +76,12 @@ class ExpertSource:
 
     def copy_range(self, dst, lo: int, hi: int, after, timing: bool = False):
         return self.inner.copy_range(dst, lo, hi, after, timing)
+
+    def range_bytes(self, lo: int, hi: int) -> int:
+        return self.inner.range_bytes(lo, hi)
+
+    def refuse_write(self) -> None:
+        self.inner.refuse_write()
 
     def close(self) -> None:
         self.inner.close()
@@ -250,8 +259,15 @@ class ExpertTier:
         ev = after
         for lo, hi in spans:
             ev = src.copy_range(self.ring.slots[s], lo, hi, ev)
+        if is_deferred(ev):  # (issued now: the compute waits on it next)
+            ev = ev.resolve()
         r.pending = [e for e in r.pending if not e.query()] + [ev]
         return ev
+
+    def _bytes(self, i: int, spans) -> int:
+        """The bytes copies of `spans` of layer i move over the bus (encoded: less)."""
+        src = self.sources[i]
+        return sum(src.range_bytes(lo, hi) for lo, hi in spans)
 
     def _unit(self, xm, x: int):
         """(offset in the block, bytes) of expert x's rows of each expert parameter."""
@@ -276,7 +292,7 @@ class ExpertTier:
                 if ev is not None and not ev.query():
                     need.events.append(ev)
                 if spec:
-                    self.spec_used_bytes += xm.unit_bytes
+                    self.spec_used_bytes += self._bytes(i, xm.spans([x]))
                     r.units[(k, x)] = (ev, False)
                     need.inserts.append(x)
                 self.slot_hits += 1
@@ -292,12 +308,13 @@ class ExpertTier:
                 continue
             missing.append(x)
         if missing:
-            ev = self._copy(i, s, xm.spans(missing), self._after(stream), r)
+            spans = xm.spans(missing)
+            ev = self._copy(i, s, spans, self._after(stream), r)
             for x in missing:
                 r.units[(k, x)] = (ev, False)
             need.events.append(ev)
-            need.bytes = xm.unit_bytes * len(missing)
-            need.copies = len(xm.spans(missing))
+            need.bytes = self._bytes(i, spans)
+            need.copies = len(spans)
             need.inserts.extend(missing)
             self.misses += len(missing)
             self.demand_bytes += need.bytes
@@ -345,7 +362,7 @@ class ExpertTier:
             ev = self._copy(j, s, spans, after, r)
             for x in want:
                 r.units[(k, x)] = (ev, True)
-            total += xm.unit_bytes * len(want)
+            total += self._bytes(j, spans)
             copies += len(spans)
         self.spec_bytes += total
         return total, copies

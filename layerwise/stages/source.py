@@ -123,6 +123,10 @@ class ArenaSource:
         cuts = tuple(c - lo for c in self.cuts if lo < c < hi)
         return self.transfer.copy(dst[lo:hi], self.block[lo:hi], after, timing, cuts)
 
+    def range_bytes(self, lo: int, hi: int) -> int:
+        """The bytes copy_range(dst, lo, hi) moves over the bus."""
+        return hi - lo
+
     def close(self) -> None:
         self.block = self.arena = None
         self.cuts = ()
