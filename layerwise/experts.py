@@ -108,6 +108,16 @@ class ExpertPlan:
             out.extend((dt, off + x * n, n) for x in range(count))
         return tuple(out)
 
+    def range_chunk(self) -> int:
+        """The largest rows of one expert in one expert parameter: what an on-demand
+        read from a file (the disk tier) reads at a time."""
+        return max((n for m in self.modules() for _, n in m.rows), default=1)
+
+    def range_runs(self) -> int:
+        """The most file runs one such read touches: it may cross every expert
+        parameter of a module (adjacent in the layout), one run each, and one more."""
+        return max((len(m.entries) for m in self.modules()), default=1) + 1
+
     def expert_bytes(self, layers=None) -> int:
         keep = None if layers is None else set(layers)
         return sum(m.unit_bytes * m.num_experts for i, mods in self.layers.items() for m in mods

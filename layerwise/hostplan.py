@@ -26,7 +26,7 @@ import logging
 
 from .budget import fmt_bytes, non_layer_bytes
 from .plan import round_up
-from .stages.disk import spill_store, staging_slots
+from .stages.disk import DiskTier, spill_store, staging_slots
 
 log = logging.getLogger("layerwise")
 
@@ -55,9 +55,19 @@ def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
 
     def payload(i):
         split = routes[i].split
-        return manager.plan.layers[i].nbytes if split is None else split[2] - split[1]
+        # (routed experts: the slot holds the prefix; the experts' rows are read on demand)
+        return manager.plan.layers[i].base_bytes if split is None else split[2] - split[1]
 
     return max((round_up(payload(i), PAGE) + pad(i) for i in layers), default=0)
+
+
+def range_staging_bytes(manager, layers) -> int:
+    """The staging of on-demand reads of a group whose disk `layers` have routed
+    experts (stages/disk.DiskTier.read_range), 0 otherwise."""
+    plan = manager.experts
+    if plan is None or not any(i in plan.layers for i in layers):
+        return 0
+    return DiskTier.range_staging_bytes(plan.range_chunk(), plan.range_runs())
 
 
 def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_depth, held_bytes: int) -> dict:
@@ -110,7 +120,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
 
     def staging(disk_sets):
         return sum(staging_slots(m.prefetch_depth, disk_prefetch_depth) * staging_slot_bytes(m, d, spill)
-                   for m, d in disk_sets.items() if d)
+                   + range_staging_bytes(m, d) for m, d in disk_sets.items() if d)
 
     every = sum(mem[m][i] for m in enabled for i in streamed[m])
     figures = {"budget": budget, "how": how, "fixed_bytes": fixed, "every_bytes": every, "needed_bytes": fixed + every}

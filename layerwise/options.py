@@ -298,8 +298,12 @@ def validate_experts(v: dict) -> tuple:
     None, bytes or "auto"; expert_prefetch: a bool. The expert options need
     experts="routed". Routed experts compose with compress="lossless" (each
     expert's rows are codec segments of their own: an expert fetch copies and
-    decodes its own encoded span). They do not compose yet with split_fetch or
-    the disk tier (host_budget): refused here, naming what to do."""
+    decodes its own encoded span) and with the disk tier (host_budget, spill_dir,
+    load_offloaded's checkpoint: a layer on disk is read ahead without its
+    experts, whose rows are read from the file on demand). Refused here, naming
+    what to do: split_fetch (each rank keeps a share of the layer's bytes, not
+    whole experts), and compress together with host_budget (an encoded layer in
+    a spill file is not read by parts yet)."""
     experts, modules, cache, prefetch = v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"]
     if not (isinstance(experts, str) and experts in ("all", "routed")):
         raise ValueError(f"experts must be 'all' (every expert streams with its layer) or 'routed' (only the "
@@ -326,8 +330,9 @@ def validate_experts(v: dict) -> tuple:
         return experts, modules, cache, prefetch
     clash = [(k, why) for k, why in (
         ("split_fetch", "each rank keeps a share of the layer's bytes, not whole experts"),
-        ("host_budget", "layers in files (the disk tier) are read whole"),
     ) if v[k] is not None]
+    if v["compress"] is not None and v["host_budget"] is not None:
+        clash.append(("host_budget", "with compress as well: an encoded layer in a spill file is not read by parts"))
     if clash:
         k, why = clash[0]
         raise ValueError(f"experts='routed' does not compose with {k}={v[k]!r} yet ({why}): drop {k}, or use "

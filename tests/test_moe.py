@@ -386,7 +386,7 @@ def test_expert_modules_override_and_predicate():
     (dict(experts="routed", expert_cache=-1), "expert_cache must be"),
     (dict(experts="routed", expert_prefetch="yes"), "expert_prefetch must be"),
     (dict(experts="routed", expert_modules=[3]), "expert_modules must be"),
-    (dict(experts="routed", host_budget=1 << 20), "does not compose with host_budget"),
+    (dict(experts="routed", host_budget=1 << 20, compress="lossless"), "does not compose with host_budget"),
 ])
 def test_bad_expert_options_are_refused(kw, match):
     model = _make("mixtral")
@@ -579,4 +579,123 @@ def test_compressed_routed_edit_in_place_and_set_residency():
         assert torch.equal(model.state_dict()[k], v), k
     m.set_residency([1, 4], prefetch_depth=2)
     want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+# ------------------------------------------------------------ the disk tier
+def _disk_steps(model, m, steps=4):
+    """Per decode step, with the experts used: (bus bytes, disk bytes read, the
+    ideal disk bytes: the prefix of each streamed disk layer + the rows of the
+    experts used in disk layers), over `steps` steps after a prefill."""
+    disk = {i for i, r in enumerate(m.tier_plan()) if r.where in ("spill", "checkpoint")}
+    used = [set()]
+    hooks = [xm.module.register_forward_pre_hook(
+        lambda mod, a, kw, i=i, xm=xm: used[-1].update(
+            (i, k, x) for x in experts_mod.chosen_experts(xm.routed(a, kw), xm.num_experts)),
+        with_kwargs=True) for i, mods in m.experts.layers.items() for k, xm in enumerate(mods)]
+    prefix = sum(m.plan.layers[i].base_bytes for i in disk)
+    ids, out = _ids(batch=1, seed=5), []
+    with torch.no_grad():
+        o = model(ids, use_cache=True)
+        past, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            used.append(set())
+            r0 = m.stats(sync=True)["disk"]["bytes_read"]
+            o = model(nxt, past_key_values=past, use_cache=True)
+            past, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            st = m.stats(sync=True)
+            rows = sum(m.experts.layers[i][k].unit_bytes for i, k, _ in used[-1] if i in disk)
+            out.append((st["last_step"]["bytes_copied"], st["disk"]["bytes_read"] - r0, prefix + rows))
+    for h in hooks:
+        h.remove()
+    return disk, out
+
+
+def _check_disk(ref, model, m, ids):
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    disk, rows = _disk_steps(model, m)
+    assert disk
+    whole = sum(m.plan.layers[i].nbytes for i in disk)
+    slack = len(m._chain.disk.slots) * max(m.plan.layers[i].base_bytes for i in disk)  # reads ahead across steps
+    assert sum(r for _, r, _ in rows) <= 1.1 * sum(ideal for _, _, ideal in rows) + slack, rows
+    assert all(r < 0.8 * whole for _, r, _ in rows[1:]), (rows, whole)  # never the whole layers
+    return disk
+
+
+def _host_budget(model, keep_fraction=0.85):
+    return int(keep_fraction * sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+@pytest.mark.parametrize("cache", [None, "auto"])
+def test_routed_experts_in_spill_files_are_read_on_demand(tmp_path, cache):
+    ref = _make("mixtral")
+    model = copy.deepcopy(ref)
+    (m,) = _configure(model, host_budget=_host_budget(ref), spill_dir=str(tmp_path), expert_cache=cache,
+                      expert_prefetch=cache is not None)
+    disk = _check_disk(ref, model, m, _ids(batch=2))
+    assert m.stats()["disk"]["layers"] == len(disk)
+    # the host budget counted the staging the on-demand reads keep
+    from layerwise import hostplan
+    from layerwise.stages.disk import staging_slots
+
+    planned = (staging_slots(m.prefetch_depth, None) * hostplan.staging_slot_bytes(m, disk)
+               + hostplan.range_staging_bytes(m, disk))
+    assert hostplan.range_staging_bytes(m, disk) > 0
+    assert m.stats()["disk"]["staging_bytes"] <= planned
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    # a load into one expert of a layer in the spill file
+    i = max(disk)
+    key = f"model.layers.{i}.mlp.experts.down_proj"
+    with torch.no_grad():
+        ref.model.layers[i].mlp.experts.down_proj[5].mul_(-2)
+    model.load_state_dict({key: ref.state_dict()[key]}, strict=False)
+    assert torch.equal(model.state_dict()[key], ref.state_dict()[key])
+    ids = _ids(batch=3, seed=9)
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    layerwise.remove_layerwise_offload(model)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("spill", [False, True])
+def test_load_offloaded_routed_with_a_host_budget(arch, spill, tmp_path):
+    ref, model = _meta(arch)
+    path = _save(ref, tmp_path / "model.safetensors")
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    (m,) = layerwise.load_offloaded(model, path, ["model.layers"], device="cpu", experts="routed",
+                                    host_budget=_host_budget(ref), spill_dir=str(spill_dir) if spill else None,
+                                    debug_copy_delay_us=300)
+    disk = _check_disk(ref, model, m, _ids(batch=2))
+    assert {m.tier_plan()[i].where for i in disk} == {"spill" if spill else "checkpoint"}
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    if not spill:  # the checkpoint is read-only: a load into one of its layers is refused, nothing changed
+        key = f"model.layers.{max(disk)}.mlp.experts.gate_up_proj"
+        with pytest.raises(RuntimeError, match="does not write"):
+            model.load_state_dict({key: torch.zeros_like(ref.state_dict()[key])}, strict=False)
+        assert torch.equal(model.state_dict()[key], ref.state_dict()[key])
+
+
+def test_routed_experts_from_a_checkpoint_that_changed_raise_and_recover(tmp_path):
+    ref, model = _meta("mixtral")
+    path = _save(ref, tmp_path / "model.safetensors")
+    (m,) = layerwise.load_offloaded(model, path, ["model.layers"], device="cpu", experts="routed",
+                                    host_budget=_host_budget(ref))
+    ids = _ids(batch=2)
+    want = _run(ref, ids)
+    original = path.read_bytes()
+    damaged = bytearray(original)
+    for off in range(len(damaged) // 2, len(damaged), 4096):  # the later tensors: layers on disk
+        damaged[off] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(OSError):
+        _run(model, ids)
+    path.write_bytes(original)
+    got = _run(model, ids)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

@@ -136,8 +136,11 @@ class Chain:
             return
         srcs = [self._disk_of[i] for i in order]
         slots = staging_slots(prefetch_depth, self.disk_prefetch_depth)
-        self.disk = DiskTier(engine, slots, max(s.staging_size for s in srcs), self.device,
+        self.disk = DiskTier(engine, slots, max(s.fetch_staging_size for s in srcs), self.device,
                              pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
+        if self.experts is not None:  # on-demand reads of experts' rows: one expert's largest rows at a time
+            self.disk.range_chunk = self.experts.plan.range_chunk()
+            self.disk.range_runs = self.experts.plan.range_runs()
         for s in srcs:
             s.tier = self.disk
         self.restream(len(sources), streamed)

@@ -49,7 +49,7 @@ import zlib
 import torch
 
 from .read import (PAGE, READ_CHUNK_BYTES, READER_THREADS, OpenFile, ReadError, Reader, _round_up, aligned_staging,
-                   read_layer, staging_block)
+                   read_layer, staging_block, staging_layout)
 from .result import detached
 from .transfer import Transfer, cuts_of
 
@@ -326,6 +326,9 @@ class DiskTier:
         self.read_s = 0.0  # time reads took, from start to end, summed (several run at once)
         self.timed_bytes = 0.0  # the bytes of those reads
         self.copies_meanwhile = 0  # copies issued while the host waited for another fetch (Chain.meanwhile)
+        self.range_reads = 0  # on-demand reads of parts of layers (routed experts: read_range)
+        self._ranges: list = []  # read_range's staging buffers: (buf, arena, last copy out of it)
+        self._range_next = 0
 
     def _staging(self, nbytes: int):
         cuda = self.device.type == "cuda"
@@ -333,7 +336,7 @@ class DiskTier:
 
     @property
     def staging_bytes(self) -> int:
-        return sum(s.buf.numel() for s in self.slots)
+        return sum(s.buf.numel() for s in self.slots) + sum(b.numel() for b, _, _ in self._ranges)
 
     # ------------------------------------------------------------ staging
     @staticmethod
@@ -380,24 +383,24 @@ class DiskTier:
         if s.src is not None and s.src.slot == k:
             s.src.slot = None
         s.src, s.version, s.reads = None, -1, []
-        if src.staging_size > s.buf.numel():  # a write made the layer larger (an encoding): regrow, once free
+        if src.fetch_staging_size > s.buf.numel():  # a write made the layer larger (an encoding): regrow, once free
             if s.last is not None:
                 try:
                     s.last.synchronize()
                 except Exception:  # noqa: BLE001 - a failed read: nothing in flight
                     pass
                 s.last = None
-            s.buf, s.arena = self._staging(src.staging_size)
+            s.buf, s.arena = self._staging(src.fetch_staging_size)
             s.cuts = cuts_of(s.arena, s.buf)
         reads = []
-        for part in src.parts:  # one after the other: `last` covers them all
+        for part in src.fetch_parts:  # one after the other: `last` covers them all
             reads.append(read_layer(self.reader, part.file.of, part.extents, s.buf, after=s.after()))
             s.last = reads[-1]
-        s.src, s.version, s.reads, s.opened = src, src.version(), reads, tuple(p.file.of for p in src.parts)
+        s.src, s.version, s.reads, s.opened = src, src.version(), reads, tuple(p.file.of for p in src.fetch_parts)
         self._clock += 1
         s.used = self._clock
         src.slot = k
-        self.bytes_read += src.read_bytes
+        self.bytes_read += src.fetch_read_bytes
         self.reads += 1
         return k
 
@@ -450,10 +453,10 @@ class DiskTier:
             ms = ev.copy_ms
             if ms >= 0:
                 self.read_s += ms / 1e3
-                self.timed_bytes += d.src.read_bytes / len(s.reads)
+                self.timed_bytes += d.src.fetch_read_bytes / len(s.reads)
         after = d.after
         ev = None
-        for soff, poff, length in d.src.copies:
+        for soff, poff, length in d.src.fetch_copies:
             cuts = tuple(c - soff for c in s.cuts if soff < c < soff + length)
             ev = self.transfer.copy(d.dst[poff:poff + length], s.buf[soff:soff + length], after, d.timing, cuts)
             d.copies.append(ev)
@@ -463,6 +466,72 @@ class DiskTier:
             s.pending = None
         if d in self.pending:
             self.pending.remove(d)
+        return ev
+
+    # ------------------------------------------------------------ ranges (routed experts)
+    range_chunk = 1 << 22  # bytes per on-demand read (the chain sets one expert's largest rows)
+    range_runs = 2  # the most file runs one such read touches (the chain sets it)
+    RANGE_BUFFERS = 2  # the copy out of one overlaps the read into the other
+
+    @staticmethod
+    def range_staging_bytes(chunk: int, runs: int = 2) -> int:
+        """The host staging read_range keeps for reads of `chunk` bytes (each read's runs
+        start anywhere in a page): what a host budget counts."""
+        return DiskTier.RANGE_BUFFERS * (_round_up(chunk) + 2 * PAGE * runs)
+
+    def _range_buffer(self, size: int):
+        """The next range staging buffer of at least `size` bytes, free (its last copy
+        out waited for on the host), and its cuts."""
+        bufs, k = self._ranges, self._range_next
+        self._range_next = (k + 1) % self.RANGE_BUFFERS
+        if k < len(bufs):
+            buf, arena, last = bufs[k]
+            if last is not None:
+                last.synchronize()
+            if buf.numel() >= size:
+                bufs[k] = (buf, arena, None)
+                return k, buf, arena
+        buf, arena = self._staging(max(size, self.range_staging_bytes(self.range_chunk, self.range_runs)
+                                       // self.RANGE_BUFFERS))
+        if k < len(bufs):
+            bufs[k] = (buf, arena, None)
+        else:
+            bufs.append((buf, arena, None))
+        return k, buf, arena
+
+    def read_range(self, src, dst: torch.Tensor, lo: int, hi: int, after, timing: bool = False):
+        """Bytes [lo, hi) of `src`'s payload into the same bytes of `dst` (a slot): read
+        from the file now (the host waits: they are needed now), in chunks of
+        `range_chunk`, each then copied after `after` (and the chunk before); returns
+        the last copy's event. A failed read is read again once the file is back
+        (DiskSource.recover: the layer's CRC-32), once."""
+        ev = after
+        for a in range(lo, hi, self.range_chunk):
+            b = min(a + self.range_chunk, hi)
+            for attempt in range(2):
+                parts, copies, size = src.extents_for(a, b)
+                k, buf, arena = self._range_buffer(size)
+                try:
+                    if src.file_failed():
+                        src.recover(self.reader)
+                        parts, copies, size = src.extents_for(a, b)
+                    evs = [read_layer(self.reader, f.of, ex, buf) for f, ex in parts]
+                    t0 = time.perf_counter()
+                    for e in evs:
+                        e.synchronize()
+                    self.read_wait_s += time.perf_counter() - t0
+                    break
+                except ReadError as err:
+                    src.read_failed(err)
+                    if attempt:
+                        raise
+            self.bytes_read += sum(n for _, ex in parts for _, n, _ in ex)
+            self.range_reads += 1
+            cuts = cuts_of(arena, buf)
+            for soff, poff, n in copies:
+                cs = tuple(c - soff for c in cuts if soff < c < soff + n)
+                ev = self.transfer.copy(dst[poff:poff + n], buf[soff:soff + n], ev, timing, cs)
+            self._ranges[k] = (buf, arena, ev)
         return ev
 
     def _wait_reads(self, s: _Slot) -> None:
@@ -539,6 +608,7 @@ class DiskTier:
     def close(self) -> None:
         self.reader.synchronize()
         self.pending = []
+        self._ranges = []
         for s in self.slots:
             s.src, s.reads, s.opened, s.pending, s.last = None, [], (), None, None
         self.reader.drop_retired() if hasattr(self.reader, "drop_retired") else None
@@ -584,6 +654,58 @@ class DiskSource:
         self._version = 0
         self.verified = {id(p.file): p.file.gen for p in self.parts}
         self.lock = threading.Lock()
+        self.window = None  # stream_only: the tier's fetch reads bytes [0, window) only
+        self._windowed()
+
+    # ------------------------------------------------------ parts of the layer
+    def extents_for(self, lo: int, hi: int):
+        """([(DiskFile, extents)], copies, staging bytes) that read bytes [lo, hi) of the
+        payload (plan layout) into a staging buffer and copy them to their place:
+        as `parts` and `copies`, cut to the range."""
+        want: dict = {}  # id(file) -> (file, [(file_offset, length, plan_offset)])
+        for soff, poff, n in self.copies:
+            a, b = max(poff, lo), min(poff + n, hi)
+            if a >= b:
+                continue
+            sa, sb = soff + a - poff, soff + b - poff
+            for p in self.parts:
+                for fo, length, so in p.extents:
+                    x, y = max(so, sa), min(so + length, sb)
+                    if x < y:
+                        want.setdefault(id(p.file), (p.file, []))[1].append((fo + x - so, y - x, a + x - sa))
+        parts, copies, base = [], [], 0
+        for f, items in want.values():
+            extents, size = staging_layout([(fo, n) for fo, n, _ in items], base)
+            parts.append((f, extents))
+            copies += [(d, po, n) for (_, n, d), (_, _, po) in zip(extents, items)]
+            base += size
+        return parts, sorted(copies, key=lambda c: c[1]), base
+
+    def stream_only(self, hi: int) -> None:
+        """The tier's fetch reads and copies bytes [0, hi) of the payload only (routed
+        experts, stages/experts.ExpertSource: the experts' rows are read on demand,
+        copy_range); read() and write() keep the whole layer."""
+        self.window = hi
+        self._windowed()
+
+    def _windowed(self) -> None:
+        if self.window is None:
+            self.fetch_parts, self.fetch_copies = self.parts, self.copies
+            self.fetch_read_bytes, self.fetch_staging_size = self.read_bytes, self.staging_size
+            return
+        parts, self.fetch_copies, self.fetch_staging_size = self.extents_for(0, self.window)
+        self.fetch_parts = [_Part(f, ex) for f, ex in parts]
+        self.fetch_read_bytes = sum(n for _, ex in parts for _, n, _ in ex)
+
+    def copy_range(self, dst: torch.Tensor, lo: int, hi: int, after, timing: bool = False):
+        """Bytes [lo, hi) of the payload into the same bytes of `dst` (a slot), read from
+        the file now, then copied after `after` (DiskTier.read_range): a part of the
+        layer (routed experts, stages/experts.py)."""
+        return self.tier.read_range(self, dst, lo, hi, after, timing)
+
+    def range_bytes(self, lo: int, hi: int) -> int:
+        """The bytes copy_range(dst, lo, hi) moves over the bus."""
+        return hi - lo
 
     @property
     def writable(self) -> bool:
@@ -603,7 +725,8 @@ class DiskSource:
         """Mark the files failed (reopened at the next try). `opened`: the OpenFile
         each part was read through; a file reopened since (by another layer's
         recovery) is not reopened again: this layer is verified once anyway."""
-        for k, p in enumerate(self.parts):
+        parts = self.parts if opened is None else self.fetch_parts  # (`opened`: of a fetch, stage())
+        for k, p in enumerate(parts):
             if opened is None or opened[k] is p.file.of:
                 p.file.failed = True
 
@@ -612,15 +735,22 @@ class DiskSource:
         against the CRC taken at load, once per reopening; returns them. Anything
         that fails on the way leaves the files marked failed (reopened again at
         the next try: a file restored byte-exact then streams on)."""
-        try:
-            for p in self.parts:
-                if p.file.failed:
-                    reader.synchronize()
-                    p.file.revalidate(reader)
-            block = self._read_sync(reader)
-        except BaseException:
-            self.read_failed()
-            raise
+        for attempt in range(2):
+            try:
+                for p in self.parts:
+                    if p.file.failed:
+                        reader.synchronize()
+                        p.file.revalidate(reader)
+                block = self._read_sync(reader)
+                break
+            except ReadError:
+                # (the file changed again since another layer reopened it: reopen once more)
+                self.read_failed()
+                if attempt:
+                    raise
+            except BaseException:
+                self.read_failed()
+                raise
         if crc_of(block) != self.crc:
             self.read_failed()
             raise ReadError(errno.EIO, f"layerwise: {self.what}: its bytes in {self.parts[0].file.path} are not "
@@ -674,6 +804,7 @@ class DiskSource:
         self.copies = [(0, 0, n)]
         self.crc = crc
         self._version += 1
+        self._windowed()
 
     def write(self, block: torch.Tensor, undo: bool = False):
         """Replace the payload (a spill layer; its size may change: an encoded one).

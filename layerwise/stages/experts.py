@@ -47,6 +47,11 @@ class ExpertSource:
 
     def __init__(self, inner, base: int, tier: "ExpertTier"):
         self.inner, self.base, self.tier = inner, base, tier
+        # A layer in a file (stages/disk.DiskSource): its tier reads and copies the prefix
+        # only (read ahead, as any disk layer); the experts' rows are read on demand.
+        self.tiered = callable(getattr(inner, "stream_only", None))
+        if self.tiered:
+            inner.stream_only(base)
 
     kind = property(lambda self: self.inner.kind)
     nbytes = property(lambda self: self.inner.nbytes)
@@ -72,6 +77,8 @@ class ExpertSource:
 
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
         after = self.tier.before_fetch(dst, after)
+        if self.tiered:
+            return self.inner.fetch(i, dst, after, timing)
         return self.inner.copy_range(dst, 0, self.base, after, timing)
 
     def copy_range(self, dst, lo: int, hi: int, after, timing: bool = False):
