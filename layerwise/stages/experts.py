@@ -11,6 +11,13 @@ of the experts a forward needs are made ready by ``ExpertTier.make_ready``
 (a device-to-device copy into the slot) or copied over the bus from the
 arena, one copy per contiguous range of each expert parameter.
 
+The inner source copies ranges of the layer (`copy_range`, `range_bytes`):
+a host block (ArenaSource), an encoded one (stages/decode.CodecSource: each
+expert's rows are codec segments of their own, so a range is copied encoded
+and decoded into the slot), or a file (stages/disk.DiskSource: the tier reads
+ahead the prefix only, `stream_only`; a range is read from the file on demand,
+DiskTier.read_range).
+
 What each slot holds is recorded per slot: the layer and the fetch
 generation (ring.gen) and version of its true bytes it was stamped with, and
 the experts whose rows are in place. A new fetch into the slot (another
