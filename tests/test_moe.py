@@ -699,3 +699,36 @@ def test_routed_experts_from_a_checkpoint_that_changed_raise_and_recover(tmp_pat
     path.write_bytes(original)
     got = _run(model, ids)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+# ------------------------------------------------- quantized experts (stream whole)
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint8"])
+def test_quantized_list_experts_stream_whole_and_exact(kind, caplog):
+    """Per-expert ModuleList experts quantized by torchao / quanto: not routed (their
+    parameters are submodules' quantized tensors), streamed whole with a WARNING
+    that says so; bitwise the resident quantized model; each step moves the whole
+    layers' quantized bytes."""
+    from test_quantized import quantize
+
+    def build():
+        torch.manual_seed(0)
+        return quantize(ToyModel().to(torch.bfloat16).eval(), kind)
+
+    ref, model = build(), build()  # (quanto's tensors do not deepcopy)
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(x)
+    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
+                                                     prefetch_depth=0, debug_copy_delay_us=300)
+    assert "streams whole" in caplog.text and "submodule" in caplog.text
+    assert m.experts is None
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+        assert torch.equal(model(x), want)
+    st = m.stats(sync=True)
+    assert st["last_step"]["bytes_copied"] == sum(lp.nbytes for lp in m.plan.layers)
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k].dequantize() if hasattr(sd[k], "dequantize") else sd[k],
+                           v.dequantize() if hasattr(v, "dequantize") else v), k
