@@ -31,6 +31,7 @@ from .stages.disk import DiskTier, spill_store, staging_slots
 log = logging.getLogger("layerwise")
 
 PAGE = 4096
+CODEC_SEGMENT_EXTRA = 128 + 16  # a codec header and a 16-byte alignment (layerwise/codec.py)
 
 
 def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
@@ -55,8 +56,14 @@ def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
 
     def payload(i):
         split = routes[i].split
-        # (routed experts: the slot holds the prefix; the experts' rows are read on demand)
-        return manager.plan.layers[i].base_bytes if split is None else split[2] - split[1]
+        # (routed experts: staging holds the prefix, encoded at most a codec header and an
+        # alignment more per segment; the experts' rows are read on demand)
+        lp = manager.plan.layers[i]
+        if split is not None:
+            return split[2] - split[1]
+        if lp.base_bytes == lp.nbytes:
+            return lp.nbytes
+        return lp.base_bytes + (CODEC_SEGMENT_EXTRA * len(lp.segments) if routes[i].encoded else 0)
 
     return max((round_up(payload(i), PAGE) + pad(i) for i in layers), default=0)
 

@@ -300,10 +300,11 @@ def validate_experts(v: dict) -> tuple:
     expert's rows are codec segments of their own: an expert fetch copies and
     decodes its own encoded span) and with the disk tier (host_budget, spill_dir,
     load_offloaded's checkpoint: a layer on disk is read ahead without its
-    experts, whose rows are read from the file on demand). Refused here, naming
-    what to do: split_fetch (each rank keeps a share of the layer's bytes, not
-    whole experts), and compress together with host_budget (an encoded layer in
-    a spill file is not read by parts yet)."""
+    experts, whose rows are read from the file on demand), and with both (an
+    encoded layer in a spill file: the encoded prefix read ahead, each expert's
+    encoded rows read on demand, then decoded). Refused here, naming what to
+    do: split_fetch (each rank keeps a share of the layer's bytes, not whole
+    experts)."""
     experts, modules, cache, prefetch = v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"]
     if not (isinstance(experts, str) and experts in ("all", "routed")):
         raise ValueError(f"experts must be 'all' (every expert streams with its layer) or 'routed' (only the "
@@ -331,8 +332,6 @@ def validate_experts(v: dict) -> tuple:
     clash = [(k, why) for k, why in (
         ("split_fetch", "each rank keeps a share of the layer's bytes, not whole experts"),
     ) if v[k] is not None]
-    if v["compress"] is not None and v["host_budget"] is not None:
-        clash.append(("host_budget", "with compress as well: an encoded layer in a spill file is not read by parts"))
     if clash:
         k, why = clash[0]
         raise ValueError(f"experts='routed' does not compose with {k}={v[k]!r} yet ({why}): drop {k}, or use "

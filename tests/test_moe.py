@@ -386,7 +386,6 @@ def test_expert_modules_override_and_predicate():
     (dict(experts="routed", expert_cache=-1), "expert_cache must be"),
     (dict(experts="routed", expert_prefetch="yes"), "expert_prefetch must be"),
     (dict(experts="routed", expert_modules=[3]), "expert_modules must be"),
-    (dict(experts="routed", host_budget=1 << 20, compress="lossless"), "does not compose with host_budget"),
 ])
 def test_bad_expert_options_are_refused(kw, match):
     model = _make("mixtral")
@@ -732,3 +731,57 @@ def test_quantized_list_experts_stream_whole_and_exact(kind, caplog):
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k].dequantize() if hasattr(sd[k], "dequantize") else sd[k],
                            v.dequantize() if hasattr(v, "dequantize") else v), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # (fp32: nothing to encode, plain disk)
+def test_compressed_routed_experts_in_spill_files(tmp_path, dtype):
+    ref = _bf16("mixtral") if dtype == torch.bfloat16 else _make("mixtral")
+    model = copy.deepcopy(ref)
+    (m,) = _configure(model, compress="lossless", host_budget=_host_budget(ref, 0.6), spill_dir=str(tmp_path),
+                      expert_cache="auto")
+    ids = _ids(batch=2)
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats()["compress"]
+    assert (st["layers"], st["layers_raw"]) == ((6, []) if dtype == torch.bfloat16 else (0, []))
+    disk, rows = _disk_steps(model, m)
+    assert disk
+    whole = sum(m.plan.layers[i].nbytes for i in disk)
+    assert all(r < 0.8 * whole for _, r, _ in rows[1:]), rows
+    if dtype == torch.bfloat16:  # encoded on disk: fewer bytes read and copied than the raw ideal
+        assert all(bus < 0.85 * ideal and r < 0.85 * ideal for bus, r, ideal in rows[1:]), rows
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    i = max(disk)
+    key = f"model.layers.{i}.mlp.experts.gate_up_proj"
+    with torch.no_grad():
+        ref.model.layers[i].mlp.experts.gate_up_proj[2].mul_(3)
+    model.load_state_dict({key: ref.state_dict()[key]}, strict=False)  # re-encoded into the spill file
+    assert torch.equal(model.state_dict()[key], ref.state_dict()[key])
+    ids = _ids(batch=3, seed=4)
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    layerwise.remove_layerwise_offload(model)
+    assert not list(tmp_path.iterdir())
+
+
+def test_compressed_routed_layer_that_travels_raw_from_a_spill_file(tmp_path):
+    """A layer whose encoding saves too little travels raw (random bit patterns): its
+    prefix is still read ahead alone and its experts read on demand; bitwise (the
+    logits' bit patterns, NaNs included)."""
+    ref = _bf16("mixtral")
+    with torch.no_grad():
+        for p in ref.model.layers[5].parameters():
+            p.view(torch.int16).copy_(torch.randint(-(1 << 15), 1 << 15, p.shape, dtype=torch.int16,
+                                                    generator=torch.Generator().manual_seed(3)))
+    model = copy.deepcopy(ref)
+    (m,) = _configure(model, compress="lossless", host_budget=_host_budget(ref, 0.6), spill_dir=str(tmp_path))
+    assert 5 in m.stats()["compress"]["layers_raw"] and m.tier_plan()[5].where == "spill"
+    for seed in range(3):
+        ids = _ids(batch=2, seed=seed)
+        with torch.no_grad():
+            want, got = ref(ids).logits, model(ids).logits
+        assert torch.equal(want.view(torch.int16), got.view(torch.int16))
+    st = m.stats(sync=True)
+    assert st["experts"]["misses"] > 0

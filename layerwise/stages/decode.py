@@ -130,6 +130,7 @@ class CodecSource:
         self.segments = segments
         self.nbytes = self.slot_bytes = nbytes
         self.inner = inner
+        self.window = None  # stream_only: what fetch_window decodes, [0, window) of the layer
         self._set_pieces(pieces)
         tier.sources.append(self)
 
@@ -137,6 +138,33 @@ class CodecSource:
         self.pieces = None if pieces is None else tuple(pieces)
         self._ranges: dict = {}  # (lo, hi) -> the pieces within (routed experts: asked at every fetch)
         self.spans = () if pieces is None else tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces)
+        if self.window is not None:
+            self._stream_inner()
+
+    def stream_only(self, hi: int) -> None:
+        """fetch_window brings bytes [0, hi) of the layer only (routed experts,
+        stages/experts.ExpertSource); where the inner source reads ahead (a file), it
+        reads the encoded span of the pieces within only (their encoding is a prefix
+        of the payload: the segments are in layout order)."""
+        self.window = hi
+        self._stream_inner()
+
+    def _stream_inner(self) -> None:
+        if not callable(getattr(self.inner, "stream_only", None)):
+            return
+        if self.pieces is None:
+            self.inner.stream_only(self.window)
+            return
+        got = self._within(0, self.window)
+        end = got[-1].enc_off + got[-1].enc_n if got else 0
+        if got and got[0].enc_off != 0:
+            raise ValueError(f"layerwise: internal: the encoding of layer {self.tier.group}[{self.index}] does "
+                             "not start with its prefix")
+        self.inner.stream_only(end)
+
+    def fetch_window(self, i: int, dst: torch.Tensor, after, timing: bool):
+        """Bytes [0, window) of the layer into `dst` (stream_only)."""
+        return self.tier.fetch(self, i, dst, after, timing, part=(0, self.window))
 
     @property
     def encoded(self) -> bool:
@@ -348,7 +376,11 @@ class CodecTier:
             # What the source holds when the copy is issued (a write in between changes
             # payload and pieces together; the manager then reloads the slot anyway).
             pieces, spans, need = src.pieces, src.spans, src.transfer_bytes
+            windowed = (part is not None and part[0] == 0 and src.window == part[1]
+                        and callable(getattr(src.inner, "fetch_window", None)))
             if pieces is None:
+                if windowed:
+                    return src.inner.fetch_window(i, dst, after, timing)
                 if part is not None:
                     return src.inner.copy_range(dst, part[0], part[1], after, timing)
                 return src.inner.fetch(i, dst, after, timing)
@@ -359,7 +391,10 @@ class CodecTier:
                 spans = tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces)
                 a, b = pieces[0].enc_off, pieces[-1].enc_off + pieces[-1].enc_n
                 staging, ready = self._staging_for(k, b, prev)
-                copied = src.inner.copy_range(staging, a, b, ready, timing=False)
+                if windowed:
+                    copied = src.inner.fetch_window(i, staging, ready, timing=False)  # (read ahead: a file)
+                else:
+                    copied = src.inner.copy_range(staging, a, b, ready, timing=False)
                 return then(copied, lambda copy_ev: self._decode(staging, dst, pieces, spans, copy_ev, after,
                                                                  timing), self.pending)
             staging, ready = self._staging_for(k, need, prev)

@@ -697,6 +697,10 @@ class DiskSource:
         self.fetch_parts = [_Part(f, ex) for f, ex in parts]
         self.fetch_read_bytes = sum(n for _, ex in parts for _, n, _ in ex)
 
+    def fetch_window(self, i: int, dst: torch.Tensor, after, timing: bool):
+        """Bytes [0, window) of the payload into `dst` (stream_only), as the tier fetches."""
+        return self.tier.fetch(self, dst, after, timing)
+
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int, after, timing: bool = False):
         """Bytes [lo, hi) of the payload into the same bytes of `dst` (a slot), read from
         the file now, then copied after `after` (DiskTier.read_range): a part of the

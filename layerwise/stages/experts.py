@@ -54,8 +54,9 @@ class ExpertSource:
 
     def __init__(self, inner, base: int, tier: "ExpertTier"):
         self.inner, self.base, self.tier = inner, base, tier
-        # A layer in a file (stages/disk.DiskSource): its tier reads and copies the prefix
-        # only (read ahead, as any disk layer); the experts' rows are read on demand.
+        # A layer in a file (stages/disk.DiskSource, or one encoded in it): its tier reads
+        # and copies the prefix only (read ahead, as any disk layer); the experts' rows are
+        # read on demand.
         self.tiered = callable(getattr(inner, "stream_only", None))
         if self.tiered:
             inner.stream_only(base)
@@ -85,7 +86,7 @@ class ExpertSource:
     def fetch(self, i: int, dst: torch.Tensor, after, timing: bool):
         after = self.tier.before_fetch(dst, after)
         if self.tiered:
-            return self.inner.fetch(i, dst, after, timing)
+            return self.inner.fetch_window(i, dst, after, timing)
         return self.inner.copy_range(dst, 0, self.base, after, timing)
 
     def copy_range(self, dst, lo: int, hi: int, after, timing: bool = False):
@@ -273,8 +274,8 @@ class ExpertTier:
         ev = after
         for lo, hi in spans:
             ev = src.copy_range(self.ring.slots[s], lo, hi, ev)
-        if is_deferred(ev):  # (issued now: the compute waits on it next)
-            ev = ev.resolve()
+            if is_deferred(ev):  # (issued now: the compute waits on it next; the next copy is after it)
+                ev = ev.resolve()
         r.pending = [e for e in r.pending if not e.query()] + [ev]
         return ev
 
