@@ -224,12 +224,20 @@ def test_load_state_dict_into_one_expert(cache):
 
 
 def test_editing_a_routed_layer_in_place_keeps_every_expert():
-    from layerwise import contract
 
     ref = _make("olmoe")
     model = copy.deepcopy(ref)
     (m,) = _configure(model)
     ids = _ids(batch=1)
+    _edit_layer_2_in_place(ref, model, m, ids)
+    assert torch.equal(_run(model, ids)[1], _run(ref, ids)[1])
+
+
+def _edit_layer_2_in_place(ref, model, m, ids):
+    """Run, then double layer 2's down_proj in place (contract.editing) in both models:
+    the state dicts agree after."""
+    from layerwise import contract
+
     _run(model, ids, new=2)
     with contract.editing(m, 2):
         model.model.layers[2].mlp.experts.down_proj.data.mul_(2)
@@ -237,7 +245,6 @@ def test_editing_a_routed_layer_in_place_keeps_every_expert():
         ref.model.layers[2].mlp.experts.down_proj.mul_(2)
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
-    assert torch.equal(_run(model, ids)[1], _run(ref, ids)[1])
 
 
 SIGINT_SCRIPT = textwrap.dedent(r"""
@@ -563,19 +570,11 @@ def test_compressed_routed_host_bytes_are_planned_exactly():
 
 
 def test_compressed_routed_edit_in_place_and_set_residency():
-    from layerwise import contract
-
     ref = _bf16("qwen3")
     model = copy.deepcopy(ref)
     ids = _ids(batch=2)
     (m,) = _configure(model, compress="lossless", expert_cache="auto")
-    _run(model, ids, new=2)
-    with contract.editing(m, 2):
-        model.model.layers[2].mlp.experts.down_proj.data.mul_(2)
-    with torch.no_grad():
-        ref.model.layers[2].mlp.experts.down_proj.mul_(2)
-    for k, v in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[k], v), k
+    _edit_layer_2_in_place(ref, model, m, ids)
     m.set_residency([1, 4], prefetch_depth=2)
     want, got = _run(ref, ids), _run(model, ids)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
@@ -642,21 +641,25 @@ def test_routed_experts_in_spill_files_are_read_on_demand(tmp_path, cache):
                + hostplan.range_staging_bytes(m, disk))
     assert hostplan.range_staging_bytes(m, disk) > 0
     assert m.stats()["disk"]["staging_bytes"] <= planned
+    _load_one_expert_on_disk(ref, model, max(disk), "down_proj", 5, -2, tmp_path)
+
+
+def _load_one_expert_on_disk(ref, model, i, name, x, factor, spill_dir):
+    """The state dict is true; a load into expert x of layer i (in a spill file) takes
+    effect exactly; removal deletes the spill files."""
     sd = model.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k], v), k
-    # a load into one expert of a layer in the spill file
-    i = max(disk)
-    key = f"model.layers.{i}.mlp.experts.down_proj"
+    key = f"model.layers.{i}.mlp.experts.{name}"
     with torch.no_grad():
-        ref.model.layers[i].mlp.experts.down_proj[5].mul_(-2)
+        getattr(ref.model.layers[i].mlp.experts, name)[x].mul_(factor)
     model.load_state_dict({key: ref.state_dict()[key]}, strict=False)
     assert torch.equal(model.state_dict()[key], ref.state_dict()[key])
     ids = _ids(batch=3, seed=9)
     want, got = _run(ref, ids), _run(model, ids)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     layerwise.remove_layerwise_offload(model)
-    assert not list(tmp_path.iterdir())
+    assert not list(spill_dir.iterdir())
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3"])
@@ -750,20 +753,7 @@ def test_compressed_routed_experts_in_spill_files(tmp_path, dtype):
     assert all(r < 0.8 * whole for _, r, _ in rows[1:]), rows
     if dtype == torch.bfloat16:  # encoded on disk: fewer bytes read and copied than the raw ideal
         assert all(bus < 0.85 * ideal and r < 0.85 * ideal for bus, r, ideal in rows[1:]), rows
-    sd = model.state_dict()
-    for k, v in ref.state_dict().items():
-        assert torch.equal(sd[k], v), k
-    i = max(disk)
-    key = f"model.layers.{i}.mlp.experts.gate_up_proj"
-    with torch.no_grad():
-        ref.model.layers[i].mlp.experts.gate_up_proj[2].mul_(3)
-    model.load_state_dict({key: ref.state_dict()[key]}, strict=False)  # re-encoded into the spill file
-    assert torch.equal(model.state_dict()[key], ref.state_dict()[key])
-    ids = _ids(batch=3, seed=4)
-    want, got = _run(ref, ids), _run(model, ids)
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    layerwise.remove_layerwise_offload(model)
-    assert not list(tmp_path.iterdir())
+    _load_one_expert_on_disk(ref, model, max(disk), "gate_up_proj", 2, 3, tmp_path)  # (re-encoded there)
 
 
 def test_compressed_routed_layer_that_travels_raw_from_a_spill_file(tmp_path):
