@@ -295,9 +295,13 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
 
 
 def test_real_sigints_during_a_routed_forward(tmp_path):
+    _sigints(tmp_path, SIGINT_SCRIPT.format(tests=os.path.dirname(__file__)), 30, 180)
+
+
+def _sigints(tmp_path, text: str, target: int, cap: float) -> None:
+    """Run the SIGINT script `text`: `target` interrupts inside forwards, no wrong output."""
     script = tmp_path / "sigint.py"
-    script.write_text(SIGINT_SCRIPT.format(tests=os.path.dirname(__file__)))
-    target, cap = 30, 180
+    script.write_text(text)
     proc = subprocess.run([sys.executable, str(script), str(target), str(cap)], capture_output=True, text=True,
                           timeout=cap + 240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -775,3 +779,18 @@ def test_compressed_routed_layer_that_travels_raw_from_a_spill_file(tmp_path):
         assert torch.equal(want.view(torch.int16), got.view(torch.int16))
     st = m.stats(sync=True)
     assert st["experts"]["misses"] > 0
+
+
+def test_real_sigints_during_a_routed_forward_from_encoded_spill_files(tmp_path):
+    """As test_real_sigints_during_a_routed_forward, with the layers encoded in spill
+    files (on-demand reads of experts' rows interrupted too)."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    text = SIGINT_SCRIPT.format(tests=os.path.dirname(__file__))
+    text = text.replace("from test_moe import _make, _ids", "from test_moe import _bf16, _ids, _host_budget")
+    text = text.replace('ref = _make("mixtral")', 'ref = _bf16("mixtral")')
+    text = text.replace("debug_copy_delay_us=300)", f"debug_copy_delay_us=300, compress='lossless', "
+                                                     f"host_budget=_host_budget(ref, 0.6), spill_dir={str(spill)!r})")
+    assert "spill_dir" in text and "_bf16" in text
+    _sigints(tmp_path, text, 20, 120)
+    assert not list(spill.iterdir())  # deleted at exit
