@@ -161,6 +161,9 @@ def _summary(r: dict) -> str:
             text += f", {d['read_gbps']:.2f} GB/s per read"
         if d["read_failures"]:
             text += f", {d['read_failures']} failed reads"
+        if d.get("reads_on_demand"):
+            text += (f"; routed experts' rows read on demand: {d['reads_on_demand']} reads, "
+                     f"{fmt_bytes(d['bytes_read_on_demand'])}")
         parts.append(text)
     c = r.get("compress")
     if c:

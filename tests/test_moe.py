@@ -794,3 +794,30 @@ def test_real_sigints_during_a_routed_forward_from_encoded_spill_files(tmp_path)
     assert "spill_dir" in text and "_bf16" in text
     _sigints(tmp_path, text, 20, 120)
     assert not list(spill.iterdir())  # deleted at exit
+
+
+def test_offload_pipeline_routed_compressed_on_disk_and_its_report(tmp_path):
+    class Holder:
+        def __init__(self):
+            self.lm = _bf16("mixtral")
+
+        def __call__(self, ids):
+            return self.lm(ids)
+
+    ref, holder = _bf16("mixtral"), Holder()
+    managers = layerwise.offload_pipeline(holder, device="cpu", experts="routed", compress="lossless",
+                                          host_budget=_host_budget(ref, 0.6), spill_dir=str(tmp_path))
+    (m,) = [m for m in managers["lm"] if m.experts is not None]
+    ids = _ids(batch=2)
+    want, got = _run(ref, ids), _run(holder.lm, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats(sync=True)
+    assert st["disk"]["layers"] > 0 and st["disk"]["reads_on_demand"] > 0
+    assert 0 < st["disk"]["bytes_read_on_demand"] <= st["disk"]["bytes_read"]
+    assert st["compress"]["ratio"] < 0.8 and st["experts"]["misses"] > 0
+    text = str(layerwise.report(holder.lm))
+    assert "routed experts" in text and "read on demand" in text and "compress='lossless'" in text
+    layerwise.remove_pipeline_offload(holder)
+    assert not list(tmp_path.iterdir())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(holder.lm.state_dict()[k], v), k

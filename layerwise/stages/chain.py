@@ -264,6 +264,8 @@ class Chain:
             "bytes_buffered": r.get("bytes_buffered", 0),
             "read_failures": r.get("failed", 0),
             "copies_meanwhile": d.copies_meanwhile,  # issued while the host waited for a fetch (meanwhile)
+            "reads_on_demand": d.range_reads,  # routed experts' rows read from the files when routed to
+            "bytes_read_on_demand": d.range_bytes_read,  # (in bytes_read too)
         }
 
     def stats(self) -> dict:

@@ -327,6 +327,7 @@ class DiskTier:
         self.timed_bytes = 0.0  # the bytes of those reads
         self.copies_meanwhile = 0  # copies issued while the host waited for another fetch (Chain.meanwhile)
         self.range_reads = 0  # on-demand reads of parts of layers (routed experts: read_range)
+        self.range_bytes_read = 0  # their bytes (counted in bytes_read too)
         self._ranges: list = []  # read_range's staging buffers: (buf, arena, last copy out of it)
         self._range_next = 0
 
@@ -525,7 +526,9 @@ class DiskTier:
                     src.read_failed(err)
                     if attempt:
                         raise
-            self.bytes_read += sum(n for _, ex in parts for _, n, _ in ex)
+            n_read = sum(n for _, ex in parts for _, n, _ in ex)
+            self.bytes_read += n_read
+            self.range_bytes_read += n_read
             self.range_reads += 1
             cuts = cuts_of(arena, buf)
             for soff, poff, n in copies:
