@@ -4,13 +4,15 @@ models").
 
 Plan (`plan_experts`, before packing). In each layer of a group, an *expert
 module* is a module whose forward takes the routing (an argument named like
-transformers' `top_k_index` / `router_indices`) and whose own parameters are
-all expert-major: plain, contiguous, dim 0 = the number of experts (the fused
-`gate_up_proj[E, 2I, H]`, `down_proj[E, H, I]`, their biases). Expert e of
-such a parameter is the contiguous slice e of dim 0, so the parameter's bytes
-are already expert-major: the layout puts every expert parameter after the
-rest of the layer (plan.LayerPlan.layout(tail=...)), and the layer's ordinary
-fetch copies only the prefix (stages/experts.ExpertSource). A module that
+transformers' `top_k_index` / `router_indices`) and whose parameters are
+either all its own and expert-major: plain, contiguous, dim 0 = the number of
+experts (the fused `gate_up_proj[E, 2I, H]`, `down_proj[E, H, I]`, their
+biases; expert e is the contiguous slice e of dim 0), or all in one
+nn.ModuleList with one module per expert (expert e is every plan entry of
+module e: its parameters, or a quantized tensor's inner tensors). The layout
+puts every expert entry after the rest of the layer
+(plan.LayerPlan.layout(tail=...)), and the layer's ordinary fetch copies only
+the prefix (stages/experts.ExpertSource). A module that
 looks like one (it takes the routing) but whose parameters are not so is
 streamed whole, with a WARNING naming why; one named in `expert_modules`
 that cannot be placed is refused.
@@ -22,8 +24,9 @@ the rows of exactly the experts that received tokens (from its device cache,
 or copied over the bus, one copy per expert range per parameter), makes the
 compute wait for them and lets the forward run. The rows of the other experts
 hold stale bytes that the forward never reads (transformers' eager,
-batched_mm and grouped_mm forwards index the experts that got tokens), so the
-output is bitwise the resident model's. With `expert_prefetch`, the hook then
+batched_mm and grouped_mm forwards index the experts that got tokens; a
+per-expert ModuleList forward calls only those, or calls the others on no
+tokens), so the output is bitwise the resident model's. With `expert_prefetch`, the hook then
 copies, into the next MoE layer's slot, the experts that layer used at its
 previous call: a wrong guess costs bytes, never correctness.
 """
@@ -47,8 +50,13 @@ ROUTING_ARGS = ("top_k_index", "router_indices", "selected_experts", "expert_ind
 
 @dataclass(eq=False)
 class ExpertModule:
-    """One expert module of one layer: its expert-major parameters (plan entries)
-    and where each expert's rows lie in the layer's block (after layout)."""
+    """One expert module of one layer: its expert parameters (plan entries) and
+    where each expert's bytes lie in the layer's block (after layout).
+
+    `parts[x]`: expert x's pieces, (entry, first element, end element) of a plan
+    entry's storage span: the slice x of each fused expert-major parameter, or
+    every entry of expert x's own submodule (a per-expert ModuleList, its
+    quantized tensors' inner tensors included)."""
 
     layer: int
     name: str  # relative to the layer
@@ -56,26 +64,26 @@ class ExpertModule:
     num_experts: int
     entries: list
     routing: tuple  # (position in forward's arguments after self, keyword name)
-    rows: list = field(default_factory=list)  # (byte offset of the parameter in the block, bytes per expert)
+    parts: list = field(default_factory=list)
+    units: list = field(default_factory=list)  # per expert: [(byte offset in the block, bytes)], after place()
 
     def place(self) -> None:
-        self.rows = [(e.offset, e.span_bytes // self.num_experts) for e in self.entries]
+        self.units = [sorted((e.offset + lo * e.dtype.itemsize, (hi - lo) * e.dtype.itemsize) for e, lo, hi in px)
+                      for px in self.parts]
 
     @property
     def unit_bytes(self) -> int:
-        """Bytes of one expert (its rows of every expert parameter)."""
-        return sum(n for _, n in self.rows)
+        """Bytes of one expert (the largest: its rows of every expert parameter)."""
+        return max(sum(n for _, n in u) for u in self.units)
 
     def spans(self, experts) -> list[tuple[int, int]]:
         """[lo, hi) byte ranges of the block holding `experts` (sorted), adjacent ones merged."""
         out: list = []
-        for off, n in self.rows:
-            for x in experts:
-                lo = off + x * n
-                if out and out[-1][1] == lo:
-                    out[-1] = (out[-1][0], lo + n)
-                else:
-                    out.append((lo, lo + n))
+        for lo, n in sorted(r for x in experts for r in self.units[x]):
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], lo + n)
+            else:
+                out.append((lo, lo + n))
         return out
 
     def routed(self, args, kwargs) -> torch.Tensor | None:
@@ -102,20 +110,19 @@ class ExpertPlan:
         expert per expert parameter, so that each expert's rows decode on their own
         (stages/decode.CodecSource.copy_range). A layer without experts: its segments."""
         out = [(dt, off, n) for dt, (off, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0])]
-        rows = sorted((e.offset, e.span_bytes // m.num_experts, m.num_experts, e.dtype)
-                      for m in self.layers.get(lp.index, ()) for e in m.entries)
-        for off, n, count, dt in rows:
-            out.extend((dt, off + x * n, n) for x in range(count))
+        rows = sorted((e.offset + lo * e.dtype.itemsize, (hi - lo) * e.dtype.itemsize, str(e.dtype), e.dtype)
+                      for m in self.layers.get(lp.index, ()) for px in m.parts for e, lo, hi in px)
+        out.extend((dt, off, n) for off, n, _, dt in rows)
         return tuple(out)
 
     def range_chunk(self) -> int:
         """The largest rows of one expert in one expert parameter: what an on-demand
         read from a file (the disk tier) reads at a time."""
-        return max((n for m in self.modules() for _, n in m.rows), default=1)
+        return max((n for m in self.modules() for u in m.units for _, n in u), default=1)
 
     def range_runs(self) -> int:
         """The most file runs one such read touches: it may cross every expert
-        parameter of a module (adjacent in the layout), one run each, and one more."""
+        tensor of a module (adjacent in the layout), one run each, and one more."""
         return max((len(m.entries) for m in self.modules()), default=1) + 1
 
     def expert_bytes(self, layers=None) -> int:
@@ -138,35 +145,75 @@ def routing_argument(module: nn.Module) -> tuple | None:
     return None
 
 
-def _why_not(module: nn.Module, entries: dict, qual: str) -> tuple[str | None, int, list]:
-    """(why the module cannot be routed or None, experts, its plan entries)."""
+def _list_experts(module: nn.Module, entries: dict) -> tuple[str | None, int, list, list]:
+    """A module whose experts are the children of one nn.ModuleList it holds (all
+    its parameters there, one child per expert): (why not or None, experts, its
+    plan entries, per expert [(entry, 0, span)])."""
+    lists = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+    if len(lists) != 1 or not isinstance(lists[0][1], nn.ModuleList):
+        names = [n for n, _ in lists]
+        return (f"its parameters are in submodules {names}, not in one nn.ModuleList of experts (fused "
+                "expert-major parameters [num_experts, ...] of the module itself, or one ModuleList with a "
+                "module per expert, are routed)"), 0, [], []
+    cname, experts = lists[0]
+    n_exp = getattr(module, "num_experts", None)
+    if isinstance(n_exp, int) and not isinstance(n_exp, bool) and n_exp != len(experts):
+        return f"its num_experts={n_exp} differs from its {len(experts)} modules in {cname!r}", 0, [], []
+    out, parts, seen = [], [], set()
+    for x, child in enumerate(experts):
+        px = []
+        for n, p in child.named_parameters():
+            es = entries.get(id(p))
+            if not es or id(p) in seen:
+                return (f"the parameter {cname}.{x}.{n} is tied to another module or expert, or not streamed"), \
+                    0, [], []
+            seen.add(id(p))
+            if any(e.dspec is not None for e in es):
+                return f"the parameter {cname}.{x}.{n} is a DTensor", 0, [], []
+            out += es
+            px += [(e, 0, e.span) for e in es]
+        parts.append(px)
+    return None, len(experts), out, parts
+
+
+def _why_not(module: nn.Module, entries: dict, qual: str) -> tuple[str | None, int, list, list]:
+    """(why the module cannot be routed or None, experts, its plan entries, each
+    expert's parts: ExpertModule.parts). `entries`: id(parameter) -> its plan
+    entries (a quantized wrapper: one per inner tensor)."""
     own = [(n, p) for n, p in module._parameters.items() if p is not None]
+    if not own:
+        why, n_exp, out, parts = _list_experts(module, entries)
+        if why is None and n_exp < 2:
+            why = f"it has {n_exp} expert(s)"
+        return why, n_exp, out, parts
     for cname, child in module.named_children():
         if any(True for _ in child.parameters()):
-            return (f"its submodule {cname!r} holds parameters (only fused expert-major parameters "
-                    "[num_experts, ...] of the module itself are routed)"), 0, []
-    if not own:
-        return "it holds no parameters of its own", 0, []
+            return (f"its submodule {cname!r} holds parameters besides its own (fused expert-major parameters "
+                    "[num_experts, ...] of the module itself, or one ModuleList with a module per expert, are "
+                    "routed)"), 0, [], []
     n_exp = getattr(module, "num_experts", None)
     if not isinstance(n_exp, int) or isinstance(n_exp, bool):
         n_exp = own[0][1].shape[0] if own[0][1].dim() else 0
     out = []
     for n, p in own:
-        e = entries.get(id(p))
-        if e is None:
-            return f"its parameter {n!r} is tied to another module or not streamed", 0, []
+        es = entries.get(id(p))
+        if not es:
+            return f"its parameter {n!r} is tied to another module or not streamed", 0, [], []
+        e = es[0]
         if e.leaf is not None or quantized.is_wrapper(p):
-            return f"its parameter {n!r} is a quantized tensor ({quantized.library_type(p)})", 0, []
+            return (f"its parameter {n!r} is a quantized tensor ({quantized.library_type(p)}): a fused quantized "
+                    "tensor is not cut by expert"), 0, [], []
         if e.dspec is not None:
-            return f"its parameter {n!r} is a DTensor", 0, []
+            return f"its parameter {n!r} is a DTensor", 0, [], []
         if len(e.shape) < 2 or e.shape[0] != n_exp:
-            return f"its parameter {n!r} has shape {list(e.shape)}, not [num_experts={n_exp}, ...]", 0, []
+            return f"its parameter {n!r} has shape {list(e.shape)}, not [num_experts={n_exp}, ...]", 0, [], []
         if e.span != e.numel or tuple(e.stride) != tuple(torch.empty(e.shape, device="meta").stride()):
-            return f"its parameter {n!r} is not contiguous (strides {list(e.stride)})", 0, []
+            return f"its parameter {n!r} is not contiguous (strides {list(e.stride)})", 0, [], []
         out.append(e)
     if n_exp < 2:
-        return f"it has {n_exp} expert(s)", 0, []
-    return None, n_exp, out
+        return f"it has {n_exp} expert(s)", 0, [], []
+    parts = [[(e, x * (e.span // n_exp), (x + 1) * (e.span // n_exp)) for e in out] for x in range(n_exp)]
+    return None, n_exp, out, parts
 
 
 def _wanted(spec, name: str, module: nn.Module) -> bool:
@@ -184,7 +231,9 @@ def plan_experts(plan, options) -> ExpertPlan | None:
     layers: dict = {}
     named_found = set()
     for lp in plan.layers:
-        entries = {id(e.param): e for e in lp.params}
+        entries: dict = {}
+        for e in lp.params:  # (a quantized wrapper: one entry per inner tensor)
+            entries.setdefault(id(e.param), []).append(e)
         mods = []
         for name, m in lp.module.named_modules():
             if not name:
@@ -202,7 +251,7 @@ def plan_experts(plan, options) -> ExpertPlan | None:
                         "be known before it runs. Name the module whose forward takes the routing, or use "
                         "experts='all'. The model is unchanged.")
                 continue
-            why, n_exp, ents = _why_not(m, entries, qual)
+            why, n_exp, ents, parts = _why_not(m, entries, qual)
             if why is not None:
                 if named:
                     raise ValueError(f"layerwise: expert_modules names {qual!r} ({type(m).__name__}), which cannot "
@@ -210,7 +259,7 @@ def plan_experts(plan, options) -> ExpertPlan | None:
                 log.warning("layerwise: %s (%s) takes the routing but streams whole: %s", qual, type(m).__name__, why)
                 continue
             named_found.add(name)
-            mods.append(ExpertModule(lp.index, name, m, n_exp, ents, routing))
+            mods.append(ExpertModule(lp.index, name, m, n_exp, ents, routing, parts))
         if mods:
             lp.layout(tail={id(e) for m in mods for e in m.entries})
             for m in mods:

@@ -3,7 +3,8 @@ stay on disk (the disk tier, stages/disk.py) so that host memory fits
 `host_budget`.
 
 What counts against the budget: the arenas of the layers kept in memory, the
-disk tier's staging slots, the scratch block a layer is packed through, the
+disk tier's staging slots (and, for routed experts, the staging of the
+on-demand reads of experts' rows), the scratch block a layer is packed through, the
 page cache a checkpoint's reads may hold while packing (load_offloaded drops it
 as it goes: `cache_bytes`), and on a CPU device (where the "device" is host
 memory) the non-layer weights, the slot rings and the resident layers. The
@@ -68,13 +69,14 @@ def staging_slot_bytes(manager, layers, spill: bool = True) -> int:
     return max((round_up(payload(i), PAGE) + pad(i) for i in layers), default=0)
 
 
-def range_staging_bytes(manager, layers) -> int:
+def range_staging_bytes(manager, layers, spill: bool = True) -> int:
     """The staging of on-demand reads of a group whose disk `layers` have routed
-    experts (stages/disk.DiskTier.read_range), 0 otherwise."""
+    experts (stages/disk.DiskTier.read_range), 0 otherwise. In a spill file a
+    layer is contiguous: one run per read; in a checkpoint each tensor is one."""
     plan = manager.experts
     if plan is None or not any(i in plan.layers for i in layers):
         return 0
-    return DiskTier.range_staging_bytes(plan.range_chunk(), plan.range_runs())
+    return DiskTier.range_staging_bytes(plan.range_chunk(), 1 if spill else plan.range_runs())
 
 
 def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_depth, held_bytes: int) -> dict:
@@ -127,7 +129,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
 
     def staging(disk_sets):
         return sum(staging_slots(m.prefetch_depth, disk_prefetch_depth) * staging_slot_bytes(m, d, spill)
-                   + range_staging_bytes(m, d) for m, d in disk_sets.items() if d)
+                   + range_staging_bytes(m, d, spill) for m, d in disk_sets.items() if d)
 
     every = sum(mem[m][i] for m in enabled for i in streamed[m])
     figures = {"budget": budget, "how": how, "fixed_bytes": fixed, "every_bytes": every, "needed_bytes": fixed + every}

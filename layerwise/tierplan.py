@@ -115,10 +115,9 @@ def encoded_layer_bytes(lp, experts=None) -> int | None:
             return None
         total += got
     for m in mods:
-        for e in m.entries:
-            per = e.span // m.num_experts
-            for x in range(m.num_experts):
-                got = _segment_bytes([_flat(e, x * per, (x + 1) * per)], e.dtype, per * e.dtype.itemsize)
+        for px in m.parts:
+            for e, lo, hi in px:
+                got = _segment_bytes([_flat(e, lo, hi)], e.dtype, (hi - lo) * e.dtype.itemsize)
                 if got is None:
                     return None
                 total += got

@@ -329,11 +329,22 @@ class ListExperts(nn.Module):
         return out
 
 
-class ToyMoE(nn.Module):
+class MixedExperts(ListExperts):
+    """A ModuleList of experts and a parameter of its own: not placeable (streamed whole)."""
+
     def __init__(self, d=16, n=4):
+        super().__init__(d, n)
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return super().forward(x, top_k_index, top_k_weights) * self.scale
+
+
+class ToyMoE(nn.Module):
+    def __init__(self, d=16, n=4, experts=ListExperts):
         super().__init__()
         self.gate = nn.Linear(d, n, bias=False)
-        self.experts = ListExperts(d, n)
+        self.experts = experts(d, n)
 
     def forward(self, x):
         w, idx = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
@@ -341,9 +352,9 @@ class ToyMoE(nn.Module):
 
 
 class ToyModel(nn.Module):
-    def __init__(self):
+    def __init__(self, experts=ListExperts, layers=3, d=16):
         super().__init__()
-        self.layers = nn.ModuleList([ToyMoE() for _ in range(3)])
+        self.layers = nn.ModuleList([ToyMoE(d, experts=experts) for _ in range(layers)])
 
     def forward(self, x):
         for b in self.layers:
@@ -353,7 +364,7 @@ class ToyModel(nn.Module):
 
 def test_an_expert_module_that_cannot_be_placed_streams_whole(caplog):
     torch.manual_seed(0)
-    ref = ToyModel().eval()
+    ref = ToyModel(MixedExperts).eval()
     model = copy.deepcopy(ref)
     x = torch.randn(5, 16)
     with caplog.at_level(logging.WARNING, logger="layerwise"):
@@ -365,7 +376,7 @@ def test_an_expert_module_that_cannot_be_placed_streams_whole(caplog):
 
 
 def test_naming_an_expert_module_that_cannot_be_placed_is_refused():
-    model = ToyModel()
+    model = ToyModel(MixedExperts)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="cannot be routed.*submodule"):
         layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
@@ -707,37 +718,82 @@ def test_routed_experts_from_a_checkpoint_that_changed_raise_and_recover(tmp_pat
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
-# ------------------------------------------------- quantized experts (stream whole)
-@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint8"])
-def test_quantized_list_experts_stream_whole_and_exact(kind, caplog):
-    """Per-expert ModuleList experts quantized by torchao / quanto: not routed (their
-    parameters are submodules' quantized tensors), streamed whole with a WARNING
-    that says so; bitwise the resident quantized model; each step moves the whole
-    layers' quantized bytes."""
+# ------------------------------------------- per-expert ModuleList experts, quantized
+def _toy_steps(model, m, xs):
+    """(bus bytes, ideal) per forward: the streamed layers' prefixes + the experts used."""
+    used = [set()]
+    hooks = [xm.module.register_forward_pre_hook(
+        lambda mod, a, kw, i=i, xm=xm: used[-1].update(
+            (i, k, x) for x in experts_mod.chosen_experts(xm.routed(a, kw), xm.num_experts)),
+        with_kwargs=True) for i, mods in m.experts.layers.items() for k, xm in enumerate(mods)]
+    streamed = set(m.ring.streamed)
+    prefix = sum(m._src[i].transfer_bytes for i in streamed)
+    out = []
+    with torch.no_grad():
+        for x in xs:
+            used.append(set())
+            model(x)
+            ideal = prefix + sum(sum(m._src[i].range_bytes(lo, hi) for lo, hi in m.experts.layers[i][k].spans([e]))
+                                 for i, k, e in used[-1] if i in streamed)
+            out.append((m.stats(sync=True)["last_step"]["bytes_copied"], ideal))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+@pytest.mark.parametrize("kind,kw", [
+    (None, {}), (None, dict(compress="lossless", expert_cache="auto")), ("ao-int8", {}), ("quanto-qint8", {}),
+    ("quanto-qint8", dict(expert_prefetch=True, expert_cache=1 << 16)), (None, "spill"), ("ao-int8", "spill"),
+])
+def test_per_expert_module_list_experts_are_routed(kind, kw, tmp_path):
+    """A ModuleList with one module per expert (plain, or its Linear layers quantized
+    by torchao / quanto: their inner tensors are the expert's bytes): routed, bitwise
+    the resident model's, each step moves the prefixes and the experts used."""
     from test_quantized import quantize
 
     def build():
         torch.manual_seed(0)
-        return quantize(ToyModel().to(torch.bfloat16).eval(), kind)
+        model = ToyModel(layers=6, d=64).to(torch.bfloat16).eval()
+        return quantize(model, kind) if kind else model
 
     ref, model = build(), build()  # (quanto's tensors do not deepcopy)
-    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    xs = [torch.randn(1, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(s)) for s in range(5)]
     with torch.no_grad():
-        want = ref(x)
-    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        want = [ref(x) for x in xs]
+    if kw == "spill":  # the tightest of a few budgets that leaves some layers in memory
+        total = sum(p.numel() * p.element_size() for p in ref.parameters())
+        for frac in [0.5 + k / 200 for k in range(300)]:
+            kw = dict(host_budget=int(frac * total), spill_dir=str(tmp_path))
+            try:
+                (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
+                                                             debug_copy_delay_us=300, **kw)
+            except ValueError as err:
+                assert "too small" in str(err)
+                continue
+            if m.stats()["disk"] is not None:
+                break
+            layerwise.remove_layerwise_offload(model)  # every layer fits: the next budgets are larger
+            pytest.fail(f"no budget between too small and every layer in memory ({frac})")
+    else:
         (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
-                                                     prefetch_depth=0, debug_copy_delay_us=300)
-    assert "streams whole" in caplog.text and "submodule" in caplog.text
-    assert m.experts is None
+                                                     debug_copy_delay_us=300, **kw)
+    assert m.experts is not None and len(m.experts.layers) == 6
     with torch.no_grad():
-        assert torch.equal(model(x), want)
-        assert torch.equal(model(x), want)
+        assert all(torch.equal(model(x), w) for x, w in zip(xs, want))
     st = m.stats(sync=True)
-    assert st["last_step"]["bytes_copied"] == sum(lp.nbytes for lp in m.plan.layers)
+    assert st["experts"]["misses"] > 0
+    assert (st["disk"] is not None and st["disk"]["layers"] > 0) == ("spill_dir" in kw)
+    assert (st["compress"] is not None and st["compress"]["ratio"] < 0.9) == ("compress" in kw)
+    rows = _toy_steps(model, m, xs)
+    assert all(ours <= 1.1 * ideal for ours, ideal in rows[1:]), rows
+    assert rows[-1][0] < 0.8 * sum(lp.nbytes for lp in m.plan.layers)
     sd = model.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k].dequantize() if hasattr(sd[k], "dequantize") else sd[k],
                            v.dequantize() if hasattr(v, "dequantize") else v), k
+    layerwise.remove_layerwise_offload(model)
+    with torch.no_grad():
+        assert all(torch.equal(model(x), w) for x, w in zip(xs, want))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # (fp32: nothing to encode, plain disk)

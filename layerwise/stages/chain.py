@@ -140,7 +140,7 @@ class Chain:
                              pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
         if self.experts is not None:  # on-demand reads of experts' rows: one expert's largest rows at a time
             self.disk.range_chunk = self.experts.plan.range_chunk()
-            self.disk.range_runs = self.experts.plan.range_runs()
+            self.disk.range_runs = 1 if all(s.spill is not None for s in srcs) else self.experts.plan.range_runs()
         for s in srcs:
             s.tier = self.disk
         self.restream(len(sources), streamed)

@@ -286,7 +286,7 @@ class ExpertTier:
 
     def _unit(self, xm, x: int):
         """(offset in the block, bytes) of expert x's rows of each expert parameter."""
-        return [(off + x * n, n) for off, n in xm.rows]
+        return xm.units[x]
 
     def make_ready(self, i: int, k: int, chosen, stream) -> Need:
         """Expert module k of layer i is about to run with `chosen` experts: queue
