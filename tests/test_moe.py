@@ -877,3 +877,25 @@ def test_offload_pipeline_routed_compressed_on_disk_and_its_report(tmp_path):
     assert not list(tmp_path.iterdir())
     for k, v in ref.state_dict().items():
         assert torch.equal(holder.lm.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("cache", [None, 1 << 16])
+def test_load_state_dict_into_one_module_list_expert(cache):
+    torch.manual_seed(0)
+    ref = ToyModel(layers=6, d=64).eval()
+    model = copy.deepcopy(ref)
+    (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
+                                                 expert_cache=cache, debug_copy_delay_us=300)
+    xs = [torch.randn(3, 64, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    with torch.no_grad():
+        for x in xs:
+            model(x)  # warm: the cache holds experts
+        for e in range(4):
+            ref.layers[2].experts.experts[e].weight.mul_(-1.5)
+    keys = [f"layers.2.experts.experts.{e}.weight" for e in range(4)]
+    model.load_state_dict({k: ref.state_dict()[k] for k in keys}, strict=False)
+    with torch.no_grad():
+        assert all(torch.equal(model(x), ref(x)) for x in xs)
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
