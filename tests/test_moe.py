@@ -719,6 +719,22 @@ def test_routed_experts_from_a_checkpoint_that_changed_raise_and_recover(tmp_pat
 
 
 # ------------------------------------------- per-expert ModuleList experts, quantized
+def _on_disk(ref, configure):
+    """The manager of `configure(host_budget)` at the smallest of a ladder of budgets
+    that is not too small: some layers on disk (a tiny model's staging can outweigh
+    its layers: the range between too small and all in memory is narrow)."""
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    for frac in [0.5 + k / 200 for k in range(300)]:
+        try:
+            (m,) = configure(int(frac * total))
+        except ValueError as err:
+            assert "too small" in str(err)
+            continue
+        assert m.stats()["disk"] is not None, f"no budget between too small and every layer in memory ({frac})"
+        return m
+    pytest.fail("every host budget was too small")
+
+
 def _toy_steps(model, m, xs):
     """(bus bytes, ideal) per forward: the streamed layers' prefixes + the experts used."""
     used = [set()]
@@ -744,6 +760,7 @@ def _toy_steps(model, m, xs):
 @pytest.mark.parametrize("kind,kw", [
     (None, {}), (None, dict(compress="lossless", expert_cache="auto")), ("ao-int8", {}), ("quanto-qint8", {}),
     ("quanto-qint8", dict(expert_prefetch=True, expert_cache=1 << 16)), (None, "spill"), ("ao-int8", "spill"),
+    (None, "ckpt"),
 ])
 def test_per_expert_module_list_experts_are_routed(kind, kw, tmp_path):
     """A ModuleList with one module per expert (plain, or its Linear layers quantized
@@ -751,38 +768,42 @@ def test_per_expert_module_list_experts_are_routed(kind, kw, tmp_path):
     the resident model's, each step moves the prefixes and the experts used."""
     from test_quantized import quantize
 
+    n = 16 if kw == "ckpt" else 6  # (from a checkpoint: staging pads every tensor; more layers to spread it)
+
     def build():
         torch.manual_seed(0)
-        model = ToyModel(layers=6, d=64).to(torch.bfloat16).eval()
+        model = ToyModel(layers=n, d=64).to(torch.bfloat16).eval()
         return quantize(model, kind) if kind else model
 
     ref, model = build(), build()  # (quanto's tensors do not deepcopy)
     xs = [torch.randn(1, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(s)) for s in range(5)]
     with torch.no_grad():
         want = [ref(x) for x in xs]
-    if kw == "spill":  # the tightest of a few budgets that leaves some layers in memory
-        total = sum(p.numel() * p.element_size() for p in ref.parameters())
-        for frac in [0.5 + k / 200 for k in range(300)]:
-            kw = dict(host_budget=int(frac * total), spill_dir=str(tmp_path))
-            try:
-                (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
-                                                             debug_copy_delay_us=300, **kw)
-            except ValueError as err:
-                assert "too small" in str(err)
-                continue
-            if m.stats()["disk"] is not None:
-                break
-            layerwise.remove_layerwise_offload(model)  # every layer fits: the next budgets are larger
-            pytest.fail(f"no budget between too small and every layer in memory ({frac})")
+    if kw == "ckpt":  # load_offloaded: the layers on disk stay in the checkpoint, experts read from it
+        kw = dict(ckpt=_save(ref, tmp_path / "toy.safetensors"))
+
+        def from_checkpoint(budget):
+            nonlocal model
+            with torch.device("meta"):
+                model = ToyModel(layers=n, d=64).to(torch.bfloat16).eval()
+            return layerwise.load_offloaded(model, kw["ckpt"], "layers", device="cpu", experts="routed",
+                                            host_budget=budget, debug_copy_delay_us=300)
+
+        m = _on_disk(ref, from_checkpoint)
+        assert {r.where for r in m.tier_plan()} >= {"checkpoint"}
+    elif kw == "spill":
+        kw = dict(spill_dir=str(tmp_path))
+        m = _on_disk(ref, lambda budget: layerwise.configure_layerwise_offload(
+            model, "layers", device="cpu", experts="routed", debug_copy_delay_us=300, host_budget=budget, **kw))
     else:
         (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", experts="routed",
                                                      debug_copy_delay_us=300, **kw)
-    assert m.experts is not None and len(m.experts.layers) == 6
+    assert m.experts is not None and len(m.experts.layers) == n
     with torch.no_grad():
         assert all(torch.equal(model(x), w) for x, w in zip(xs, want))
     st = m.stats(sync=True)
     assert st["experts"]["misses"] > 0
-    assert (st["disk"] is not None and st["disk"]["layers"] > 0) == ("spill_dir" in kw)
+    assert (st["disk"] is not None and st["disk"]["layers"] > 0) == ("spill_dir" in kw or "ckpt" in kw)
     assert (st["compress"] is not None and st["compress"]["ratio"] < 0.9) == ("compress" in kw)
     rows = _toy_steps(model, m, xs)
     assert all(ours <= 1.1 * ideal for ours, ideal in rows[1:]), rows
