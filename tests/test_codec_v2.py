@@ -53,7 +53,8 @@ def sprinkle(x, every=97):
 def patterns(dtype, seed=11):
     """Every bit pattern (16-bit and 8-bit dtypes) or a dense sample of them (fp32:
     every sign and exponent with 64 mantissas each, and the specials), shuffled among
-    as many weight-like values, so that the segment is coded."""
+    as many weight-like values (fp16, which saves less: 7 times as many), so that the
+    segment is coded."""
     g = torch.Generator().manual_seed(seed)
     if dtype.itemsize == 2:
         allbits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
@@ -67,7 +68,8 @@ def patterns(dtype, seed=11):
         mant[2::64] = (1 << 23) - 1
         mant[3::64] = 1 << 22  # quiet NaN
         allbits = ((se << 23) | mant).to(torch.int32)  # wraps into int32: same bits
-    x = torch.cat([allbits.view(dtype), weights(allbits.numel(), dtype, seed=3)])
+    extra = 7 if dtype == torch.float16 else 1
+    x = torch.cat([allbits.view(dtype), weights(extra * allbits.numel(), dtype, seed=3)])
     return x[torch.randperm(x.numel(), generator=g)]
 
 
@@ -173,7 +175,7 @@ def _field_choices():
     masks = chunk_masks(enc)
     assert masks[3] == 0 and masks[0] == 1 and masks[5] & 1, masks
     views = D.check_chunks(enc, D.parse_header(enc, enc.numel()))
-    assert views[5].counts[0][1] == 1 and sum(views[5].counts[0]) == 1  # one symbol: one 1-bit code
+    assert views[5].counts[0] == ((0, 1) + (0,) * 14,)  # one symbol, one context: one 1-bit code
     return enc, x
 
 
@@ -302,15 +304,23 @@ def _malformed():
     h = codec.read_header(enc)
     e, mask, rbits, (off_raw, t0, t1, t2, c0, c1, c2) = _entry(enc, 2)
     assert mask & 1
-    cnt = struct.unpack_from("<16H", bytes(enc[t0 : t0 + 32].tolist()))
-    n_sym = sum(cnt)
-    shortest = min(l for l in range(1, 13) if cnt[l])
+    raw = bytes(enc.tolist())
+    nctx, *thr = struct.unpack_from("<4H", raw, t0)
     sym_bytes = 2  # bf16 field 0 has 9 bits
-    bits_at = t0 + 32 + sym_bytes * n_sym
+    q, cnt0 = t0 + 8, None
+    for c in range(nctx):  # walk the context codes to the sub-block bit counts
+        cnt = struct.unpack_from("<16H", raw, q)
+        cnt0 = cnt0 or (q, cnt)
+        q += 32 + sym_bytes * sum(cnt)
+    bits_at = q
+    cnt_at, cnt = cnt0
+    shortest = min(l for l in range(1, 13) if cnt[l])
+    sym_at = cnt_at + 32
     repeated = enc.clone()
-    repeated[t0 + 34 : t0 + 36] = repeated[t0 + 32 : t0 + 34]
+    repeated[sym_at + 2 : sym_at + 4] = repeated[sym_at : sym_at + 2]
     flipped = enc.clone()  # codes that no longer end where the sub-block says
     flipped[c0 : c0 + 8] ^= 0xFF
+    thr_case = (_set(enc, t0 + 2 + 2 * (nctx - 1), 5, 2) if nctx < 4 else _set(enc, t0 + 4, thr[0], 2))
     return {
         "truncated header": (enc[:100], "fewer than its"),
         "truncated body": (enc[:-16].clone(), "truncated"),
@@ -335,12 +345,16 @@ def _malformed():
         "table offset past the end": (_set(enc, e + 16, 2**62), "table at"),
         "code offset": (_set(enc, e + 40, c0 + 16), "code stream at"),
         "offset of an uncoded field": (_set(enc, e + 24, 128), "uncoded field"),
-        "length 13": (_set(enc, t0 + 26, 1, 2), "length 13|codes of length"),
-        "over-subscribed lengths": (_set(enc, t0 + 2 * shortest, cnt[shortest] + 4, 2),
-                                    "over-subscribe|symbols in the table|table at|code stream at|raw stream at"),
-        "no symbols": (_set(enc, t0, 0, 32), "symbols in the table"),
+        "no contexts": (_set(enc, t0, 0, 2), "0 contexts"),
+        "five contexts": (_set(enc, t0, 5, 2), "5 contexts"),
+        "context thresholds": (thr_case, "threshold"),
+        "length 13": (_set(enc, cnt_at + 26, 1, 2), "length 13|codes of length"),
+        "over-subscribed lengths": (_set(enc, cnt_at + 2 * shortest, cnt[shortest] + 4, 2),
+                                    "over-subscribe|symbols in the table|table at|code stream at|raw stream at|"
+                                    "out of range or repeated"),
+        "no symbols": (_set(enc, cnt_at, 0, 32), "symbols in the table"),
         "repeated symbol": (repeated, "repeated"),
-        "symbol out of range": (_set(enc, t0 + 32, 600, 2), "out of range or repeated"),
+        "symbol out of range": (_set(enc, sym_at, 600, 2), "out of range or repeated"),
         "sub-block bits": (_set(enc, bits_at, 32 * 12 + 1, 2), "sub-block 0 of 32 values holds"),
         "sub-block bits moved": (_set(enc, bits_at, int.from_bytes(bytes(enc[bits_at:bits_at + 2].tolist()), "little")
                                       + 1, 2), "sub-block|code stream|raw stream"),
@@ -390,7 +404,7 @@ def test_kernel_stays_inside_the_buffer_on_corrupt_chunks(device):
     h = D.parse_header(enc, enc.numel())
     e = 128 + 64
     for bad in (_set(enc, e + 16, 2**40), _set(enc, e + 40, 2**62), _set(enc, e + 8, 2**63 - 8), _set(enc, e + 1, 200, 1),
-                _set(enc, _entry(enc, 1)[3][1], 0xFFFF, 2)):
+                _set(enc, _entry(enc, 1)[3][1], 0xFFFF, 2), _set(enc, _entry(enc, 1)[3][1] + 8, 0xFFFF, 2)):
         out = torch.full((4200 + 64,), 0xA5, dtype=torch.uint8).to(device)
         D._launch_v2(bad.to(device), out[:4200], h)
         assert torch.equal(out[4200:].cpu(), torch.full((64,), 0xA5, dtype=torch.uint8))

@@ -90,6 +90,7 @@ DEFAULT_BLOCK = 1024  # values per program: a multiple of BLOCK_VALUES
 # Version 2 (layerwise/codec.py, "Format (version 2)")
 ENTRY_BYTES = 64
 MAX_LEN = 12
+MAX_CONTEXTS = 4
 V2_DTYPES = {0: "bytes", 1: "bfloat16", 2: "float16", 3: "float32", 4: "float8_e4m3fn", 5: "float8_e5m2"}
 # dtype code -> (value bytes, field widths from the top of the rotated value)
 V2_LAYOUT = {1: (2, (9, 7)), 2: (2, (8, 8)), 3: (4, (9, 15, 8)), 4: (1, (8,)), 5: (1, (8,))}
@@ -268,10 +269,11 @@ class ChunkView(NamedTuple):
     mask: int
     raw_bits: int
     off_raw: int
-    counts: tuple  # per field: 16 counts, or None
-    symbols: tuple  # per field: symbols in code order, or None
+    counts: tuple  # per field: per context its 16 counts, or None
+    symbols: tuple  # per field: per context its symbols in code order, or None
     sub_bits: tuple  # per field: bit count of each sub-block, or None
     off_code: tuple  # per field: byte offset of the codes, or None
+    thresholds: tuple = (None, None, None)  # per field: the context thresholds (nctx - 1 of them), or None
 
 
 def _stream_bytes(bits: int) -> int:
@@ -315,43 +317,61 @@ def check_chunks(encoded, h: SegmentHeaderV2) -> list:
                     want_raw += widths[f]
         if raw_bits != want_raw:
             raise _bad(where + f"{raw_bits} raw bits per value; its coded fields leave {want_raw}")
-        counts, symbols, sub_bits, off_code = [None] * 3, [None] * 3, [None] * 3, [None] * 3
+        counts, symbols, sub_bits, off_code, thresholds = [None] * 3, [None] * 3, [None] * 3, [None] * 3, [None] * 3
         for f in range(len(widths)):
             if not mask >> f & 1:
                 continue
             fw = where + f"field {f}: "
             if tables[f] != at:
                 raise _bad(fw + f"table at {tables[f]}, expected {at}")
-            if at + 32 > n_total:
+            if at + 8 > n_total:
                 raise _bad(fw + "table past the end of the buffer")
-            cnt = struct.unpack_from("<16H", buf, at)
-            if cnt[0] or any(cnt[MAX_LEN + 1 :]):
-                raise _bad(fw + f"codes of length 0 or > {MAX_LEN}")
-            n_sym = sum(cnt)
-            lens = [l for l in range(1, MAX_LEN + 1) if cnt[l]]
-            if not 1 <= n_sym <= 1 << widths[f]:
-                raise _bad(fw + f"{n_sym} symbols in the table")
-            if sum(cnt[l] << (MAX_LEN - l) for l in range(1, MAX_LEN + 1)) > 1 << MAX_LEN:
-                raise _bad(fw + "code lengths over-subscribe the code space (not a prefix code)")
+            nctx, *thr = struct.unpack_from("<4H", buf, at)
+            alphabet = 1 << widths[f]
+            if not 1 <= nctx <= MAX_CONTEXTS:
+                raise _bad(fw + f"{nctx} contexts (1..{MAX_CONTEXTS})")
+            used, rest = thr[: nctx - 1], thr[nctx - 1 :]
+            if any(rest) or any(t >= alphabet for t in used) or any(b <= a for a, b in zip(used, used[1:])):
+                raise _bad(fw + "context thresholds not increasing within the alphabet, or set past the contexts")
             sb = 2 if widths[f] > 8 else 1
-            tb = _align(32 + sb * n_sym + 2 * n_sub)
+            q, lens, cnts, syms_c = at + 8, set(), [], []
+            for ctx in range(nctx):
+                if q + 32 > n_total:
+                    raise _bad(fw + "table past the end of the buffer")
+                cnt = struct.unpack_from("<16H", buf, q)
+                if cnt[0] or any(cnt[MAX_LEN + 1 :]):
+                    raise _bad(fw + f"codes of length 0 or > {MAX_LEN}")
+                n_sym = sum(cnt)
+                if not 1 <= n_sym <= alphabet:
+                    raise _bad(fw + f"{n_sym} symbols in the table of context {ctx}")
+                if sum(cnt[l] << (MAX_LEN - l) for l in range(1, MAX_LEN + 1)) > 1 << MAX_LEN:
+                    raise _bad(fw + "code lengths over-subscribe the code space (not a prefix code)")
+                q += 32
+                if q + sb * n_sym > n_total:
+                    raise _bad(fw + "table past the end of the buffer")
+                syms = struct.unpack_from(f"<{n_sym}{'H' if sb == 2 else 'B'}", buf, q)
+                if len(set(syms)) != n_sym or max(syms) >= alphabet:
+                    raise _bad(fw + "table symbols out of range or repeated")
+                q += sb * n_sym
+                lens |= {l for l in range(1, MAX_LEN + 1) if cnt[l]}
+                cnts.append(cnt)
+                syms_c.append(syms)
+            tb = _align(8 + 32 * nctx + sb * sum(len(x) for x in syms_c) + 2 * n_sub)
             if at + tb > n_total:
                 raise _bad(fw + f"table of {tb} bytes past the end of the buffer")
-            syms = struct.unpack_from(f"<{n_sym}{'H' if sb == 2 else 'B'}", buf, at + 32)
-            if len(set(syms)) != n_sym or max(syms) >= 1 << widths[f]:
-                raise _bad(fw + "table symbols out of range or repeated")
-            sbits = struct.unpack_from(f"<{n_sub}H", buf, at + 32 + sb * n_sym)
+            sbits = struct.unpack_from(f"<{n_sub}H", buf, q)
             for k, b in enumerate(sbits):
                 vals = min(S, n - k * S)
-                if not vals * lens[0] <= b <= vals * lens[-1]:
+                if not vals * min(lens) <= b <= vals * max(lens):
                     raise _bad(fw + f"sub-block {k} of {vals} values holds {b} bits")
+            thresholds[f] = tuple(used)
             at += tb
             if codes[f] != at:
                 raise _bad(fw + f"code stream at {codes[f]}, expected {at}")
             cb = _stream_bytes(sum(sbits))
             if at + cb > n_total:
                 raise _bad(fw + f"code stream of {cb} bytes past the end of the buffer")
-            counts[f], symbols[f], sub_bits[f], off_code[f] = cnt, syms, sbits, at
+            counts[f], symbols[f], sub_bits[f], off_code[f] = tuple(cnts), tuple(syms_c), sbits, at
             at += cb
         if off_raw != at:
             raise _bad(where + f"raw stream at {off_raw}, expected {at}")
@@ -360,7 +380,7 @@ def check_chunks(encoded, h: SegmentHeaderV2) -> list:
             raise _bad(where + f"raw stream of {rb} bytes past the end of the buffer")
         at += rb
         out.append(ChunkView(c * C, n, mask, raw_bits, off_raw, tuple(counts), tuple(symbols), tuple(sub_bits),
-                             tuple(off_code)))
+                             tuple(off_code), tuple(thresholds)))
     if at != n_total:
         raise _bad(f"the chunks end at {at} but the segment at {n_total}")
     return out
@@ -506,26 +526,39 @@ def _decode_v2_ref(encoded: torch.Tensor, out: torch.Tensor, h: SegmentHeaderV2)
 
 
 def _huffman_ref(enc: torch.Tensor, views, f: int, S: int, nv: int, dev) -> torch.Tensor:
-    """The symbols of field f of every value (0 where the chunk does not code f)."""
-    lim_rows, base_rows, sym_base, start, end, vals, first, allsyms = [], [], [], [], [], [], [], []
+    """The symbols of field f of every value (0 where the chunk does not code f): one lane
+    per sub-block, its context the number of thresholds its previous symbol reaches."""
+    NC = MAX_CONTEXTS
+    lim_rows, base_rows, sym_base, thr_rows, start, end, vals, first, allsyms = [], [], [], [], [], [], [], [], []
     for v in views:
         if not v.mask >> f & 1:
             continue
-        limit, base = canonical_limits(v.counts[f])
+        lims, bases, offs = [], [], []
+        for cnt, syms in zip(v.counts[f], v.symbols[f]):
+            limit, base = canonical_limits(cnt)
+            lims.append(limit)
+            bases.append(base)
+            offs.append(len(allsyms))
+            allsyms.extend(syms)
+        pad = NC - len(lims)
+        lims, bases, offs = lims + [lims[0]] * pad, bases + [bases[0]] * pad, offs + [offs[0]] * pad
+        thr = list(v.thresholds[f]) + [1 << 20] * (NC - 1 - len(v.thresholds[f]))
         at = 8 * v.off_code[f]
         for k, b in enumerate(v.sub_bits[f]):
-            lim_rows.append(limit)
-            base_rows.append(base)
-            sym_base.append(len(allsyms))
+            lim_rows.append(lims)
+            base_rows.append(bases)
+            sym_base.append(offs)
+            thr_rows.append(thr)
             start.append(at)
             end.append(at + b)
             vals.append(min(S, v.n - k * S))
             first.append(v.first_value + k * S)
             at += b
-        allsyms.extend(v.symbols[f])
     t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-    lim, base, sym_base, pos, ends = t(lim_rows), t(base_rows), t(sym_base), t(start), t(end)
-    vals, first, allsyms = t(vals), t(first), t(allsyms)
+    lim, base, sym_base, thr = t(lim_rows), t(base_rows), t(sym_base), t(thr_rows)  # [lanes, NC, 16], [lanes, NC]
+    pos, ends, vals, first, allsyms = t(start), t(end), t(vals), t(first), t(allsyms)
+    lanes = torch.arange(pos.numel(), device=dev)
+    ctx = torch.zeros_like(pos)
     out = torch.zeros(nv, dtype=torch.int64, device=dev)
     for j in range(S):
         act = j < vals
@@ -534,15 +567,16 @@ def _huffman_ref(enc: torch.Tensor, views, f: int, S: int, nv: int, dev) -> torc
         byte = (pos >> 3).clamp(max=enc.numel() - 3)  # (a corrupt lane may run past its stream)
         w = (enc[byte] << 16) | (enc[byte + 1] << 8) | enc[byte + 2]
         x = (w >> (12 - (pos & 7))) & 0xFFF
-        length = 1 + (x[:, None] >= lim).sum(1)
+        length = 1 + (x[:, None] >= lim[lanes, ctx]).sum(1)
         if bool((act & (length > MAX_LEN)).any()):
             raise _bad(f"field {f}: a code stream holds bits that no code of its table starts with "
                        "(corrupt encoded segment)")
         length = length.clamp(max=MAX_LEN)
-        idx = base.gather(1, length[:, None])[:, 0] + (x >> (MAX_LEN - length))
-        sym = allsyms[(sym_base + idx).clamp(0, allsyms.numel() - 1)]
+        idx = base[lanes, ctx].gather(1, length[:, None])[:, 0] + (x >> (MAX_LEN - length))
+        sym = allsyms[(sym_base[lanes, ctx] + idx).clamp(0, allsyms.numel() - 1)]
         out[(first + j)[act]] = sym[act]
         pos = torch.where(act, pos + length, pos)
+        ctx = (sym[:, None] >= thr).sum(1)
     if not torch.equal(pos, ends):
         raise _bad(f"field {f}: a code stream does not decode to its sub-blocks' recorded lengths "
                    "(corrupt encoded segment)")
@@ -687,38 +721,65 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _huff_table(enc_ptr, enc_len, t_off, lane, n_sub, SYM_BYTES: tl.constexpr):
-        """A coded field's canonical code in a chunk: the 16 length limits and bases
-        (canonical_limits), where its symbols start, how many, and each lane's first bit."""
+    def _ctx_code(enc_ptr, enc_len, c_off):
+        """The canonical code of one context at `c_off` (16 counts, then its symbols): the 16
+        length limits and bases (canonical_limits), where its symbols start, how many."""
         l = tl.arange(0, 16)
         ok = (l >= 1) & (l <= 12)
-        cnt = tl.where(ok, _bytes_at(enc_ptr, t_off + 2 * l, enc_len, l >= 0, 2).to(tl.int32), 0)
+        cnt = tl.where(ok, _bytes_at(enc_ptr, c_off + 2 * l, enc_len, l >= 0, 2).to(tl.int32), 0)
         below = l[None, :] < l[:, None]  # [L, k]: k < L
         shift = tl.maximum(l[:, None] - l[None, :], 0)
         first = tl.sum(tl.where(below, cnt[None, :] << shift, 0), axis=1)  # first code of each length
         offset = tl.sum(tl.where(below, cnt[None, :], 0), axis=1)  # codes shorter than it
         limit = tl.where(ok, (first + cnt) << tl.maximum(12 - l, 0), 1 << 20)
-        base = offset - first
-        n_sym = tl.sum(cnt, axis=0)
-        sym_off = t_off + 32
-        bits_off = sym_off + SYM_BYTES * n_sym
-        sub_bits = _bytes_at(enc_ptr, bits_off + 2 * lane, enc_len, lane < n_sub, 2)
-        start = tl.cumsum(sub_bits, axis=0) - sub_bits  # exclusive: the lane's first bit in its code stream
-        return limit, base, sym_off, n_sym, start
+        return limit, offset - first, c_off + 32, tl.sum(cnt, axis=0)
 
     @triton.jit
-    def _huff_step(enc_ptr, enc_len, pos, limit, base, sym_off, n_sym, act, SYM_BYTES: tl.constexpr):
-        """Each lane's next symbol at bit `pos` (absolute, MSB first) and its code length."""
+    def _field_code(enc_ptr, enc_len, t_off, lane, n_sub, SYM_BYTES: tl.constexpr):
+        """A coded field's table in a chunk: up to 4 context codes (an absent context's
+        threshold is out of reach), the 3 thresholds, and each lane's first bit."""
+        one = t_off >= 0
+        nctx = tl.minimum(tl.maximum(_bytes_at(enc_ptr, t_off, enc_len, one, 2), 1), 4)
+        th0 = tl.where(nctx > 1, _bytes_at(enc_ptr, t_off + 2, enc_len, one, 2), 1 << 20).to(tl.int32)
+        th1 = tl.where(nctx > 2, _bytes_at(enc_ptr, t_off + 4, enc_len, one, 2), 1 << 20).to(tl.int32)
+        th2 = tl.where(nctx > 3, _bytes_at(enc_ptr, t_off + 6, enc_len, one, 2), 1 << 20).to(tl.int32)
+        lim0, base0, so0, ns0 = _ctx_code(enc_ptr, enc_len, t_off + 8)
+        lim1, base1, so1, ns1 = _ctx_code(enc_ptr, enc_len, so0 + SYM_BYTES * ns0)
+        lim2, base2, so2, ns2 = _ctx_code(enc_ptr, enc_len, so1 + SYM_BYTES * ns1)
+        lim3, base3, so3, ns3 = _ctx_code(enc_ptr, enc_len, so2 + SYM_BYTES * ns2)
+        ends = tl.where(nctx == 1, so0 + SYM_BYTES * ns0,
+                        tl.where(nctx == 2, so1 + SYM_BYTES * ns1,
+                                 tl.where(nctx == 3, so2 + SYM_BYTES * ns2, so3 + SYM_BYTES * ns3)))
+        sub_bits = _bytes_at(enc_ptr, ends + 2 * lane, enc_len, lane < n_sub, 2)
+        start = tl.cumsum(sub_bits, axis=0) - sub_bits  # exclusive: the lane's first bit in its code stream
+        return (lim0, lim1, lim2, lim3, base0, base1, base2, base3, so0, so1, so2, so3, ns0, ns1, ns2, ns3,
+                th0, th1, th2, start)
+
+    @triton.jit
+    def _pick(ctx, a, b, c, d):
+        return tl.where(ctx == 0, a, tl.where(ctx == 1, b, tl.where(ctx == 2, c, d)))
+
+    @triton.jit
+    def _huff_step(enc_ptr, enc_len, pos, ctx, lim0, lim1, lim2, lim3, base0, base1, base2, base3,
+                   so0, so1, so2, so3, ns0, ns1, ns2, ns3, th0, th1, th2, act, SYM_BYTES: tl.constexpr):
+        """Each lane's next symbol at bit `pos` (absolute, MSB first) in its context's code:
+        the symbol, its code length and the next value's context."""
         w = _bytes_at(enc_ptr, pos >> 3, enc_len, act, 3)
         # the 3 bytes as a big-endian 24-bit word, then the 12 bits from bit (pos & 7)
         w = ((w & 0xFF) << 16) | (w & 0xFF00) | ((w >> 16) & 0xFF)
         x = ((w >> (12 - (pos & 7))) & 0xFFF).to(tl.int32)
-        length = 1 + tl.sum((x[:, None] >= limit[None, :]).to(tl.int32), axis=1)
+        c2 = ctx[:, None]
+        limit = _pick(c2, lim0[None, :], lim1[None, :], lim2[None, :], lim3[None, :])
+        length = 1 + tl.sum((x[:, None] >= limit).to(tl.int32), axis=1)
         length = tl.minimum(length, 12)  # (only a corrupt stream reaches past the limits)
-        sel = tl.sum(tl.where(tl.arange(0, 16)[None, :] == length[:, None], base[None, :], 0), axis=1)
+        base = _pick(c2, base0[None, :], base1[None, :], base2[None, :], base3[None, :])
+        sel = tl.sum(tl.where(tl.arange(0, 16)[None, :] == length[:, None], base, 0), axis=1)
+        n_sym = _pick(ctx, ns0, ns1, ns2, ns3)
         idx = tl.minimum(tl.maximum(sel + (x >> (12 - length)), 0), tl.maximum(n_sym - 1, 0))
-        sym = _bytes_at(enc_ptr, sym_off + SYM_BYTES * idx, enc_len, act, SYM_BYTES)
-        return sym, length
+        sym = _bytes_at(enc_ptr, _pick(ctx, so0, so1, so2, so3) + SYM_BYTES * idx, enc_len, act, SYM_BYTES)
+        s32 = sym.to(tl.int32)
+        nxt = (s32 >= th0).to(tl.int32) + (s32 >= th1).to(tl.int32) + (s32 >= th2).to(tl.int32)
+        return sym, length, nxt
 
     @triton.jit
     def _decode_v2_kernel(enc_ptr, enc_len, dst_ptr, n_values, VB: tl.constexpr, W0: tl.constexpr,
@@ -744,12 +805,20 @@ if triton is not None:
         coded0 = (mask & 1) != 0
         coded1 = ((mask & 2) != 0) & (W1 <= 9) & (W1 > 0)
         coded2 = ((mask & 4) != 0) & (W2 <= 9) & (W2 > 0)
-        lim0, base0, so0, ns0, st0 = _huff_table(enc_ptr, enc_len, tl.load(e64 + 2), lane, n_sub, SB0)
+        (a0, b0, c0, d0, e0, f0, g0, h0, so0, sp0, sq0, sr0, n0, m0, k0, j0,
+         t00, t01, t02, st0) = _field_code(enc_ptr, enc_len, tl.load(e64 + 2), lane, n_sub, SB0)
         pos0 = tl.load(e64 + 5) * 8 + st0
-        lim1, base1, so1, ns1, st1 = _huff_table(enc_ptr, enc_len, tl.load(e64 + 3), lane, n_sub, SB1)
-        pos1 = tl.load(e64 + 6) * 8 + st1
-        lim2, base2, so2, ns2, st2 = _huff_table(enc_ptr, enc_len, tl.load(e64 + 4), lane, n_sub, SB2)
-        pos2 = tl.load(e64 + 7) * 8 + st2
+        ctx0 = tl.zeros_like(lane)
+        if W1 > 0:
+            (a1, b1, c1, d1, e1, f1, g1, h1, so1, sp1, sq1, sr1, n1, m1, k1, j1,
+             t10, t11, t12, st1) = _field_code(enc_ptr, enc_len, tl.load(e64 + 3), lane, n_sub, SB1)
+            pos1 = tl.load(e64 + 6) * 8 + st1
+            ctx1 = tl.zeros_like(lane)
+        if W2 > 0:
+            (a2, b2, c2, d2, e2, f2, g2, h2, so2, sp2, sq2, sr2, n2, m2, k2, j2,
+             t20, t21, t22, st2) = _field_code(enc_ptr, enc_len, tl.load(e64 + 4), lane, n_sub, SB2)
+            pos2 = tl.load(e64 + 7) * 8 + st2
+            ctx2 = tl.zeros_like(lane)
         RAW_BYTES: tl.constexpr = VB + 1  # a raw word of <= 8 * VB bits at any bit offset
         for j in range(SUB):
             li = lane * SUB + j
@@ -762,7 +831,8 @@ if triton is not None:
                 piece2 = r & ((1 << W2) - 1)
                 r = tl.where(coded2, r, r >> W2)
                 if coded2:
-                    s2, l2 = _huff_step(enc_ptr, enc_len, pos2, lim2, base2, so2, ns2, act, SB2)
+                    s2, l2, ctx2 = _huff_step(enc_ptr, enc_len, pos2, ctx2, a2, b2, c2, d2, e2, f2, g2, h2,
+                                              so2, sp2, sq2, sr2, n2, m2, k2, j2, t20, t21, t22, act, SB2)
                     piece2 = s2
                     pos2 = pos2 + tl.where(act, l2, 0)
                 u = u | ((piece2 & ((1 << W2) - 1)) << P2)
@@ -770,13 +840,15 @@ if triton is not None:
                 piece1 = r & ((1 << W1) - 1)
                 r = tl.where(coded1, r, r >> W1)
                 if coded1:
-                    s1, l1 = _huff_step(enc_ptr, enc_len, pos1, lim1, base1, so1, ns1, act, SB1)
+                    s1, l1, ctx1 = _huff_step(enc_ptr, enc_len, pos1, ctx1, a1, b1, c1, d1, e1, f1, g1, h1,
+                                              so1, sp1, sq1, sr1, n1, m1, k1, j1, t10, t11, t12, act, SB1)
                     piece1 = s1
                     pos1 = pos1 + tl.where(act, l1, 0)
                 u = u | ((piece1 & ((1 << W1) - 1)) << P1)
             piece0 = r & ((1 << W0) - 1)
             if coded0:
-                s0, l0 = _huff_step(enc_ptr, enc_len, pos0, lim0, base0, so0, ns0, act, SB0)
+                s0, l0, ctx0 = _huff_step(enc_ptr, enc_len, pos0, ctx0, a0, b0, c0, d0, e0, f0, g0, h0,
+                                          so0, sp0, sq0, sr0, n0, m0, k0, j0, t00, t01, t02, act, SB0)
                 piece0 = s0
                 pos0 = pos0 + tl.where(act, l0, 0)
             u = u | ((piece0 & ((1 << W0) - 1)) << P0)
