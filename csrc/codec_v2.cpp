@@ -2,9 +2,9 @@
 // fields, table-driven decode (format: layerwise/codec.py, "Format (version 2)").
 //
 // A value v (8, 16 or 32 bits) is rotated left by one (the sign goes to bit 0),
-// then cut into fields from the top: bf16/fp16 [9, 7], fp32 [9, 15, 8], fp8 [8].
-// The first field is the exponent and the top mantissa bit (fp16: the top four),
-// the part of a weight that is far from random. Per chunk of 2^16 values each
+// then cut into fields from the top: bf16/fp16 [8, 8], fp32 [9, 15, 8], fp8 [8].
+// The first field is the exponent (fp16: and the top 3 mantissa bits; fp32: the top
+// one), the part of a weight that is far from random. Per chunk of 2^16 values each
 // field of at most 9 bits is Huffman coded (lengths <= 12) when that pays, else
 // it travels with the raw bits; sub-blocks of 512 values record their bit
 // lengths, so decoders start every sub-block independently (4 interleaved on a
@@ -102,7 +102,7 @@ void parallel(size_t n, int parts, Fn&& fn) {
 
 Layout layout_of(DType d) {
   switch (d) {
-    case DType::BFloat16: return {2, 2, {9, 7, 0}};
+    case DType::BFloat16: return {2, 2, {8, 8, 0}};
     case DType::Float16: return {2, 2, {8, 8, 0}};
     case DType::Float32: return {4, 3, {9, 15, 8}};
     case DType::Float8E4M3: case DType::Float8E5M2: return {1, 1, {8, 0, 0}};
@@ -118,7 +118,7 @@ struct Lay {
   static constexpr int VB = K == 1 ? 1 : K == 4 ? 4 : 2;
   static constexpr int bits = 8 * VB;
   static constexpr int NF = K == 1 ? 1 : K == 4 ? 3 : 2;
-  static constexpr int W[3] = {K == 1 ? 8 : K == 3 ? 8 : 9, K == 1 ? 0 : K == 2 ? 7 : K == 3 ? 8 : 15, K == 4 ? 8 : 0};
+  static constexpr int W[3] = {K == 1 ? 8 : K <= 3 ? 8 : 9, K == 1 ? 0 : K <= 3 ? 8 : 15, K == 4 ? 8 : 0};
   static constexpr int P[3] = {bits - W[0], bits - W[0] - W[1], bits - W[0] - W[1] - W[2]};
   static uint32_t load(const uint8_t* p) {
     if constexpr (VB == 1) return *p;
@@ -835,6 +835,17 @@ bool assemble(const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* ds
     }
   };
   uint64_t i = 0;
+  if constexpr (VB == 2 && MASK == 1 && R == 8) {  // a symbol byte and a raw byte per value: vectorises
+    uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // (dst: 2-byte values, its own buffer)
+    const uint16_t* s0 = syms[0];
+    uint16_t acc = 0;
+    for (uint64_t k = 0; k < n; ++k) {
+      uint16_t u = static_cast<uint16_t>((s0[k] << 8) | raw[k]);
+      acc |= s0[k];
+      out[k] = static_cast<uint16_t>((u >> 1) | (u << 15));
+    }
+    return acc & kNoCode;
+  }
   if constexpr (R <= 8) {  // eight raw words in R bytes: one load, constant shifts
     for (; i + 8 <= n; i += 8) {
       uint64_t w = R ? load_le64(raw + (i / 8) * R) : 0;

@@ -158,14 +158,14 @@ def test_specials_are_exact():
 
 
 def _field_choices():
-    """Field choices per chunk: bf16 field 1 (m5..m0 | sign) is coded when it is far from
+    """Field choices per chunk: bf16 field 1 (m6..m0 | sign) is coded when it is far from
     random; fp32 field 2 (the low byte) when it is; a chunk of random bits codes nothing
     (mask 0) inside a coded segment; a chunk of one value codes a 1-bit code."""
     w = weights(4096, torch.float32, seed=5)
     rounded = (w.view(torch.int32) & ~0xFFFF).view(torch.float32)  # bf16-representable fp32: low bytes zero
     enc = roundtrip(rounded, **SMALL)
     assert set(chunk_masks(enc)) == {0b101}
-    b = (w.to(torch.bfloat16).view(torch.int16) & ~0x3F).view(torch.bfloat16)  # low mantissa zero
+    b = (w.to(torch.bfloat16).view(torch.int16) & ~0x3F).view(torch.bfloat16)  # low mantissa bits zero
     enc = roundtrip(b, **SMALL)
     assert set(chunk_masks(enc)) == {0b11}
     x = weights(1024 * 8, torch.bfloat16)
@@ -300,13 +300,13 @@ def _entry(enc, c=0):
 
 
 def _malformed():
-    enc = _coded(n=6000, **SMALL)  # 6 chunks
+    enc = _coded(torch.float32, n=6000, **SMALL)  # 6 chunks; field 0 of 9 bits (two-byte symbols)
     h = codec.read_header(enc)
     e, mask, rbits, (off_raw, t0, t1, t2, c0, c1, c2) = _entry(enc, 2)
     assert mask & 1
     raw = bytes(enc.tolist())
     nctx, *thr = struct.unpack_from("<4H", raw, t0)
-    sym_bytes = 2  # bf16 field 0 has 9 bits
+    sym_bytes = 2  # fp32 field 0 has 9 bits
     q, cnt0 = t0 + 8, None
     for c in range(nctx):  # walk the context codes to the sub-block bit counts
         cnt = struct.unpack_from("<16H", raw, q)
@@ -332,19 +332,20 @@ def _malformed():
         "sub-block size": (_set(enc, 8, 7, 1), "out of range"),
         "longest code": (_set(enc, 9, 15, 1), "longest code 15"),
         "reserved header byte": (_set(enc, 60, 1, 1), "reserved"),
-        "decoded size": (_set(enc, 16, h["n_bytes"] + 2), "chunks for|decodes to"),
+        "decoded size": (_set(enc, 16, h["n_bytes"] + 4), "chunks for|decodes to"),
+        "decoded size of part of a value": (_set(enc, 16, h["n_bytes"] + 2), "not whole float32 values"),
         "huge decoded size": (_set(enc, 16, 2**62), "chunks for"),
         "chunk count": (_set(enc, 24, h["n_chunks"] + 1), "chunks for"),
         "data offset": (_set(enc, 48, h["off_data"] + 16), "chunk index at"),
         "reserved entry byte": (_set(enc, e + 5, 1, 1), "reserved entry"),
-        "coded mask of a raw field": (_set(enc, e, mask | 4, 1), "field 2 marked coded|names fields"),
+        "coded mask of a raw field": (_set(enc, e, mask | 2, 1), "field 1 marked coded"),
         "mask beyond the fields": (_set(enc, e, mask | 8, 1), "names fields that do not exist"),
         "raw bits": (_set(enc, e + 1, rbits + 1, 1), "raw bits per value"),
         "raw offset": (_set(enc, e + 8, off_raw + 16), "raw stream at"),
         "table offset": (_set(enc, e + 16, t0 + 16), "table at"),
         "table offset past the end": (_set(enc, e + 16, 2**62), "table at"),
         "code offset": (_set(enc, e + 40, c0 + 16), "code stream at"),
-        "offset of an uncoded field": (_set(enc, e + 24, 128), "uncoded field"),
+        "offset of an uncoded field": (_set(enc, e + 24, 128), "uncoded field 1"),
         "no contexts": (_set(enc, t0, 0, 2), "0 contexts"),
         "five contexts": (_set(enc, t0, 5, 2), "5 contexts"),
         "context thresholds": (thr_case, "threshold"),
@@ -368,7 +369,7 @@ MALFORMED = list(_malformed())
 @pytest.mark.parametrize("case", MALFORMED)
 def test_malformed_input_raises(case):
     enc, match = _malformed()[case]
-    n_bytes = 12000
+    n_bytes = 24000
     with pytest.raises(ValueError, match=match):
         native.decode(enc, torch.empty(n_bytes, dtype=torch.uint8), 1)
     with pytest.raises(ValueError):

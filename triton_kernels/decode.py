@@ -93,7 +93,7 @@ MAX_LEN = 12
 MAX_CONTEXTS = 4
 V2_DTYPES = {0: "bytes", 1: "bfloat16", 2: "float16", 3: "float32", 4: "float8_e4m3fn", 5: "float8_e5m2"}
 # dtype code -> (value bytes, field widths from the top of the rotated value)
-V2_LAYOUT = {1: (2, (9, 7)), 2: (2, (8, 8)), 3: (4, (9, 15, 8)), 4: (1, (8,)), 5: (1, (8,))}
+V2_LAYOUT = {1: (2, (8, 8)), 2: (2, (8, 8)), 3: (4, (9, 15, 8)), 4: (1, (8,)), 5: (1, (8,))}
 MAX_SYMBOL_BITS = 9
 LOG2_CHUNK_RANGE = (8, 18)
 LOG2_SUB_RANGE = (4, 12)
