@@ -9,7 +9,8 @@ A route (`Route`) says, per layer:
 
 where     "device" (resident; its arena block stays), "arena" (host memory), "spill" (this process's
           spill file) or "checkpoint" (the checkpoint file, read-only)
-encoded   compress="lossless" and the layer has a bf16/fp16 segment: its payload
+encoded   compress="lossless" and the layer has a segment of a coded dtype (bf16, fp16,
+          fp32, fp8): its payload
           is encoded (stages/decode.py; at pack time a layer whose encoding saves
           too little travels raw). A layer in the checkpoint travels raw (the
           file holds it as it is)

@@ -4,14 +4,15 @@ The encoded formats (written by the C++ encoder, ``layerwise._C.codec.encode``)
 are specified in ``layerwise/codec.py``; byte 4 of every segment says which.
 
 Version 2 (what the encoder writes): per chunk of 2**16 values, canonical
-Huffman codes (<= 12 bits) of the value's top field (exponent and top mantissa
-bits; fp32 also its low byte, fp8 the whole byte) and a raw stream of the
-rest; every sub-block of 2**9 values of a code stream records its bit length.
-The kernel (``_decode_v2_kernel``) runs one program per chunk with one lane
-per sub-block: each lane decodes its sub-block's values one after the other,
-each value from a 12-bit window of its code stream compared with the table's
-12 length limits (no table to build, no per-bit loop), a symbol gathered from
-the table, and its raw bits.
+Huffman codes (<= 12 bits) of the value's top field (the exponent; fp16 and
+fp32 also top mantissa bits, fp32 its low byte too, fp8 the whole byte), up to
+4 codes per field chosen by the previous value's symbol (its *context*), and a
+raw stream of the rest; every sub-block of 2**9 values of a code stream
+records its bit length. The kernel (``_decode_v2_kernel``) runs one program
+per chunk with one lane per sub-block: each lane decodes its sub-block's
+values one after the other, each value from a 12-bit window of its code
+stream compared with its context's 12 length limits (no table to build, no
+per-bit loop), a symbol gathered from the table, and its raw bits.
 
 Version 1 (older encodings, still decoded): a 128-byte header (with a table of
 up to 31 exponent symbols), an index of exceptions before each block of 1024
@@ -43,9 +44,16 @@ Performance: no GPU was available when this was written, so nothing here is
 measured (``python -m layerwise.bench compress --device cuda`` measures it).
 Version 2 by design: a 64 MB bf16 segment is 512 programs of 128 lanes; per
 value a lane reads 3 code bytes and its raw bits (gathered: lanes are 512
-values apart, L1/L2 hits after the first), compares one window with 16 limits
-and gathers one table symbol, and writes its value; the sequential part is the
-512-value loop of a lane, not a per-bit loop.
+values apart, L1/L2 hits after the first), selects its context's 16 limits,
+compares one window with them, gathers one table symbol, and writes its value
+; the sequential part is the 512-value loop of a lane, not a per-bit loop.
+An estimate, not a measurement: the context selects, the 16-wide compare and
+the base select are about 200 integer operations per value and coded field;
+at an H200's ~33 T int32 operations/s (132 SMs x 128 lanes x ~2 GHz) that is
+~170 G values/s, ~330 GB/s of bf16, below the 1000 GB/s target: the kernel
+is likely compute-bound. Next steps: select the context's limits once per
+symbol with a gather instead of three 16-wide wheres, decode two symbols per
+window where both fit (the encoder knows the next context), and measure.
 """
 
 from __future__ import annotations
