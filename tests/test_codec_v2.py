@@ -44,7 +44,8 @@ def weights(n, dtype, seed=0):
 def sprinkle(x, every=97):
     """x with the special bit patterns (NaN payloads, infinities, signed zeros,
     subnormals) at every `every`-th position; in place, returned."""
-    sp = specials(x.dtype) if x.dtype in (torch.bfloat16, torch.float16) else specials(torch.bfloat16).float().to(x.dtype)
+    sp = specials(x.dtype) if x.dtype in (torch.bfloat16, torch.float16) else \
+        specials(torch.bfloat16).float().to(x.dtype)
     idx = torch.arange(0, x.numel(), every)[: sp.numel()]
     x[idx] = sp[: idx.numel()]
     return x
@@ -404,8 +405,9 @@ def test_kernel_stays_inside_the_buffer_on_corrupt_chunks(device):
     enc = _coded(torch.bfloat16, 2100, **SMALL)
     h = D.parse_header(enc, enc.numel())
     e = 128 + 64
-    for bad in (_set(enc, e + 16, 2**40), _set(enc, e + 40, 2**62), _set(enc, e + 8, 2**63 - 8), _set(enc, e + 1, 200, 1),
-                _set(enc, _entry(enc, 1)[3][1], 0xFFFF, 2), _set(enc, _entry(enc, 1)[3][1] + 8, 0xFFFF, 2)):
+    table = _entry(enc, 1)[3][1]
+    for bad in (_set(enc, e + 16, 2**40), _set(enc, e + 40, 2**62), _set(enc, e + 8, 2**63 - 8),
+                _set(enc, e + 1, 200, 1), _set(enc, table, 0xFFFF, 2), _set(enc, table + 8, 0xFFFF, 2)):
         out = torch.full((4200 + 64,), 0xA5, dtype=torch.uint8).to(device)
         D._launch_v2(bad.to(device), out[:4200], h)
         assert torch.equal(out[4200:].cpu(), torch.full((64,), 0xA5, dtype=torch.uint8))
@@ -487,8 +489,10 @@ for code, (vb, widths) in sorted(mod.V2_LAYOUT.items()):
              "HEADER": mod.HEADER_BYTES, "ENTRY": mod.ENTRY_BYTES}
     src = ASTSource(fn=mod._decode_v2_kernel, signature=sig, constexprs=const, attrs=attrs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-sig = {"enc_ptr": "*u8", "enc_len": "i64", "dst_ptr": "*u8", "n_bytes": "i64", "BLOCK": "constexpr", "HEADER": "constexpr"}
-src = ASTSource(fn=mod._copy_v2_kernel, signature=sig, constexprs={"BLOCK": mod.STORED_BLOCK, "HEADER": 128}, attrs=attrs)
+sig = {"enc_ptr": "*u8", "enc_len": "i64", "dst_ptr": "*u8", "n_bytes": "i64", "BLOCK": "constexpr",
+       "HEADER": "constexpr"}
+src = ASTSource(fn=mod._copy_v2_kernel, signature=sig, constexprs={"BLOCK": mod.STORED_BLOCK, "HEADER": 128},
+                attrs=attrs)
 triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("compiled", triton.__version__)
 """
@@ -526,7 +530,8 @@ def test_bench_compress_tiny_on_cpu():
     ratios = [row for row in res.rows if row.unit == "x" and row.short.startswith("ratio, ")]
     assert {r.short for r in ratios} >= {"ratio, bf16 weight-like", "ratio, fp16 weight-like",
                                          "ratio, fp32 weight-like"}, sorted(by_short)
-    assert all(row.met for row in ratios if row.targets and "weight-like" in row.short), [(r.short, r.ours) for r in ratios]
+    assert all(row.met for row in ratios if row.targets and "weight-like" in row.short), \
+        [(r.short, r.ours) for r in ratios]
     moved = by_short["manager stream bytes/step, 4 x 1 MB bf16"]
     assert moved.met and 0.3 < moved.ours <= 0.80, moved.ours
     speeds = [row for row in res.rows if row.unit == "GB/s" and isinstance(row.ours, Stat)]

@@ -252,8 +252,8 @@ def _parse_header_v2(head: bytes, length: Optional[int]) -> SegmentHeaderV2:
         vb = V2_LAYOUT[dt][0]
         if n_bytes == 0 or n_bytes % vb:
             raise _bad(f"coded segment of {n_bytes} bytes, not whole {V2_DTYPES[dt]} values")
-        if (not LOG2_CHUNK_RANGE[0] <= log2c <= LOG2_CHUNK_RANGE[1] or not LOG2_SUB_RANGE[0] <= log2s <= LOG2_SUB_RANGE[1]
-                or log2c - log2s < MIN_LOG2_LANES):
+        if (not LOG2_CHUNK_RANGE[0] <= log2c <= LOG2_CHUNK_RANGE[1]
+                or not LOG2_SUB_RANGE[0] <= log2s <= LOG2_SUB_RANGE[1] or log2c - log2s < MIN_LOG2_LANES):
             raise _bad(f"chunk 2^{log2c} / sub-block 2^{log2s} values out of range")
         if max_len != MAX_LEN:
             raise _bad(f"longest code {max_len} bits; this build reads {MAX_LEN}")
