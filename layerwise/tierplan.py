@@ -9,7 +9,8 @@ A route (`Route`) says, per layer:
 
 where     "device" (resident; its arena block stays), "arena" (host memory), "spill" (this process's
           spill file) or "checkpoint" (the checkpoint file, read-only)
-encoded   compress="lossless" and the layer has a bf16/fp16 segment: its payload
+encoded   compress="lossless" and the layer has a segment of a coded dtype (bf16, fp16,
+          fp32, fp8): its payload
           is encoded (stages/decode.py; at pack time a layer whose encoding saves
           too little travels raw). A layer in the checkpoint travels raw (the
           file holds it as it is)
@@ -17,10 +18,12 @@ split     split_fetch: (share, lo, hi), the bytes of the layer this rank keeps
           and copies; the others come from the other ranks (stages/gather.py)
 
 and the host bytes it takes: 0 on disk, else its payload page-rounded. An
-encoded layer counts at its **exact** encoded size: the codec's choice per
-segment (code width, stored or coded) depends only on the histogram of the
-segment's symbols (exponents), which is computed here from the parameters'
-bytes without encoding (a share of one: in proportion).
+encoded layer counts at its **exact** encoded size: the codec's choices (per
+chunk: which fields are coded, their code lengths; per segment: stored or
+coded) depend only on the chunks' histograms, so ``codec.encoded_size`` gives
+the size without writing the encoding; it runs here on each segment packed
+into a scratch buffer from the parameters' bytes, one segment at a time (a
+share of a layer: in proportion).
 """
 from __future__ import annotations
 
@@ -32,58 +35,24 @@ from . import codec as _codec
 from .plan import BLOCK_ALIGN, round_up
 
 _ALIGN = 16  # every codec stream starts at a multiple of 16 bytes
-_MAX_WIDTH = {torch.bfloat16: 5, torch.float16: 4}
-_EXTRA_BITS = {torch.bfloat16: 0, torch.float16: 3}
-_SYMBOL = {torch.bfloat16: (7, 0xFF, 256), torch.float16: (10, 0x1F, 32)}  # shift, mask, symbols
-_CHUNK = 1 << 22  # values per histogram step (bounds the temporaries)
 
 
 def _a16(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _coded_total(n_values: int, field_bits: int, n_exc: int) -> int:
-    """csrc/codec.cpp coded_layout(...).total."""
-    blocks = -(-n_values // _codec.BLOCK_VALUES)
-    off_fields = _a16(_codec.HEADER_BYTES + 4 * (blocks + 1))
-    off_raw = _a16(off_fields + -(-n_values * field_bits // 8))
-    off_exc = _a16(off_raw + n_values)
-    return _a16(off_exc + n_exc)
-
-
-def segment_encoded_bytes(hist: torch.Tensor, n_bytes: int, dtype: torch.dtype) -> int:
-    """Bytes codec.encode gives a segment of `n_bytes` of `dtype` whose symbol
-    histogram is `hist` (csrc/codec.cpp plan_encode, mirrored)."""
-    stored = _a16(_codec.HEADER_BYTES + n_bytes)
-    n_values = n_bytes // 2
-    if dtype not in _MAX_WIDTH or n_values == 0 or n_values >= 1 << 32:
-        return stored
-    counts = sorted((int(c) for c in hist.tolist() if c), reverse=True)
-    best = None
-    for w in range(1, _MAX_WIDTH[dtype] + 1):
-        covered = sum(counts[: (1 << w) - 1])
-        total = _coded_total(n_values, w + _EXTRA_BITS[dtype], n_values - covered)
-        best = total if best is None or total < best else best
-    return stored if best * 100 > n_bytes * 97 else best
-
-
-def _histogram(entries, dtype: torch.dtype, seg_bytes: int) -> torch.Tensor | None:
-    """Symbol histogram of one packed segment: its parameters' storage spans, and
-    zeros for the alignment gaps between them. None: a parameter has no data (meta)."""
-    shift, mask, n_sym = _SYMBOL[dtype]
-    hist = torch.zeros(n_sym, dtype=torch.int64)
-    values = 0
+def _packed_segment(entries, dtype: torch.dtype, seg_off: int, seg_bytes: int) -> torch.Tensor | None:
+    """The segment's bytes as packing lays them out (parameters at their offsets, zero
+    gaps), in a scratch buffer. None: a parameter has no data yet (meta)."""
+    out = torch.zeros(seg_bytes, dtype=torch.uint8)
     for e in entries:
         data = e.source()
         if data.is_meta or data.dtype != dtype:
             return None
-        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset()).view(torch.int16)
-        for k in range(0, e.span, _CHUNK):
-            sym = (flat[k : k + _CHUNK] >> shift) & mask
-            hist += torch.bincount(sym.reshape(-1).to("cpu"), minlength=n_sym)
-        values += e.span
-    hist[0] += seg_bytes // 2 - values  # the gaps are zero bytes: symbol 0
-    return hist
+        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset()).reshape(-1).view(torch.uint8)
+        at = e.offset - seg_off
+        out[at : at + e.span_bytes].copy_(flat.to("cpu"))
+    return out
 
 
 def encoded_layer_bytes(lp) -> int | None:
@@ -91,12 +60,12 @@ def encoded_layer_bytes(lp) -> int | None:
     segments one after the other, 16-byte aligned); None where its parameters
     hold no data yet."""
     total = 0
-    for dtype, (_, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0]):
-        if dtype in _MAX_WIDTH:
-            hist = _histogram([e for e in lp.params if e.dtype == dtype], dtype, n)
-            if hist is None:
+    for dtype, (off, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0]):
+        if dtype in _codec.CODED_DTYPES:
+            seg = _packed_segment([e for e in lp.params if e.dtype == dtype], dtype, off, n)
+            if seg is None:
                 return None
-            total += _a16(segment_encoded_bytes(hist, n, dtype))
+            total += _a16(_codec.encoded_size(seg, dtype=dtype))
         else:
             total += _a16(_a16(_codec.HEADER_BYTES + n))
     return total
