@@ -66,7 +66,7 @@ def extension():
     sources = ["csrc/bindings.cpp", "csrc/arena.cpp", "csrc/engine.cpp", "csrc/cpu/engine_cpu.cpp",
                "csrc/reader.cpp"]
     kwargs = dict(extra_compile_args=["-O3", "-std=c++20", "-fvisibility=hidden"], include_dirs=[os.path.join(ROOT, "csrc")])
-    sources.append("csrc/codec.cpp")  # lossless bf16/fp16 codec (layerwise._C.codec)
+    sources += ["csrc/codec.cpp", "csrc/codec_v2.cpp"]  # lossless codec (layerwise._C.codec), versions 1 and 2
     if use_cuda:
         inc, libdir, lib = cuda
         # Only relevant to device code, of which there is none here; set so that

@@ -397,19 +397,25 @@ void check_index(const Header& h, const uint8_t* enc, uint64_t n_values) {
 DType dtype_from_name(const std::string& name) {
   if (name == "bfloat16") return DType::BFloat16;
   if (name == "float16") return DType::Float16;
-  static const char* stored[] = {"bytes", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-                                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-                                 "complex64", "complex128", "uint16", "uint32", "uint64"};
+  if (name == "float32") return DType::Float32;
+  if (name == "float8_e4m3fn") return DType::Float8E4M3;
+  if (name == "float8_e5m2") return DType::Float8E5M2;
+  static const char* stored[] = {"bytes", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+                                 "float8_e4m3fnuz", "float8_e5m2fnuz", "complex64", "complex128", "uint16",
+                                 "uint32", "uint64"};
   for (const char* s : stored)
     if (name == s) return DType::Bytes;
-  fail("unknown dtype '" + name + "': bfloat16 and float16 are coded; other torch dtype names (float32, int8, "
-       "..., or 'bytes') are stored as raw bytes");
+  fail("unknown dtype '" + name + "': bfloat16, float16, float32, float8_e4m3fn and float8_e5m2 are coded; "
+       "other torch dtype names (int8, ..., or 'bytes') are stored as raw bytes");
 }
 
 const char* dtype_name(DType d) {
   switch (d) {
     case DType::BFloat16: return "bfloat16";
     case DType::Float16: return "float16";
+    case DType::Float32: return "float32";
+    case DType::Float8E4M3: return "float8_e4m3fn";
+    case DType::Float8E5M2: return "float8_e5m2";
     default: return "bytes";
   }
 }
@@ -421,8 +427,8 @@ Header read_header(const uint8_t* enc, size_t n) {
   if (std::memcmp(enc, kMagic, 4) != 0)
     fail("encoded segment does not start with the magic 'LWCS' (not an encoded segment, or the wrong offset)");
   if (enc[kOffVersion] != kVersion)
-    fail("encoded segment has format version " + std::to_string(enc[kOffVersion]) + "; this build reads version " +
-         std::to_string(kVersion));
+    fail("encoded segment has format version " + std::to_string(enc[kOffVersion]) + "; this build reads versions " +
+         std::to_string(kVersion) + " and " + std::to_string(v2::kVersion));
   Header h;
   if (enc[kOffDtype] > 2) fail("unknown dtype code " + std::to_string(enc[kOffDtype]) + " in the header");
   if (enc[kOffMode] > 1) fail("unknown mode " + std::to_string(enc[kOffMode]) + " in the header");
@@ -495,6 +501,7 @@ Header read_header(const uint8_t* enc, size_t n) {
 EncodePlan plan_encode(const uint8_t* src, size_t n, DType dtype, int threads) {
   EncodePlan p{};
   Header& h = p.header;
+  if (dtype != DType::BFloat16 && dtype != DType::Float16) dtype = DType::Bytes;  // version 1 codes 16-bit floats only
   h.dtype = dtype;
   h.n_bytes = n;
   auto stored = [&] {
@@ -581,6 +588,8 @@ void encode_into(const EncodePlan& plan, const uint8_t* src, size_t n, uint8_t* 
 }
 
 void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads) {
+  if (n > kOffVersion && std::memcmp(enc, kMagic, 4) == 0 && enc[kOffVersion] == v2::kVersion)
+    return v2::decode_into(enc, n, dst, dst_n, threads);
   Header h = read_header(enc, n);
   if (dst_n != h.n_bytes)
     fail("destination has " + std::to_string(dst_n) + " bytes but the segment decodes to " +
@@ -624,6 +633,7 @@ void check_bytes(const at::Tensor& t, const char* fn, const char* name) {
 // Errors of the codec core are std::invalid_argument, which pybind11 turns into ValueError.
 py::dict header_dict(const lc::Header& h) {
   py::dict d;
+  d["version"] = 1;
   d["dtype"] = lc::dtype_name(h.dtype);
   d["mode"] = h.mode == lc::Mode::Coded ? "coded" : "stored";
   d["width"] = h.width;
@@ -639,34 +649,76 @@ py::dict header_dict(const lc::Header& h) {
   return d;
 }
 
+py::dict header_dict(const lc::v2::Header& h) {
+  py::dict d;
+  d["version"] = 2;
+  d["dtype"] = lc::dtype_name(h.dtype);
+  d["mode"] = h.coded ? "coded" : "stored";
+  d["chunk_values"] = h.coded ? uint64_t{1} << h.log2_chunk : 0;
+  d["sub_values"] = h.coded ? uint64_t{1} << h.log2_sub : 0;
+  d["max_code_bits"] = h.max_len;
+  d["n_bytes"] = h.n_bytes;
+  d["n_chunks"] = h.n_chunks;
+  d["encoded_bytes"] = h.encoded_bytes;
+  d["off_index"] = h.off_index;
+  d["off_data"] = h.off_data;
+  return d;
+}
+
+bool is_v2(const uint8_t* e, size_t n) { return n > 4 && std::memcmp(e, "LWCS", 4) == 0 && e[4] == lc::v2::kVersion; }
+
 }  // namespace
 
 void bind_codec(pybind11::module_& m) {
-  auto c = m.def_submodule("codec", "Lossless codec of bf16/fp16 segments (format: layerwise/codec.py)");
+  auto c = m.def_submodule("codec", "Lossless codec of float segments (format: layerwise/codec.py)");
   c.attr("HEADER_BYTES") = lc::kHeaderBytes;
   c.attr("BLOCK_VALUES") = lc::kBlockValues;
-  c.attr("VERSION") = lc::kVersion;
+  c.attr("VERSION") = lc::v2::kVersion;
+  c.attr("LOG2_CHUNK") = lc::v2::kLog2Chunk;
+  c.attr("LOG2_SUB") = lc::v2::kLog2Sub;
   c.def(
       "encode",
-      [](const at::Tensor& src, const std::string& dtype, int threads) {
+      [](const at::Tensor& src, const std::string& dtype, int threads, int version, int log2_chunk, int log2_sub,
+         bool size_only) -> py::object {
         check_bytes(src, "encode", "src");
         lc::DType d = lc::dtype_from_name(dtype);
         const uint8_t* p = src.data_ptr<uint8_t>();
         size_t n = src.numel();
-        lc::EncodePlan plan;
+        TORCH_CHECK_VALUE(version == 1 || version == 2, "layerwise codec encode: version must be 1 or 2, got ",
+                          version);
+        if (version == 1) {
+          lc::EncodePlan plan;
+          {
+            py::gil_scoped_release r;
+            plan = lc::plan_encode(p, n, d, threads);
+          }
+          if (size_only) return py::int_(plan.header.encoded_bytes);
+          at::Tensor out = at::empty({static_cast<int64_t>(plan.header.encoded_bytes)}, src.options());
+          {
+            py::gil_scoped_release r;
+            lc::encode_into(plan, p, n, out.data_ptr<uint8_t>(), out.numel(), threads);
+          }
+          return py::cast(out);
+        }
+        std::shared_ptr<lc::v2::Plan> plan;
         {
           py::gil_scoped_release r;
-          plan = lc::plan_encode(p, n, d, threads);
+          plan = lc::v2::plan_encode(p, n, d, threads, log2_chunk, log2_sub);
         }
-        at::Tensor out = at::empty({static_cast<int64_t>(plan.header.encoded_bytes)}, src.options());
+        uint64_t total = lc::v2::plan_header(*plan).encoded_bytes;
+        if (size_only) return py::int_(total);
+        at::Tensor out = at::empty({static_cast<int64_t>(total)}, src.options());
         {
           py::gil_scoped_release r;
-          lc::encode_into(plan, p, n, out.data_ptr<uint8_t>(), out.numel(), threads);
+          lc::v2::encode_into(*plan, p, n, out.data_ptr<uint8_t>(), out.numel(), threads);
         }
-        return out;
+        return py::cast(out);
       },
-      py::arg("src"), py::arg("dtype"), py::arg("threads") = 0,
-      "Encode the bytes of src (uint8, contiguous, host) holding values of `dtype`; a new uint8 tensor");
+      py::arg("src"), py::arg("dtype"), py::arg("threads") = 0, py::arg("version") = 2,
+      py::arg("log2_chunk") = lc::v2::kLog2Chunk, py::arg("log2_sub") = lc::v2::kLog2Sub,
+      py::arg("size_only") = false,
+      "Encode the bytes of src (uint8, contiguous, host) holding values of `dtype`: a new uint8 tensor (size_only: "
+      "its size in bytes, nothing written)");
   c.def(
       "decode",
       [](const at::Tensor& enc, const at::Tensor& dst, int threads) {
@@ -681,13 +733,15 @@ void bind_codec(pybind11::module_& m) {
         lc::decode_into(e, en, d, dn, threads);
       },
       py::arg("encoded"), py::arg("dst"), py::arg("threads") = 0,
-      "Decode `encoded` into dst (uint8, contiguous, host, exactly the decoded size)");
+      "Decode `encoded` (either version) into dst (uint8, contiguous, host, exactly the decoded size)");
   c.def(
       "read_header",
       [](const at::Tensor& enc) {
         check_bytes(enc, "read_header", "encoded");
-        return header_dict(lc::read_header(enc.data_ptr<uint8_t>(), enc.numel()));
+        const uint8_t* e = enc.data_ptr<uint8_t>();
+        size_t n = enc.numel();
+        return is_v2(e, n) ? header_dict(lc::v2::read_header(e, n)) : header_dict(lc::read_header(e, n));
       },
-      py::arg("encoded"), "The checked header of a whole encoded segment, as a dict");
+      py::arg("encoded"), "The checked header of a whole encoded segment (either version), as a dict");
 }
 #endif  // LAYERWISE_CODEC_STANDALONE

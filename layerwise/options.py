@@ -378,10 +378,10 @@ def validate_depth(prefetch_depth) -> int:
 
 
 def validate_compress(compress):
-    """None (layers travel as they are) or "lossless" (bf16/fp16 segments travel
+    """None (layers travel as they are) or "lossless" (bf16/fp16/fp32/fp8 segments travel
     encoded, layerwise/codec.py)."""
     if compress is not None and not (isinstance(compress, str) and compress == "lossless"):
-        raise ValueError(f"compress must be None or 'lossless' (bf16/fp16 weights cross the bus losslessly "
+        raise ValueError(f"compress must be None or 'lossless' (bf16/fp16/fp32/fp8 weights cross the bus losslessly "
                          f"encoded), got {compress!r}")
     return compress
 

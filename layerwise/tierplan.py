@@ -9,7 +9,8 @@ A route (`Route`) says, per layer:
 
 where     "device" (resident; its arena block stays), "arena" (host memory), "spill" (this process's
           spill file) or "checkpoint" (the checkpoint file, read-only)
-encoded   compress="lossless" and the layer has a bf16/fp16 segment: its payload
+encoded   compress="lossless" and the layer has a segment of a coded dtype (bf16, fp16,
+          fp32, fp8): its payload
           is encoded (stages/decode.py; at pack time a layer whose encoding saves
           too little travels raw). A layer in the checkpoint travels raw (the
           file holds it as it is)
@@ -17,10 +18,12 @@ split     split_fetch: (share, lo, hi), the bytes of the layer this rank keeps
           and copies; the others come from the other ranks (stages/gather.py)
 
 and the host bytes it takes: 0 on disk, else its payload page-rounded. An
-encoded layer counts at its **exact** encoded size: the codec's choice per
-segment (code width, stored or coded) depends only on the histogram of the
-segment's symbols (exponents), which is computed here from the parameters'
-bytes without encoding (a share of one: in proportion).
+encoded layer counts at its **exact** encoded size: the codec's choices (per
+chunk: which fields are coded, their code lengths; per segment: stored or
+coded) depend only on the chunks' histograms, so ``codec.encoded_size`` gives
+the size without writing the encoding; it runs here on each segment packed
+into a scratch buffer from the parameters' bytes, one segment at a time (a
+share of a layer: in proportion).
 """
 from __future__ import annotations
 
@@ -32,73 +35,40 @@ from . import codec as _codec
 from .plan import BLOCK_ALIGN, round_up
 
 _ALIGN = 16  # every codec stream starts at a multiple of 16 bytes
-_MAX_WIDTH = {torch.bfloat16: 5, torch.float16: 4}
-_EXTRA_BITS = {torch.bfloat16: 0, torch.float16: 3}
-_SYMBOL = {torch.bfloat16: (7, 0xFF, 256), torch.float16: (10, 0x1F, 32)}  # shift, mask, symbols
-_CHUNK = 1 << 22  # values per histogram step (bounds the temporaries)
 
 
 def _a16(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _coded_total(n_values: int, field_bits: int, n_exc: int) -> int:
-    """csrc/codec.cpp coded_layout(...).total."""
-    blocks = -(-n_values // _codec.BLOCK_VALUES)
-    off_fields = _a16(_codec.HEADER_BYTES + 4 * (blocks + 1))
-    off_raw = _a16(off_fields + -(-n_values * field_bits // 8))
-    off_exc = _a16(off_raw + n_values)
-    return _a16(off_exc + n_exc)
+def _packed_segment(entries, dtype: torch.dtype, seg_off: int, seg_bytes: int) -> torch.Tensor | None:
+    """The segment's bytes as packing lays them out (parameters at their offsets, zero
+    gaps), in a scratch buffer. None: a parameter has no data yet (meta)."""
+    out = torch.zeros(seg_bytes, dtype=torch.uint8)
+    for e in entries:
+        data = e.source()
+        if data.is_meta or data.dtype != dtype:
+            return None
+        flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset()).reshape(-1).view(torch.uint8)
+        at = e.offset - seg_off
+        out[at : at + e.span_bytes].copy_(flat.to("cpu"))
+    return out
 
 
-def segment_encoded_bytes(hist: torch.Tensor, n_bytes: int, dtype: torch.dtype) -> int:
-    """Bytes codec.encode gives a segment of `n_bytes` of `dtype` whose symbol
-    histogram is `hist` (csrc/codec.cpp plan_encode, mirrored)."""
-    stored = _a16(_codec.HEADER_BYTES + n_bytes)
-    n_values = n_bytes // 2
-    if dtype not in _MAX_WIDTH or n_values == 0 or n_values >= 1 << 32:
-        return stored
-    counts = sorted((int(c) for c in hist.tolist() if c), reverse=True)
-    best = None
-    for w in range(1, _MAX_WIDTH[dtype] + 1):
-        covered = sum(counts[: (1 << w) - 1])
-        total = _coded_total(n_values, w + _EXTRA_BITS[dtype], n_values - covered)
-        best = total if best is None or total < best else best
-    return stored if best * 100 > n_bytes * 97 else best
-
-
-def _flat(e, lo: int = 0, hi: int | None = None) -> torch.Tensor | None:
-    """Elements [lo, hi) of entry e's storage span, as int16 (None: no data yet)."""
+def _expert_piece(e, lo: int, hi: int) -> torch.Tensor | None:
+    """Elements [lo, hi) of entry e's storage span (one expert's rows), as host bytes."""
     data = e.source()
     if data.is_meta:
         return None
-    flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
-    return flat[lo: e.span if hi is None else hi]
+    flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())[lo:hi]
+    return flat.contiguous().view(torch.uint8).to("cpu")
 
 
-def _histogram(flats, dtype: torch.dtype, seg_bytes: int) -> torch.Tensor | None:
-    """Symbol histogram of one packed segment: the values in `flats` (tensors of
-    `dtype`), and zeros for the alignment gaps. None: one has no data (meta)."""
-    shift, mask, n_sym = _SYMBOL[dtype]
-    hist = torch.zeros(n_sym, dtype=torch.int64)
-    values = 0
-    for flat in flats:
-        if flat is None or flat.dtype != dtype:
-            return None
-        flat = flat.view(torch.int16)
-        for k in range(0, flat.numel(), _CHUNK):
-            sym = (flat[k : k + _CHUNK] >> shift) & mask
-            hist += torch.bincount(sym.reshape(-1).to("cpu"), minlength=n_sym)
-        values += flat.numel()
-    hist[0] += seg_bytes // 2 - values  # the gaps are zero bytes: symbol 0
-    return hist
-
-
-def _segment_bytes(flats, dtype, n: int) -> int | None:
-    if dtype not in _MAX_WIDTH:
+def _segment_bytes(seg, dtype, n: int) -> int | None:
+    """Bytes codec.encode gives segment `seg` (host bytes, None: no data yet) of `n` bytes."""
+    if dtype not in _codec.CODED_DTYPES:
         return _a16(_a16(_codec.HEADER_BYTES + n))
-    hist = _histogram(flats, dtype, n)
-    return None if hist is None else _a16(segment_encoded_bytes(hist, n, dtype))
+    return None if seg is None else _a16(_codec.encoded_size(seg, dtype=dtype))
 
 
 def encoded_layer_bytes(lp, experts=None) -> int | None:
@@ -109,15 +79,19 @@ def encoded_layer_bytes(lp, experts=None) -> int | None:
     mods = experts.layers.get(lp.index, ()) if experts is not None else ()
     tail = {id(e) for m in mods for e in m.entries}
     total = 0
-    for dtype, (_, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0]):
-        got = _segment_bytes([_flat(e) for e in lp.params if e.dtype == dtype and id(e) not in tail], dtype, n)
-        if got is None:
-            return None
-        total += got
+    for dtype, (off, n) in sorted(lp.segments.items(), key=lambda kv: kv[1][0]):
+        seg = None
+        if dtype in _codec.CODED_DTYPES:
+            seg = _packed_segment([e for e in lp.params if e.dtype == dtype and id(e) not in tail], dtype, off, n)
+            if seg is None:
+                return None
+        total += _segment_bytes(seg, dtype, n)
     for m in mods:
         for px in m.parts:
             for e, lo, hi in px:
-                got = _segment_bytes([_flat(e, lo, hi)], e.dtype, (hi - lo) * e.dtype.itemsize)
+                n = (hi - lo) * e.dtype.itemsize
+                got = _segment_bytes(_expert_piece(e, lo, hi) if e.dtype in _codec.CODED_DTYPES else None,
+                                     e.dtype, n)
                 if got is None:
                     return None
                 total += got

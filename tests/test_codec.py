@@ -1,6 +1,8 @@
-"""Tests of the lossless 16-bit codec: the format (layerwise/codec.py), the C++
+"""Tests of the lossless codec's format version 1 (layerwise/codec.py; what
+``encode(..., version=1)`` writes and every decoder still reads): the C++
 encoder/decoder (csrc/codec.cpp, layerwise._C.codec), the pure-torch reference
-and the Triton kernel (triton_kernels/decode.py).
+and the Triton kernel (triton_kernels/decode.py). Version 2 (the default):
+tests/test_codec_v2.py.
 
 Every decoder is checked bitwise against the input (NaN payloads included) and
 against each other. Without CUDA the Triton kernel runs under the interpreter
@@ -27,6 +29,11 @@ from layerwise import codec  # noqa: E402
 from layerwise._native import codec as native  # noqa: E402
 
 DECODE_PY = Path(__file__).resolve().parents[1] / "triton_kernels" / "decode.py"
+
+
+def encode1(*args, **kwargs):
+    """The version-1 encoder (the default writes version 2)."""
+    return codec.encode(*args, version=1, **kwargs)
 MODULE = "layerwise.triton_kernels.decode"
 
 
@@ -130,7 +137,7 @@ def poisoned_like(x):
 
 def roundtrip_cpu(x, threads=0):
     """Encode with C++, decode with C++ and with the reference; both bitwise equal to x."""
-    enc = codec.encode(x, threads=threads)
+    enc = encode1(x, threads=threads)
     out = codec.decode(enc, threads=threads)
     assert_bitwise(out, x, "C++ decode")
     ref = poisoned_like(x)
@@ -236,15 +243,15 @@ def test_other_dtypes_are_stored(dtype):
 
 def test_uint8_view_with_dtype_argument():
     x = weight_like(5000, torch.bfloat16)
-    a = codec.encode(x)
-    b = codec.encode(bits(x), dtype=torch.bfloat16)
+    a = encode1(x)
+    b = encode1(bits(x), dtype=torch.bfloat16)
     assert torch.equal(a, b)
-    assert codec.read_header(codec.encode(bits(x)))["mode"] == "stored"  # uint8: not coded
+    assert codec.read_header(encode1(bits(x)))["mode"] == "stored"  # uint8: not coded
 
 
 def test_decode_into_any_dtype_destination():
     x = weight_like(3001, torch.float16)
-    enc = codec.encode(x)
+    enc = encode1(x)
     out = torch.empty_like(x)
     assert codec.decode(enc, out) is out
     assert_bitwise(out, x)
@@ -255,7 +262,7 @@ def test_decode_into_any_dtype_destination():
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 def test_threads_give_identical_bytes(dtype):
     x = with_specials(300_000, dtype)  # ~290 blocks: two threads get work
-    encs = [codec.encode(x, threads=t) for t in (1, 2, 0)]
+    encs = [encode1(x, threads=t) for t in (1, 2, 0)]
     assert all(torch.equal(encs[0], e) for e in encs[1:])
     for t in (1, 2, 0):
         assert_bitwise(codec.decode(encs[0], threads=t), x, f"{t} threads")
@@ -264,7 +271,7 @@ def test_threads_give_identical_bytes(dtype):
 def test_encoder_picks_the_smallest_width():
     # exponents spread over ~7 values: W = 3; over 2: W = 1 needs exceptions, 2 does not
     x = weight_like(1 << 16, torch.bfloat16)
-    h = codec.read_header(codec.encode(x))
+    h = codec.read_header(encode1(x))
     assert h["mode"] == "coded" and h["width"] == 3 and len(h["table"]) == 7
     one = torch.tensor([1.0, -1.5], dtype=torch.bfloat16).repeat(5000)  # one exponent: W = 1
     h = codec.read_header(roundtrip_cpu(one))
@@ -277,7 +284,7 @@ def test_encoder_picks_the_smallest_width():
 def test_header_fields_match_the_python_parser():
     for x in (weight_like(4000, torch.bfloat16), weight_like(4000, torch.float16), random_bits(10, torch.bfloat16),
               torch.arange(5, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16)):
-        enc = codec.encode(x)
+        enc = encode1(x)
         c = codec.read_header(enc)
         p = D.parse_header(enc, enc.numel())
         assert (p.dtype, "coded" if p.coded else "stored", p.width, p.field_bits, list(p.table), p.n_bytes,
@@ -294,7 +301,7 @@ def test_header_fields_match_the_python_parser():
 # malformed input: a clear error, no read outside the buffer
 # --------------------------------------------------------------------------
 def _coded(dtype=torch.bfloat16, n=5000):
-    enc = codec.encode(with_specials(n, dtype))
+    enc = encode1(with_specials(n, dtype))
     assert codec.read_header(enc)["mode"] == "coded"
     return enc
 
@@ -358,7 +365,7 @@ def test_malformed_input_raises(case):
 def test_code_past_the_table_raises():
     # five exponents, equally frequent: W = 3 with a table of 5; codes 5 and 6 are not in it
     vals = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0], dtype=torch.bfloat16).repeat(400)
-    enc = codec.encode(vals)
+    enc = encode1(vals)
     h = codec.read_header(enc)
     assert (h["width"], len(h["table"])) == (3, 5)
     bad = enc.clone()
@@ -383,7 +390,7 @@ def test_random_corruption_never_crashes():
     """Flipped bytes anywhere: the C++ decoder raises ValueError or decodes something; never reads out of bounds
     (run under a sanitizer to be sure; here: no crash, and a checked header)."""
     rng = random.Random(5)
-    encs = [_coded(torch.bfloat16, 3000), _coded(torch.float16, 3000), codec.encode(random_bits(300, torch.bfloat16))]
+    encs = [_coded(torch.bfloat16, 3000), _coded(torch.float16, 3000), encode1(random_bits(300, torch.bfloat16))]
     outcomes = {"raised": 0, "decoded": 0}
     for k in range(600):
         enc = encs[k % len(encs)].clone()
@@ -408,8 +415,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="uint8"):
         native.encode(x, "bfloat16", 1)
     with pytest.raises(ValueError, match="contiguous"):
-        codec.encode(torch.zeros(4, 4, dtype=torch.bfloat16).t())
-    enc = codec.encode(x)
+        encode1(torch.zeros(4, 4, dtype=torch.bfloat16).t())
+    enc = encode1(x)
     with pytest.raises(ValueError, match="overlaps"):
         native.decode(enc, enc[:200], 1)
     with pytest.raises(ValueError, match="backend"):
@@ -429,7 +436,7 @@ def test_triton_sizes(device, dtype):
     for n in TRITON_SIZES:
         for make in (weight_like, with_specials, random_bits):
             x = make(n, dtype)
-            enc = codec.encode(x)
+            enc = encode1(x)
             triton_decode(enc, x, device)
 
 
@@ -437,7 +444,7 @@ def test_triton_sizes(device, dtype):
 def test_triton_every_bit_pattern(device, dtype):
     need_triton(device)
     x = every_pattern(dtype)
-    enc = codec.encode(x)
+    enc = encode1(x)
     assert codec.read_header(enc)["mode"] == "coded"
     out = triton_decode(enc, x, device)
     ref = poisoned_like(x)
@@ -450,7 +457,7 @@ def test_triton_every_bit_pattern(device, dtype):
 def test_triton_programs_spanning_several_index_blocks(device, block):
     need_triton(device)
     x = with_specials(3 * 4096 + 5, torch.bfloat16, seed=2)
-    enc = codec.encode(x)
+    enc = encode1(x)
     assert codec.read_header(enc)["n_exceptions"] > 0
     triton_decode(enc, x, device, block=block)
 
@@ -465,7 +472,7 @@ def test_triton_widths(device):
             x = (torch.randn(4000, generator=g) * torch.exp(torch.randn(4000, generator=g) * spread)).to(dtype)
             if spread == 0.0:
                 x = torch.tensor([1.0, -1.5], dtype=dtype).repeat(2000)
-            enc = codec.encode(x)
+            enc = encode1(x)
             h = codec.read_header(enc)
             seen.add((IDS[dtype], h["mode"], h["width"]))
             triton_decode(enc, x, device)
@@ -492,11 +499,11 @@ def test_one_launch_per_segment(device, monkeypatch):
     counter = _CountingKernel(D._decode_kernel)
     monkeypatch.setattr(D, "_decode_kernel", counter)
     x = with_specials(5000, torch.float16)
-    enc = codec.encode(x).to(device)
+    enc = encode1(x).to(device)
     out = torch.empty(5000, dtype=torch.float16, device=device)
     D.decode_segment(enc, out)
     assert counter.launches == 1 and counter.grids[-1] == (-(-5000 // D.DEFAULT_BLOCK),)
-    D.decode_segment(codec.encode(x[:0]).to(device), out[:0])
+    D.decode_segment(encode1(x[:0]).to(device), out[:0])
     assert counter.launches == 1  # empty: nothing to launch
     with pytest.raises(ValueError, match="decodes to"):
         D.decode_segment(enc, out[:10], header=D.parse_header(enc.cpu()))
@@ -507,7 +514,7 @@ def test_one_launch_per_segment(device, monkeypatch):
 def test_triton_header_argument(device):
     need_triton(device)
     x = weight_like(3000, torch.bfloat16)
-    enc = codec.encode(x)
+    enc = encode1(x)
     header = D.parse_header(enc, enc.numel())
     out = torch.empty_like(x, device=device)
     D.decode_segment(enc.to(device), out, header=header)
@@ -523,7 +530,7 @@ def test_kernel_guards_itself_against_bad_headers(device):
     not fit the buffer or the destination (and reads nothing outside the buffer)."""
     need_triton(device)
     x = with_specials(3000, torch.bfloat16)
-    enc = codec.encode(x)
+    enc = encode1(x)
     h = codec.read_header(enc)
     cases = {
         "magic": _set(enc, 0, 0, 4),
@@ -541,7 +548,7 @@ def test_kernel_guards_itself_against_bad_headers(device):
         out = poisoned_like(x).to(device)
         D._launch(bad.to(device), out, D.DEFAULT_BLOCK)
         assert torch.equal(out.cpu(), poisoned_like(x)), f"{what}: the kernel wrote"
-    stored = codec.encode(random_bits(100, torch.bfloat16))
+    stored = encode1(random_bits(100, torch.bfloat16))
     out = poisoned_like(torch.empty(100, dtype=torch.bfloat16)).to(device)
     D._launch(_set(stored, 16, 10**9).to(device), out, D.DEFAULT_BLOCK)
     assert torch.equal(out.cpu(), poisoned_like(torch.empty(100, dtype=torch.bfloat16)))
@@ -549,7 +556,7 @@ def test_kernel_guards_itself_against_bad_headers(device):
 
 def test_launcher_checks(device):
     need_triton(device)
-    enc = codec.encode(weight_like(100, torch.bfloat16)).to(device)
+    enc = encode1(weight_like(100, torch.bfloat16)).to(device)
     out = torch.empty(100, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match="block"):
         D._launch(enc, out.view(torch.uint8), block=1000)
@@ -566,7 +573,7 @@ def test_launcher_checks(device):
 # --------------------------------------------------------------------------
 def test_dispatch_on_cpu():
     x = with_specials(2000, torch.bfloat16)
-    enc = codec.encode(x)
+    enc = encode1(x)
     for backend in ("auto", "native", "ref"):
         out = torch.empty_like(x)
         ran = codec.decode_segment(enc, out, backend=backend)
@@ -586,41 +593,10 @@ def test_import_without_triton(monkeypatch):
     assert mod.triton is None and mod._decode_kernel is None and not mod.triton_available_for("cuda")
     x = with_specials(1500, torch.float16)
     out = torch.empty_like(x)
-    mod.decode_segment_ref(codec.encode(x), out)
+    mod.decode_segment_ref(encode1(x), out)
     assert_bitwise(out, x)
     with pytest.raises(ImportError, match="triton"):
-        mod.decode_segment(codec.encode(x), out)
-
-
-# --------------------------------------------------------------------------
-# bench suite (python -m layerwise.bench compress)
-# --------------------------------------------------------------------------
-def test_bench_compress_tiny_on_cpu():
-    import io
-    import math
-
-    from layerwise.bench import cli, compress, report
-    from layerwise.bench.common import Context, Stat
-
-    assert cli.SUITES["compress"] is compress.run and "compress" in cli.ON_REQUEST
-    res = compress.run(Context(torch.device("cpu"), "tiny", show_progress=False))
-    by_short = {row.short: row for row in res.rows}
-    ratios = [row for row in res.rows if row.unit == "x" and row.short.startswith("ratio")]
-    assert len(ratios) == 2 and all(row.met for row in ratios), [(r.short, r.ours) for r in ratios]
-    # The manager's own stream, compress="lossless" against None: fewer bytes per step, bitwise checked.
-    moved = by_short["manager stream bytes/step, 4 x 1 MB bf16"]
-    assert moved.met and 0.3 < moved.ours <= 0.80, moved.ours
-    step = by_short["manager stream step, 4 x 1 MB bf16, compressed"]
-    assert step.ours.median > 0 and step.baselines["uncompressed"].median > 0
-    assert all(0 < row.ours <= 0.95 for row in ratios)
-    speeds = [row for row in res.rows if row.unit == "GB/s"]
-    assert len(speeds) == (6 if (os.cpu_count() or 1) > 1 else 4) and all(isinstance(r.ours, Stat) and r.ours.median > 0 for r in speeds)
-    assert all(math.isfinite(v) for r in speeds for v in r.ratios.values())
-    assert {"Triton decode: not measured", "compressed stream: not measured"} <= set(by_short)
-    assert all(by_short[k].ours is None for k in by_short if "not measured" in k)
-    buf = io.StringIO()
-    report.render_plain([res], buf)
-    assert max(len(line) for line in buf.getvalue().splitlines()) <= report.WIDTH
+        mod.decode_segment(encode1(x), out)
 
 
 _COMPILE_SCRIPT = r"""

@@ -41,7 +41,7 @@ class Checksum(nn.Module):
     def __init__(self, w: torch.Tensor, norm: torch.Tensor):
         super().__init__()
         self.w = nn.Parameter(w, requires_grad=False)
-        self.norm = nn.Parameter(norm, requires_grad=False)  # fp32: a raw segment beside the coded one
+        self.norm = nn.Parameter(norm, requires_grad=False)  # fp32: a second segment (16 values: stored)
 
     def forward(self, x):
         bits = self.w.view(torch.int16).to(torch.int64).view(-1)
@@ -186,7 +186,8 @@ def test_stats_and_report_show_the_codec():
     st = managers[0].stats(sync=True)
     c = st["compress"]
     assert c["codec"] == "lossless" and c["layers"] == 8 and c["layers_raw"] == []
-    assert c["per_dtype"]["bfloat16"]["ratio"] < 0.8 and c["per_dtype"]["float32"]["ratio"] > 1.0
+    # (format version 2 codes fp32 too: the norms' exponents are far from random)
+    assert c["per_dtype"]["bfloat16"]["ratio"] < 0.8 and c["per_dtype"]["float32"]["ratio"] < 0.97
     assert c["stored_bytes"] < c["raw_bytes"] and c["encode_gbps"] > 0
     assert c["decodes_timed"] > 0 and c["decode_s"] > 0
     assert st["arena_bytes"] >= c["stored_bytes"]  # the encoded blocks are this group's host memory

@@ -817,7 +817,7 @@ def test_per_expert_module_list_experts_are_routed(kind, kw, tmp_path):
         assert all(torch.equal(model(x), w) for x, w in zip(xs, want))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # (fp32: nothing to encode, plain disk)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compressed_routed_experts_in_spill_files(tmp_path, dtype):
     ref = _bf16("mixtral") if dtype == torch.bfloat16 else _make("mixtral")
     model = copy.deepcopy(ref)
@@ -827,7 +827,7 @@ def test_compressed_routed_experts_in_spill_files(tmp_path, dtype):
     want, got = _run(ref, ids), _run(model, ids)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     st = m.stats()["compress"]
-    assert (st["layers"], st["layers_raw"]) == ((6, []) if dtype == torch.bfloat16 else (0, []))
+    assert st["layers"] == 6 and (st["layers_raw"] == [] or dtype != torch.bfloat16)  # (fp32: coded too, v2)
     disk, rows = _disk_steps(model, m)
     assert disk
     whole = sum(m.plan.layers[i].nbytes for i in disk)

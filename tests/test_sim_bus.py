@@ -174,7 +174,10 @@ def test_the_disk_tier_keeps_the_bus_busy_while_the_host_waits(tmp_path):
     with torch.no_grad():
         for _ in range(4):
             assert torch.equal(model(x), ref(x))
-    d = m.stats(sync=True)["disk"]
+    st = m.stats(sync=True)
+    d = st["disk"]
+    # (no layer read twice: a step reads each disk layer once)
+    assert st["last_step"]["bytes_read"] == sum(m.plan.layers[i].nbytes for i in m.tiers.disk_layers), st
     print(d["layers"], d["copies_meanwhile"], m.stats()["steps"])
     """, LAYERWISE_SIM_BUS_GBPS="0.02")
     layers, meanwhile, steps = map(int, out.split())

@@ -1,37 +1,59 @@
 """Decode one losslessly encoded segment straight into its destination, in one launch.
 
-The encoded format (written by the C++ encoder, ``layerwise._C.codec.encode``)
-is specified in ``layerwise/codec.py``. In short: a 128-byte header (with a
-table of up to 31 exponent symbols), an index of exceptions before each block
-of 1024 values, a field stream (value ``i``'s W-bit code, plus fp16's 3 raw
-high bits, at bit ``i * F``), a raw-byte stream (one byte per value: bf16's
-sign and 7 mantissa bits, fp16's low 8 mantissa bits) and an exception stream
-(the symbols whose code is the escape ``2**W - 1``, in value order). A segment
-that did not shrink is *stored*: header, then the bytes as they are.
+The encoded formats (written by the C++ encoder, ``layerwise._C.codec.encode``)
+are specified in ``layerwise/codec.py``; byte 4 of every segment says which.
 
-Layout of this file: the header parser and the pure-torch reference
-(:func:`parse_header`, :func:`decode_segment_ref`), the Triton kernel
-(``_decode_kernel``), the launcher (``_launch``), then the public entry points
+Version 2 (what the encoder writes): per chunk of 2**16 values, canonical
+Huffman codes (<= 12 bits) of the value's top field (the exponent; fp16 and
+fp32 also top mantissa bits, fp32 its low byte too, fp8 the whole byte), up to
+4 codes per field chosen by the previous value's symbol (its *context*), and a
+raw stream of the rest; every sub-block of 2**9 values of a code stream
+records its bit length. The kernel (``_decode_v2_kernel``) runs one program
+per chunk with one lane per sub-block: each lane decodes its sub-block's
+values one after the other, each value from a 12-bit window of its code
+stream compared with its context's 12 length limits (no table to build, no
+per-bit loop), a symbol gathered from the table, and its raw bits.
+
+Version 1 (older encodings, still decoded): a 128-byte header (with a table of
+up to 31 exponent symbols), an index of exceptions before each block of 1024
+values, a field stream (value ``i``'s W-bit code, plus fp16's 3 raw high bits,
+at bit ``i * F``), a raw-byte stream and an exception stream. A segment that
+did not shrink is *stored*: header, then the bytes as they are (both versions).
+
+Layout of this file: the header parsers, the chunk checks of version 2 and the
+pure-torch references (:func:`parse_header`, :func:`check_chunks`,
+:func:`decode_segment_ref`), the Triton kernels (``_decode_kernel``: version 1;
+``_decode_v2_kernel``, ``_copy_v2_kernel``: version 2), the launchers
+(``_launch``, ``_launch_v2``), then the public entry points
 (:func:`decode_segment`, :func:`triton_available_for`).
 
-The kernel never trusts the encoded bytes for memory safety: it reads the
-header on the device (no host synchronisation), checks it against the buffer's
-length and the destination's size, masks every load to the streams the header
-declares, and writes nothing when the header does not fit. It does not report
-*why* (a kernel cannot raise): validate encoded bytes on the host once, where
-they are produced (``layerwise.codec.read_header``, or pass the parsed
-``header=`` here). Values are handled as 16-bit integers throughout, so the
-same kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, CPU
-tensors) and compiled on a GPU, and the result is bitwise whatever the bits
-(NaN payloads, infinities, signed zeros, subnormals).
+The kernels never trust the encoded bytes for memory safety: every load is
+masked or clamped to the buffer, every store to the destination. The version-1
+kernel reads its header on the device and writes nothing when the header does
+not fit; the version-2 kernel takes the header parsed on the host (its
+launcher needs it: the dtype picks the kernel's specialisation, the chunk count
+its grid) and decodes whatever the chunk index says, inside the buffer. Neither
+reports *why* bytes are corrupt (a kernel cannot raise): validate encoded bytes
+on the host once, where they are produced (``layerwise.codec.decode`` or
+:func:`check_chunks`). Values are handled as integers throughout, so the same
+kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors)
+and compiled on a GPU, and the result is bitwise whatever the bits (NaN
+payloads, infinities, signed zeros, subnormals).
 
-Performance (one program per BLOCK values; no GPU was available when this was
-written, so nothing here is measured yet: ``python -m layerwise.bench compress
---device cuda`` measures it): per value the kernel reads its raw byte
-(contiguous, vectorisable), two bytes of the field stream (gathered, L1 hits)
-and one table byte, and writes 2 bytes; a program whose blocks hold exceptions
-adds one ``tl.cumsum`` over its BLOCK escape flags to find each exception's
-place in the exception stream, so no exception needs a position of its own.
+Performance: no GPU was available when this was written, so nothing here is
+measured (``python -m layerwise.bench compress --device cuda`` measures it).
+Version 2 by design: a 64 MB bf16 segment is 512 programs of 128 lanes; per
+value a lane reads 3 code bytes and its raw bits (gathered: lanes are 512
+values apart, L1/L2 hits after the first), selects its context's 16 limits,
+compares one window with them, gathers one table symbol, and writes its value
+; the sequential part is the 512-value loop of a lane, not a per-bit loop.
+An estimate, not a measurement: the context selects, the 16-wide compare and
+the base select are about 200 integer operations per value and coded field;
+at an H200's ~33 T int32 operations/s (132 SMs x 128 lanes x ~2 GHz) that is
+~170 G values/s, ~330 GB/s of bf16, below the 1000 GB/s target: the kernel
+is likely compute-bound. Next steps: select the context's limits once per
+symbol with a gather instead of three 16-wide wheres, decode two symbols per
+window where both fit (the encoder knows the next context), and measure.
 """
 
 from __future__ import annotations
@@ -58,7 +80,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Format constants (layerwise/codec.py has the table).
 MAGIC = b"LWCS"
 MAGIC_INT = int.from_bytes(MAGIC, "little")
-VERSION = 1
+VERSION = 1  # the version-1 kernel's
+VERSION2 = 2
 HEADER_BYTES = 128
 TABLE_OFFSET = 96
 MAX_TABLE = 32
@@ -71,6 +94,18 @@ _MAX_WIDTH = {1: 5, 2: 4}
 _SYMBOLS = {1: 256, 2: 32}
 
 DEFAULT_BLOCK = 1024  # values per program: a multiple of BLOCK_VALUES
+
+# Version 2 (layerwise/codec.py, "Format (version 2)")
+ENTRY_BYTES = 64
+MAX_LEN = 12
+MAX_CONTEXTS = 4
+V2_DTYPES = {0: "bytes", 1: "bfloat16", 2: "float16", 3: "float32", 4: "float8_e4m3fn", 5: "float8_e5m2"}
+# dtype code -> (value bytes, field widths from the top of the rotated value)
+V2_LAYOUT = {1: (2, (8, 8)), 2: (2, (8, 8)), 3: (4, (9, 15, 8)), 4: (1, (8,)), 5: (1, (8,))}
+MAX_SYMBOL_BITS = 9
+LOG2_CHUNK_RANGE = (8, 18)
+LOG2_SUB_RANGE = (4, 12)
+MIN_LOG2_LANES = 4
 
 
 class SegmentHeader(NamedTuple):
@@ -88,6 +123,26 @@ class SegmentHeader(NamedTuple):
     off_fields: int
     off_raw: int
     off_exceptions: int
+    version: int = 1
+
+
+class SegmentHeaderV2(NamedTuple):
+    """The checked header of a version-2 encoded segment (its chunks: :func:`check_chunks`)."""
+
+    dtype: str  # "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2" or "bytes"
+    coded: bool  # False: stored (raw bytes after the header)
+    n_bytes: int  # decoded size
+    encoded_bytes: int  # total, header and padding included
+    log2_chunk: int  # values per chunk 2**log2_chunk (0 when stored)
+    log2_sub: int  # values per sub-block (0 when stored)
+    n_chunks: int
+    off_index: int
+    off_data: int
+    version: int = 2
+
+    @property
+    def dtype_code(self) -> int:
+        return {v: k for k, v in V2_DTYPES.items()}[self.dtype]
 
 
 def _align(n: int) -> int:
@@ -122,9 +177,12 @@ def parse_header(head, length: Optional[int] = None) -> SegmentHeader:
         raise _bad(f"encoded segment has {len(head)} bytes, fewer than its {HEADER_BYTES}-byte header (truncated?)")
     if head[:4] != MAGIC:
         raise _bad("encoded segment does not start with the magic 'LWCS' (not an encoded segment, or the wrong offset)")
+    if head[4] == VERSION2:
+        return _parse_header_v2(head, length)
     version, dt, mode, width, fbits, log2b, tsize = head[4:11]
     if version != VERSION:
-        raise _bad(f"encoded segment has format version {version}; this build reads version {VERSION}")
+        raise _bad(f"encoded segment has format version {version}; this build reads versions {VERSION} and "
+                   f"{VERSION2}")
     if dt not in DTYPE_NAMES:
         raise _bad(f"unknown dtype code {dt} in the header")
     if mode not in (0, 1):
@@ -171,6 +229,185 @@ def parse_header(head, length: Optional[int] = None) -> SegmentHeader:
                          off_index, off_fields, off_raw, off_exc)
 
 
+def _parse_header_v2(head: bytes, length: Optional[int]) -> SegmentHeaderV2:
+    dt, mode, log2c, log2s, max_len = head[5:10]
+    if any(head[10:16]) or any(head[56:HEADER_BYTES]):
+        raise _bad("reserved header bytes are not zero")
+    if dt not in V2_DTYPES:
+        raise _bad(f"unknown dtype code {dt} in the header")
+    if mode not in (0, 1):
+        raise _bad(f"unknown mode {mode} in the header")
+    n_bytes, n_chunks, total, off_index, off_data = struct.unpack_from("<5Q", head, 16)
+    if length is not None and total != length:
+        raise _bad(f"header says the encoded segment has {total} bytes, the buffer has {length} "
+                   "(truncated, or not the whole segment)")
+    if mode == 0:
+        if log2c or log2s or max_len or n_chunks or off_index:
+            raise _bad("stored segment with code fields set in its header")
+        if off_data != HEADER_BYTES or total != _align(HEADER_BYTES + n_bytes):
+            raise _bad(f"stored segment of {n_bytes} bytes in a buffer of {total} (data at {off_data})")
+    else:
+        if dt not in V2_LAYOUT:
+            raise _bad(f"coded segment of dtype '{V2_DTYPES[dt]}' (that dtype is only stored)")
+        vb = V2_LAYOUT[dt][0]
+        if n_bytes == 0 or n_bytes % vb:
+            raise _bad(f"coded segment of {n_bytes} bytes, not whole {V2_DTYPES[dt]} values")
+        if (not LOG2_CHUNK_RANGE[0] <= log2c <= LOG2_CHUNK_RANGE[1]
+                or not LOG2_SUB_RANGE[0] <= log2s <= LOG2_SUB_RANGE[1] or log2c - log2s < MIN_LOG2_LANES):
+            raise _bad(f"chunk 2^{log2c} / sub-block 2^{log2s} values out of range")
+        if max_len != MAX_LEN:
+            raise _bad(f"longest code {max_len} bits; this build reads {MAX_LEN}")
+        nv = n_bytes // vb
+        if n_chunks != -(-nv // (1 << log2c)):
+            raise _bad(f"{n_chunks} chunks for {nv} values of 2^{log2c} per chunk")
+        if off_index != HEADER_BYTES or off_data != _align(HEADER_BYTES + ENTRY_BYTES * n_chunks) or off_data > total:
+            raise _bad(f"chunk index at {off_index}, data at {off_data}: not where {n_chunks} chunks put them (or "
+                       "past the end of the buffer)")
+    return SegmentHeaderV2(V2_DTYPES[dt], mode == 1, n_bytes, total, log2c if mode else 0, log2s if mode else 0,
+                           n_chunks, off_index, off_data)
+
+
+class ChunkView(NamedTuple):
+    """One checked chunk of a version-2 segment: its values and, per field, the
+    table (counts by length, symbols in code order, sub-block bit counts) and the
+    stream offsets; tables and code offsets are None for fields not coded."""
+
+    first_value: int
+    n: int
+    mask: int
+    raw_bits: int
+    off_raw: int
+    counts: tuple  # per field: per context its 16 counts, or None
+    symbols: tuple  # per field: per context its symbols in code order, or None
+    sub_bits: tuple  # per field: bit count of each sub-block, or None
+    off_code: tuple  # per field: byte offset of the codes, or None
+    thresholds: tuple = (None, None, None)  # per field: the context thresholds (nctx - 1 of them), or None
+
+
+def _stream_bytes(bits: int) -> int:
+    return _align(-(-bits // 8) + 8)
+
+
+def check_chunks(encoded, h: SegmentHeaderV2) -> list:
+    """Every chunk of a coded version-2 segment checked as the C++ decoder checks
+    it (each stream where the previous one ended, tables that make a prefix code,
+    symbols in range and distinct, sub-block bit counts possible); ValueError
+    naming the chunk otherwise. ``encoded``: bytes or a uint8 tensor (copied to
+    the host once)."""
+    buf = bytes(encoded.cpu().numpy().tobytes()) if isinstance(encoded, torch.Tensor) else bytes(encoded)
+    n_total = h.encoded_bytes
+    vb, widths = V2_LAYOUT[h.dtype_code]
+    nv = h.n_bytes // vb
+    C, S = 1 << h.log2_chunk, 1 << h.log2_sub
+    at = h.off_data
+    out = []
+    for c in range(h.n_chunks):
+        e = h.off_index + ENTRY_BYTES * c
+        where = f"chunk {c}: "
+        mask, raw_bits = buf[e], buf[e + 1]
+        if any(buf[e + 2 : e + 8]):
+            raise _bad(where + "reserved entry bytes are not zero")
+        off_raw, *offs = struct.unpack_from("<7Q", buf, e + 8)
+        tables, codes = offs[:3], offs[3:]
+        n = min(C, nv - c * C)
+        n_sub = -(-n // S)
+        if mask >> 3:
+            raise _bad(where + f"coded mask {mask} names fields that do not exist")
+        want_raw = 0
+        for f in range(3):
+            coded = mask >> f & 1
+            if coded and (f >= len(widths) or widths[f] > MAX_SYMBOL_BITS):
+                raise _bad(where + f"field {f} marked coded; {h.dtype} codes only fields of <= 9 bits")
+            if not coded:
+                if tables[f] or codes[f]:
+                    raise _bad(where + f"offsets set for the uncoded field {f}")
+                if f < len(widths):
+                    want_raw += widths[f]
+        if raw_bits != want_raw:
+            raise _bad(where + f"{raw_bits} raw bits per value; its coded fields leave {want_raw}")
+        counts, symbols, sub_bits, off_code, thresholds = [None] * 3, [None] * 3, [None] * 3, [None] * 3, [None] * 3
+        for f in range(len(widths)):
+            if not mask >> f & 1:
+                continue
+            fw = where + f"field {f}: "
+            if tables[f] != at:
+                raise _bad(fw + f"table at {tables[f]}, expected {at}")
+            if at + 8 > n_total:
+                raise _bad(fw + "table past the end of the buffer")
+            nctx, *thr = struct.unpack_from("<4H", buf, at)
+            alphabet = 1 << widths[f]
+            if not 1 <= nctx <= MAX_CONTEXTS:
+                raise _bad(fw + f"{nctx} contexts (1..{MAX_CONTEXTS})")
+            used, rest = thr[: nctx - 1], thr[nctx - 1 :]
+            if any(rest) or any(t >= alphabet for t in used) or any(b <= a for a, b in zip(used, used[1:])):
+                raise _bad(fw + "context thresholds not increasing within the alphabet, or set past the contexts")
+            sb = 2 if widths[f] > 8 else 1
+            q, lens, cnts, syms_c = at + 8, set(), [], []
+            for ctx in range(nctx):
+                if q + 32 > n_total:
+                    raise _bad(fw + "table past the end of the buffer")
+                cnt = struct.unpack_from("<16H", buf, q)
+                if cnt[0] or any(cnt[MAX_LEN + 1 :]):
+                    raise _bad(fw + f"codes of length 0 or > {MAX_LEN}")
+                n_sym = sum(cnt)
+                if not 1 <= n_sym <= alphabet:
+                    raise _bad(fw + f"{n_sym} symbols in the table of context {ctx}")
+                if sum(cnt[l] << (MAX_LEN - l) for l in range(1, MAX_LEN + 1)) > 1 << MAX_LEN:
+                    raise _bad(fw + "code lengths over-subscribe the code space (not a prefix code)")
+                q += 32
+                if q + sb * n_sym > n_total:
+                    raise _bad(fw + "table past the end of the buffer")
+                syms = struct.unpack_from(f"<{n_sym}{'H' if sb == 2 else 'B'}", buf, q)
+                if len(set(syms)) != n_sym or max(syms) >= alphabet:
+                    raise _bad(fw + "table symbols out of range or repeated")
+                q += sb * n_sym
+                lens |= {l for l in range(1, MAX_LEN + 1) if cnt[l]}
+                cnts.append(cnt)
+                syms_c.append(syms)
+            tb = _align(8 + 32 * nctx + sb * sum(len(x) for x in syms_c) + 2 * n_sub)
+            if at + tb > n_total:
+                raise _bad(fw + f"table of {tb} bytes past the end of the buffer")
+            sbits = struct.unpack_from(f"<{n_sub}H", buf, q)
+            for k, b in enumerate(sbits):
+                vals = min(S, n - k * S)
+                if not vals * min(lens) <= b <= vals * max(lens):
+                    raise _bad(fw + f"sub-block {k} of {vals} values holds {b} bits")
+            thresholds[f] = tuple(used)
+            at += tb
+            if codes[f] != at:
+                raise _bad(fw + f"code stream at {codes[f]}, expected {at}")
+            cb = _stream_bytes(sum(sbits))
+            if at + cb > n_total:
+                raise _bad(fw + f"code stream of {cb} bytes past the end of the buffer")
+            counts[f], symbols[f], sub_bits[f], off_code[f] = tuple(cnts), tuple(syms_c), sbits, at
+            at += cb
+        if off_raw != at:
+            raise _bad(where + f"raw stream at {off_raw}, expected {at}")
+        rb = _stream_bytes(n * raw_bits)
+        if at + rb > n_total:
+            raise _bad(where + f"raw stream of {rb} bytes past the end of the buffer")
+        at += rb
+        out.append(ChunkView(c * C, n, mask, raw_bits, off_raw, tuple(counts), tuple(symbols), tuple(sub_bits),
+                             tuple(off_code), tuple(thresholds)))
+    if at != n_total:
+        raise _bad(f"the chunks end at {at} but the segment at {n_total}")
+    return out
+
+
+def canonical_limits(counts) -> tuple:
+    """(limit, base) of a canonical code with `counts` codes of each length: a
+    12-bit window x starts a code of length L = 1 + #{l in 1..12: x >= limit[l]},
+    the code of index base[L] + (x >> (12 - L)) in code order (the kernel's rule)."""
+    first, limit, base, f, off = [0] * 16, [1 << 20] * 16, [0] * 16, 0, 0
+    for l in range(1, MAX_LEN + 1):
+        f = (f + counts[l - 1]) << 1 if l > 1 else 0
+        first[l] = f
+        limit[l] = (f + counts[l]) << (MAX_LEN - l)
+        base[l] = off - f
+        off += counts[l]
+    return limit, base
+
+
 def _dst_bytes(dst: torch.Tensor, what: str = "dst") -> torch.Tensor:
     if not isinstance(dst, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(dst).__name__}")
@@ -203,6 +440,9 @@ def decode_segment_ref(encoded: torch.Tensor, dst: torch.Tensor) -> None:
         raise ValueError(f"dst has {out.numel()} bytes but the segment decodes to {h.n_bytes}")
     if out.device != encoded.device:
         raise ValueError(f"dst is on {out.device} but the encoded segment on {encoded.device}")
+    if h.version == VERSION2:
+        _decode_v2_ref(encoded, out, h)
+        return
     if not h.coded:
         out.copy_(encoded[h.off_raw : h.off_raw + h.n_bytes])
         return
@@ -247,6 +487,108 @@ def decode_segment_ref(encoded: torch.Tensor, dst: torch.Tensor) -> None:
         v = ((extra & 4) << 13) | (sym << 10) | ((extra & 3) << 8) | raw
     v = v - ((v >> 15) << 16)  # into int16's range, same bits
     out.copy_(v.to(torch.int16).view(torch.uint8))
+
+
+def _decode_v2_ref(encoded: torch.Tensor, out: torch.Tensor, h: SegmentHeaderV2) -> None:
+    """Version 2 in whole-tensor torch ops: every sub-block of every chunk is a lane,
+    decoded one value per step as the kernel does (checks first: check_chunks)."""
+    if not h.coded:
+        out.copy_(encoded[h.off_data : h.off_data + h.n_bytes])
+        return
+    views = check_chunks(encoded, h)
+    dev = encoded.device
+    vb, widths = V2_LAYOUT[h.dtype_code]
+    nv = h.n_bytes // vb
+    S = 1 << h.log2_sub
+    enc = torch.cat([encoded.to(torch.int64), torch.zeros(8, dtype=torch.int64, device=dev)])
+    i = torch.arange(nv, device=dev, dtype=torch.int64)
+    chunk = i >> h.log2_chunk
+    local = i - (chunk << h.log2_chunk)
+    mask = torch.tensor([v.mask for v in views], dtype=torch.int64, device=dev)[chunk]
+    rbits = torch.tensor([v.raw_bits for v in views], dtype=torch.int64, device=dev)[chunk]
+    bit = torch.tensor([v.off_raw for v in views], dtype=torch.int64, device=dev)[chunk] * 8 + local * rbits
+    word = sum(enc[(bit >> 3) + k] << (8 * k) for k in range(5))
+    r = (word >> (bit & 7)) & ((1 << rbits) - 1)
+    pos_of_field = []
+    bits_total = 8 * vb
+    p = bits_total
+    for w in widths:
+        p -= w
+        pos_of_field.append(p)
+    u = torch.zeros(nv, dtype=torch.int64, device=dev)
+    for f in reversed(range(len(widths))):
+        coded = (mask >> f & 1).bool()
+        piece = r & ((1 << widths[f]) - 1)
+        r = torch.where(coded, r, r >> widths[f])
+        if bool(coded.any()):
+            piece = torch.where(coded, _huffman_ref(enc, views, f, S, nv, dev), piece)
+        u |= piece << pos_of_field[f]
+    v = (u >> 1) | ((u & 1) << (bits_total - 1))
+    if vb == 2:
+        res = (v - ((v >> 15) << 16)).to(torch.int16)
+    elif vb == 4:
+        res = (v - ((v >> 31) << 32)).to(torch.int32)
+    else:
+        res = v.to(torch.uint8)
+    out.copy_(res.view(torch.uint8))
+
+
+def _huffman_ref(enc: torch.Tensor, views, f: int, S: int, nv: int, dev) -> torch.Tensor:
+    """The symbols of field f of every value (0 where the chunk does not code f): one lane
+    per sub-block, its context the number of thresholds its previous symbol reaches."""
+    NC = MAX_CONTEXTS
+    lim_rows, base_rows, sym_base, thr_rows, start, end, vals, first, allsyms = [], [], [], [], [], [], [], [], []
+    for v in views:
+        if not v.mask >> f & 1:
+            continue
+        lims, bases, offs = [], [], []
+        for cnt, syms in zip(v.counts[f], v.symbols[f]):
+            limit, base = canonical_limits(cnt)
+            lims.append(limit)
+            bases.append(base)
+            offs.append(len(allsyms))
+            allsyms.extend(syms)
+        pad = NC - len(lims)
+        lims, bases, offs = lims + [lims[0]] * pad, bases + [bases[0]] * pad, offs + [offs[0]] * pad
+        thr = list(v.thresholds[f]) + [1 << 20] * (NC - 1 - len(v.thresholds[f]))
+        at = 8 * v.off_code[f]
+        for k, b in enumerate(v.sub_bits[f]):
+            lim_rows.append(lims)
+            base_rows.append(bases)
+            sym_base.append(offs)
+            thr_rows.append(thr)
+            start.append(at)
+            end.append(at + b)
+            vals.append(min(S, v.n - k * S))
+            first.append(v.first_value + k * S)
+            at += b
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+    lim, base, sym_base, thr = t(lim_rows), t(base_rows), t(sym_base), t(thr_rows)  # [lanes, NC, 16], [lanes, NC]
+    pos, ends, vals, first, allsyms = t(start), t(end), t(vals), t(first), t(allsyms)
+    lanes = torch.arange(pos.numel(), device=dev)
+    ctx = torch.zeros_like(pos)
+    out = torch.zeros(nv, dtype=torch.int64, device=dev)
+    for j in range(S):
+        act = j < vals
+        if not bool(act.any()):
+            break
+        byte = (pos >> 3).clamp(max=enc.numel() - 3)  # (a corrupt lane may run past its stream)
+        w = (enc[byte] << 16) | (enc[byte + 1] << 8) | enc[byte + 2]
+        x = (w >> (12 - (pos & 7))) & 0xFFF
+        length = 1 + (x[:, None] >= lim[lanes, ctx]).sum(1)
+        if bool((act & (length > MAX_LEN)).any()):
+            raise _bad(f"field {f}: a code stream holds bits that no code of its table starts with "
+                       "(corrupt encoded segment)")
+        length = length.clamp(max=MAX_LEN)
+        idx = base[lanes, ctx].gather(1, length[:, None])[:, 0] + (x >> (MAX_LEN - length))
+        sym = allsyms[(sym_base[lanes, ctx] + idx).clamp(0, allsyms.numel() - 1)]
+        out[(first + j)[act]] = sym[act]
+        pos = torch.where(act, pos + length, pos)
+        ctx = (sym[:, None] >= thr).sum(1)
+    if not torch.equal(pos, ends):
+        raise _bad(f"field {f}: a code stream does not decode to its sub-blocks' recorded lengths "
+                   "(corrupt encoded segment)")
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -376,8 +718,168 @@ if triton is not None:
                 _decode_values(enc_ptr, dst_ptr, pid, limit, dtype, width, fbits, n_exc, n_field_bytes, nblocks,
                                off_index, off_fields, off_raw, off_exc, BLOCK, TABLE, BLOCK_VALUES, False)
 
+    # ------------------------------------------------------------------ version 2
+    @triton.jit
+    def _bytes_at(enc_ptr, off, enc_len, m, N: tl.constexpr):
+        """N bytes at `off` (any alignment), little-endian, as int64; loads clamped inside the buffer."""
+        w = tl.zeros_like(off).to(tl.int64)
+        for k in tl.static_range(N):
+            a = tl.minimum(tl.maximum(off + k, 0), enc_len - 1)
+            w = w | (tl.load(enc_ptr + a, mask=m, other=0).to(tl.int64) << (8 * k))
+        return w
+
+    @triton.jit
+    def _ctx_code(enc_ptr, enc_len, c_off):
+        """The canonical code of one context at `c_off` (16 counts, then its symbols): the 16
+        length limits and bases (canonical_limits), where its symbols start, how many."""
+        l = tl.arange(0, 16)
+        ok = (l >= 1) & (l <= 12)
+        cnt = tl.where(ok, _bytes_at(enc_ptr, c_off + 2 * l, enc_len, l >= 0, 2).to(tl.int32), 0)
+        below = l[None, :] < l[:, None]  # [L, k]: k < L
+        shift = tl.maximum(l[:, None] - l[None, :], 0)
+        first = tl.sum(tl.where(below, cnt[None, :] << shift, 0), axis=1)  # first code of each length
+        offset = tl.sum(tl.where(below, cnt[None, :], 0), axis=1)  # codes shorter than it
+        limit = tl.where(ok, (first + cnt) << tl.maximum(12 - l, 0), 1 << 20)
+        return limit, offset - first, c_off + 32, tl.sum(cnt, axis=0)
+
+    @triton.jit
+    def _field_code(enc_ptr, enc_len, t_off, lane, n_sub, SYM_BYTES: tl.constexpr):
+        """A coded field's table in a chunk: up to 4 context codes (an absent context's
+        threshold is out of reach), the 3 thresholds, and each lane's first bit."""
+        one = t_off >= 0
+        nctx = tl.minimum(tl.maximum(_bytes_at(enc_ptr, t_off, enc_len, one, 2), 1), 4)
+        th0 = tl.where(nctx > 1, _bytes_at(enc_ptr, t_off + 2, enc_len, one, 2), 1 << 20).to(tl.int32)
+        th1 = tl.where(nctx > 2, _bytes_at(enc_ptr, t_off + 4, enc_len, one, 2), 1 << 20).to(tl.int32)
+        th2 = tl.where(nctx > 3, _bytes_at(enc_ptr, t_off + 6, enc_len, one, 2), 1 << 20).to(tl.int32)
+        lim0, base0, so0, ns0 = _ctx_code(enc_ptr, enc_len, t_off + 8)
+        lim1, base1, so1, ns1 = _ctx_code(enc_ptr, enc_len, so0 + SYM_BYTES * ns0)
+        lim2, base2, so2, ns2 = _ctx_code(enc_ptr, enc_len, so1 + SYM_BYTES * ns1)
+        lim3, base3, so3, ns3 = _ctx_code(enc_ptr, enc_len, so2 + SYM_BYTES * ns2)
+        ends = tl.where(nctx == 1, so0 + SYM_BYTES * ns0,
+                        tl.where(nctx == 2, so1 + SYM_BYTES * ns1,
+                                 tl.where(nctx == 3, so2 + SYM_BYTES * ns2, so3 + SYM_BYTES * ns3)))
+        sub_bits = _bytes_at(enc_ptr, ends + 2 * lane, enc_len, lane < n_sub, 2)
+        start = tl.cumsum(sub_bits, axis=0) - sub_bits  # exclusive: the lane's first bit in its code stream
+        return (lim0, lim1, lim2, lim3, base0, base1, base2, base3, so0, so1, so2, so3, ns0, ns1, ns2, ns3,
+                th0, th1, th2, start)
+
+    @triton.jit
+    def _pick(ctx, a, b, c, d):
+        return tl.where(ctx == 0, a, tl.where(ctx == 1, b, tl.where(ctx == 2, c, d)))
+
+    @triton.jit
+    def _huff_step(enc_ptr, enc_len, pos, ctx, lim0, lim1, lim2, lim3, base0, base1, base2, base3,
+                   so0, so1, so2, so3, ns0, ns1, ns2, ns3, th0, th1, th2, act, SYM_BYTES: tl.constexpr):
+        """Each lane's next symbol at bit `pos` (absolute, MSB first) in its context's code:
+        the symbol, its code length and the next value's context."""
+        w = _bytes_at(enc_ptr, pos >> 3, enc_len, act, 3)
+        # the 3 bytes as a big-endian 24-bit word, then the 12 bits from bit (pos & 7)
+        w = ((w & 0xFF) << 16) | (w & 0xFF00) | ((w >> 16) & 0xFF)
+        x = ((w >> (12 - (pos & 7))) & 0xFFF).to(tl.int32)
+        c2 = ctx[:, None]
+        limit = _pick(c2, lim0[None, :], lim1[None, :], lim2[None, :], lim3[None, :])
+        length = 1 + tl.sum((x[:, None] >= limit).to(tl.int32), axis=1)
+        length = tl.minimum(length, 12)  # (only a corrupt stream reaches past the limits)
+        base = _pick(c2, base0[None, :], base1[None, :], base2[None, :], base3[None, :])
+        sel = tl.sum(tl.where(tl.arange(0, 16)[None, :] == length[:, None], base, 0), axis=1)
+        n_sym = _pick(ctx, ns0, ns1, ns2, ns3)
+        idx = tl.minimum(tl.maximum(sel + (x >> (12 - length)), 0), tl.maximum(n_sym - 1, 0))
+        sym = _bytes_at(enc_ptr, _pick(ctx, so0, so1, so2, so3) + SYM_BYTES * idx, enc_len, act, SYM_BYTES)
+        s32 = sym.to(tl.int32)
+        nxt = (s32 >= th0).to(tl.int32) + (s32 >= th1).to(tl.int32) + (s32 >= th2).to(tl.int32)
+        return sym, length, nxt
+
+    @triton.jit
+    def _decode_v2_kernel(enc_ptr, enc_len, dst_ptr, n_values, VB: tl.constexpr, W0: tl.constexpr,
+                          W1: tl.constexpr, W2: tl.constexpr, LOG2_CHUNK: tl.constexpr, LANES: tl.constexpr,
+                          SUB: tl.constexpr, HEADER: tl.constexpr, ENTRY: tl.constexpr):
+        """Program `pid` decodes chunk `pid`: lane k its sub-block k, one value per step."""
+        pid = tl.program_id(0).to(tl.int64)
+        e = HEADER + ENTRY * pid
+        e64 = (enc_ptr + e).to(tl.pointer_type(tl.int64))  # 8-byte aligned: the base is 16-byte aligned
+        mask = tl.load(enc_ptr + e).to(tl.int32)
+        rbits = tl.minimum(tl.load(enc_ptr + e + 1).to(tl.int64), 32)
+        off_raw = tl.load(e64 + 1)
+        n = tl.minimum(n_values - (pid << LOG2_CHUNK), 1 << LOG2_CHUNK)
+        lane = tl.arange(0, LANES)
+        n_sub = (n + SUB - 1) // SUB
+        BITS: tl.constexpr = 8 * VB
+        P0: tl.constexpr = BITS - W0
+        P1: tl.constexpr = P0 - W1
+        P2: tl.constexpr = P1 - W2
+        SB0: tl.constexpr = 2 if W0 > 8 else 1
+        SB1: tl.constexpr = 2 if W1 > 8 else 1
+        SB2: tl.constexpr = 2 if W2 > 8 else 1
+        coded0 = (mask & 1) != 0
+        coded1 = ((mask & 2) != 0) & (W1 <= 9) & (W1 > 0)
+        coded2 = ((mask & 4) != 0) & (W2 <= 9) & (W2 > 0)
+        (a0, b0, c0, d0, e0, f0, g0, h0, so0, sp0, sq0, sr0, n0, m0, k0, j0,
+         t00, t01, t02, st0) = _field_code(enc_ptr, enc_len, tl.load(e64 + 2), lane, n_sub, SB0)
+        pos0 = tl.load(e64 + 5) * 8 + st0
+        ctx0 = tl.zeros_like(lane)
+        if W1 > 0:
+            (a1, b1, c1, d1, e1, f1, g1, h1, so1, sp1, sq1, sr1, n1, m1, k1, j1,
+             t10, t11, t12, st1) = _field_code(enc_ptr, enc_len, tl.load(e64 + 3), lane, n_sub, SB1)
+            pos1 = tl.load(e64 + 6) * 8 + st1
+            ctx1 = tl.zeros_like(lane)
+        if W2 > 0:
+            (a2, b2, c2, d2, e2, f2, g2, h2, so2, sp2, sq2, sr2, n2, m2, k2, j2,
+             t20, t21, t22, st2) = _field_code(enc_ptr, enc_len, tl.load(e64 + 4), lane, n_sub, SB2)
+            pos2 = tl.load(e64 + 7) * 8 + st2
+            ctx2 = tl.zeros_like(lane)
+        RAW_BYTES: tl.constexpr = VB + 1  # a raw word of <= 8 * VB bits at any bit offset
+        for j in range(SUB):
+            li = lane * SUB + j
+            act = li < n
+            bit = li.to(tl.int64) * rbits
+            r = _bytes_at(enc_ptr, off_raw + (bit >> 3), enc_len, act, RAW_BYTES) >> (bit & 7)
+            r = r & ((1 << rbits) - 1)
+            u = tl.zeros_like(r)
+            if W2 > 0:
+                piece2 = r & ((1 << W2) - 1)
+                r = tl.where(coded2, r, r >> W2)
+                if coded2:
+                    s2, l2, ctx2 = _huff_step(enc_ptr, enc_len, pos2, ctx2, a2, b2, c2, d2, e2, f2, g2, h2,
+                                              so2, sp2, sq2, sr2, n2, m2, k2, j2, t20, t21, t22, act, SB2)
+                    piece2 = s2
+                    pos2 = pos2 + tl.where(act, l2, 0)
+                u = u | ((piece2 & ((1 << W2) - 1)) << P2)
+            if W1 > 0:
+                piece1 = r & ((1 << W1) - 1)
+                r = tl.where(coded1, r, r >> W1)
+                if coded1:
+                    s1, l1, ctx1 = _huff_step(enc_ptr, enc_len, pos1, ctx1, a1, b1, c1, d1, e1, f1, g1, h1,
+                                              so1, sp1, sq1, sr1, n1, m1, k1, j1, t10, t11, t12, act, SB1)
+                    piece1 = s1
+                    pos1 = pos1 + tl.where(act, l1, 0)
+                u = u | ((piece1 & ((1 << W1) - 1)) << P1)
+            piece0 = r & ((1 << W0) - 1)
+            if coded0:
+                s0, l0, ctx0 = _huff_step(enc_ptr, enc_len, pos0, ctx0, a0, b0, c0, d0, e0, f0, g0, h0,
+                                          so0, sp0, sq0, sr0, n0, m0, k0, j0, t00, t01, t02, act, SB0)
+                piece0 = s0
+                pos0 = pos0 + tl.where(act, l0, 0)
+            u = u | ((piece0 & ((1 << W0) - 1)) << P0)
+            v = (u >> 1) | ((u & 1) << (BITS - 1))  # undo the rotation: the sign back on top
+            gi = (pid << LOG2_CHUNK) + li
+            if VB == 2:
+                tl.store(dst_ptr.to(tl.pointer_type(tl.int16)) + gi, (v - ((v >> 15) << 16)).to(tl.int16), mask=act)
+            elif VB == 4:
+                tl.store(dst_ptr.to(tl.pointer_type(tl.int32)) + gi, (v - ((v >> 31) << 32)).to(tl.int32), mask=act)
+            else:
+                tl.store(dst_ptr + gi, v.to(tl.uint8), mask=act)
+
+    @triton.jit
+    def _copy_v2_kernel(enc_ptr, enc_len, dst_ptr, n_bytes, BLOCK: tl.constexpr, HEADER: tl.constexpr):
+        """Bytes [pid * BLOCK, ...) of a stored version-2 segment: they follow the header."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = (offs < n_bytes) & (offs < enc_len - HEADER)
+        tl.store(dst_ptr + offs, tl.load(enc_ptr + HEADER + offs, mask=m, other=0), mask=m)
+
 else:  # pragma: no cover - without triton
     _decode_kernel = None
+    _decode_v2_kernel = None
+    _copy_v2_kernel = None
 
 
 # --------------------------------------------------------------------------
@@ -428,24 +930,83 @@ def _launch(encoded: torch.Tensor, out: torch.Tensor, block: int) -> None:
         kernel[(grid,)](*args, **meta)
 
 
+STORED_BLOCK = 4096  # bytes per program of a stored version-2 segment
+
+
+def _launch_v2(encoded: torch.Tensor, out: torch.Tensor, h: SegmentHeaderV2) -> None:
+    """One launch for a version-2 segment whose header was parsed on the host."""
+    _require_triton()
+    _check_device(encoded, out)
+    if encoded.numel() != h.encoded_bytes or out.numel() != h.n_bytes:
+        raise ValueError(f"layerwise codec: the header is for {h.encoded_bytes} encoded / {h.n_bytes} decoded bytes, "
+                         f"got {encoded.numel()} / {out.numel()}")
+    if encoded.data_ptr() % ALIGN:
+        raise ValueError(f"the encoded segment must start at a {ALIGN}-byte aligned address (the kernel reads its "
+                         f"chunk index as 8-byte words); got one at {encoded.data_ptr():#x}")
+    if not h.coded:
+        grid = (-(-h.n_bytes // STORED_BLOCK),)
+        if grid[0]:
+            _run(encoded, _copy_v2_kernel, grid, (encoded, encoded.numel(), out, h.n_bytes),
+                 dict(BLOCK=STORED_BLOCK, HEADER=HEADER_BYTES, num_warps=4))
+        return
+    vb, widths = V2_LAYOUT[h.dtype_code]
+    if out.data_ptr() % vb:
+        raise ValueError(f"dst must start at a multiple of {vb} bytes (values are stored as {8 * vb}-bit words)")
+    w = tuple(widths) + (0,) * (3 - len(widths))
+    lanes = 1 << (h.log2_chunk - h.log2_sub)
+    meta = dict(VB=vb, W0=w[0], W1=w[1], W2=w[2], LOG2_CHUNK=h.log2_chunk, LANES=lanes, SUB=1 << h.log2_sub,
+                HEADER=HEADER_BYTES, ENTRY=ENTRY_BYTES, num_warps=4 if lanes >= 128 else 1)
+    _run(encoded, _decode_v2_kernel, (h.n_chunks,), (encoded, encoded.numel(), out, h.n_bytes // vb), meta)
+
+
+def _check_device(encoded: torch.Tensor, out: torch.Tensor) -> None:
+    if out.device != encoded.device:
+        raise ValueError(f"dst is on {out.device} but the encoded segment on {encoded.device}")
+    if _INTERPRET:
+        if encoded.device.type != "cpu":
+            raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreted decode kernel only supports CPU tensors")
+    elif encoded.device.type != "cuda":
+        raise RuntimeError(
+            f"the Triton decode kernel needs CUDA tensors (got {encoded.device}); set TRITON_INTERPRET=1 before "
+            "importing to run it on CPU, or decode on the host with layerwise.codec.decode"
+        )
+
+
+def _run(encoded: torch.Tensor, kernel, grid, args, meta) -> None:
+    if encoded.device.type == "cuda":
+        with torch.cuda.device(encoded.device):
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
 # --------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------
-def decode_segment(encoded: torch.Tensor, dst: torch.Tensor, header: Optional[SegmentHeader] = None,
-                   block: int = DEFAULT_BLOCK) -> None:
-    """Decode the encoded segment ``encoded`` (1-D uint8, 16-byte aligned) into
-    ``dst`` (contiguous, any dtype, exactly the decoded size in bytes) with one
-    kernel launch on the current stream; nothing is synchronised.
+def decode_segment(encoded: torch.Tensor, dst: torch.Tensor, header=None, block: int = DEFAULT_BLOCK) -> None:
+    """Decode the encoded segment ``encoded`` (1-D uint8, 16-byte aligned; either
+    format version) into ``dst`` (contiguous, any dtype, exactly the decoded size
+    in bytes) with one kernel launch on the current stream; nothing is synchronised.
 
-    ``header`` (from :func:`parse_header` or ``layerwise.codec.read_header`` on
-    the host copy, once) is checked against the sizes without touching device
-    memory. Without it, a CPU segment (interpreter) is parsed and checked here;
-    a CUDA segment is checked by the kernel only (memory-safe, silent).
+    ``header`` (from :func:`parse_header` on the host copy, once) is checked
+    against the sizes without touching device memory. Without it, a CPU segment
+    (interpreter) is parsed and checked here, chunks included; a CUDA segment's
+    128-byte header is copied to the host and parsed (one small synchronising
+    copy: pass ``header`` on a stream that must not wait). ``block``: values per
+    program of a version-1 segment.
     """
     _check_encoded(encoded)
     out = _dst_bytes(dst)
-    if header is None and encoded.device.type == "cpu":
-        header = parse_header(encoded, encoded.numel())
+    if header is None:
+        if encoded.device.type == "cpu":
+            header = parse_header(encoded, encoded.numel())
+            if header.version == VERSION2 and header.coded:
+                check_chunks(encoded, header)
+        elif encoded.numel() >= HEADER_BYTES:
+            header = parse_header(encoded[:HEADER_BYTES].cpu(), encoded.numel())
+    if header is not None and header.version == VERSION2:
+        _launch_v2(encoded, out, header)
+        return
     if header is not None:
         if header.encoded_bytes != encoded.numel():
             raise ValueError(f"layerwise codec: header says the encoded segment has {header.encoded_bytes} bytes, "

@@ -189,7 +189,9 @@ class Chain:
         the wait blocks the host (the CPU backend), the disk stage keeps the bus busy
         by issuing, as they finish, the copies of reads done and reads into staging
         slots freed (else they would wait for the next hook, one compute later)."""
-        if self.disk is None or not host_blocks:
+        if self.disk is None or not host_blocks or self.split is not None:
+            # (split fetch: the wait is on a gather, after a collective; reads queued during it
+            # were measured to read a layer twice per step: the hooks' own pace is kept there)
             return None
         disk, upcoming = self.disk, self._upcoming[i]
 

@@ -3,10 +3,10 @@ stage that brings them to their slot: copy the encoded bytes into a device
 staging buffer, then decode them into the slot, where the parameters' views
 already point (DESIGN.md, "Tiers and stages"; the format: layerwise/codec.py).
 
-Which layers: the streamed (not resident) layers that have a bf16 or fp16
-segment (``select_layers``). At pack time the manager packs each into a host
+Which layers: the streamed (not resident) layers that have a segment of a
+coded dtype (bf16, fp16, fp32, fp8: ``codec.CODED_DTYPES``; ``select_layers``). At pack time the manager packs each into a host
 scratch block and hands it to ``CodecTier.store``, which encodes every segment
-of the layer (bf16/fp16 coded by the multi-threaded C++ codec; other dtypes
+of the layer (coded dtypes by the multi-threaded C++ codec; other dtypes
 stored as they are, behind a codec header) into one byte string, the
 *pieces* one after the other, each 16-byte aligned. A layer whose encoded
 bytes are more than ``MIN_SAVING`` of its raw bytes travels raw (random bit
@@ -61,7 +61,7 @@ _PENDING_MAX = 256  # timed decodes waiting to be read, before the oldest are re
 
 
 def select_layers(plan, resident) -> set[int]:
-    """The layers the codec tier keeps: streamed ones with a bf16 or fp16 segment.
+    """The layers the codec tier keeps: streamed ones with a segment of a coded dtype.
     (Resident layers are read once, at finalisation; there is nothing to move.)"""
     resident = set(resident)
     return {lp.index for lp in plan.layers

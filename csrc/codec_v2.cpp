@@ -1,0 +1,911 @@
+// Codec format version 2: per-chunk canonical Huffman codes of the exponent
+// fields, table-driven decode (format: layerwise/codec.py, "Format (version 2)").
+//
+// A value v (8, 16 or 32 bits) is rotated left by one (the sign goes to bit 0),
+// then cut into fields from the top: bf16/fp16 [8, 8], fp32 [9, 15, 8], fp8 [8].
+// The first field is the exponent (fp16: and the top 3 mantissa bits; fp32: the top
+// one), the part of a weight that is far from random. Per chunk of 2^16 values each
+// field of at most 9 bits is Huffman coded (lengths <= 12) when that pays, else
+// it travels with the raw bits; sub-blocks of 512 values record their bit
+// lengths, so decoders start every sub-block independently (4 interleaved on a
+// CPU thread, one per lane in the Triton kernel).
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <exception>
+#include <numeric>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "codec.h"
+
+namespace layerwise::codec::v2 {
+namespace {
+
+constexpr char kMagic[4] = {'L', 'W', 'C', 'S'};
+enum : size_t {
+  kOffVersion = 4, kOffDtype = 5, kOffMode = 6, kOffLog2Chunk = 7, kOffLog2Sub = 8, kOffMaxLen = 9,
+  kOffNBytes = 16, kOffNChunks = 24, kOffTotal = 32, kOffIndex = 40, kOffData = 48,
+};
+// Chunk entry fields.
+enum : size_t { kEMask = 0, kERawBits = 1, kERaw = 8, kETable = 16, kECode = 40 };
+
+constexpr uint16_t kNoCode = 0x800;  // decoded "symbol" of a window no code starts with (> any 9-bit symbol)
+// Sub-blocks one CPU thread decodes at once (independent dependency chains): 8 were at
+// least as fast as 4 or 6 in a C++ harness on this project's VM (bf16, one thread).
+constexpr int kDecodeLanes = 8;
+
+[[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("layerwise codec: " + what); }
+std::string S(uint64_t v) { return std::to_string(v); }
+
+constexpr uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+constexpr uint64_t a16(uint64_t a) { return ceil_div(a, 16) * 16; }
+
+uint64_t get_u64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
+uint16_t get_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+void put_u64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
+void put_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+uint64_t load_be64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return __builtin_bswap64(v); }
+uint64_t load_le64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
+
+// Bytes of a table and of a stream (each stream keeps >= 8 zero bytes of slack
+// after its data, so 8-byte loads at any position inside it stay inside it).
+// Symbols of a field of at most 8 bits are stored in one byte, of 9 bits in two.
+int sym_bytes(int width) { return width > 8 ? 2 : 1; }
+// A table: u16 contexts, u16 thresholds[3], then per context u16 counts[16] and its symbols,
+// then u16 bits[sub-blocks]. n_sym: the symbols of all its contexts.
+uint64_t table_bytes(int nctx, uint64_t n_sym, int width, uint64_t n_sub) {
+  return a16(8 + 32 * nctx + sym_bytes(width) * n_sym + 2 * n_sub);
+}
+uint16_t get_sym(const uint8_t* p, int width, uint64_t k) { return width > 8 ? get_u16(p + 2 * k) : p[k]; }
+uint64_t stream_bytes(uint64_t bits) { return a16(ceil_div(bits, 8) + 8); }
+
+int resolve_threads(int requested, size_t units) {
+  int hc = std::max(1u, std::thread::hardware_concurrency());
+  int t = requested <= 0 ? hc : std::min(requested, hc);
+  return static_cast<int>(std::min<size_t>(t, std::max<size_t>(1, units)));
+}
+
+// fn(first, end) over `parts` contiguous ranges of [0, n); part 0 on this thread.
+template <class Fn>
+void parallel(size_t n, int parts, Fn&& fn) {
+  if (parts <= 1) return fn(size_t{0}, n);
+  std::vector<std::exception_ptr> err(parts);
+  std::vector<std::thread> pool;
+  std::vector<int> here{0};
+  auto run = [&](int k) {
+    try {
+      fn(n * k / parts, n * (k + 1) / parts);
+    } catch (...) {
+      err[k] = std::current_exception();
+    }
+  };
+  for (int k = 1; k < parts; ++k) {
+    try {
+      pool.emplace_back(run, k);
+    } catch (...) {
+      here.push_back(k);  // no thread to be had: run it here
+    }
+  }
+  for (int k : here) run(k);
+  for (auto& t : pool) t.join();
+  for (auto& e : err)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace
+
+Layout layout_of(DType d) {
+  switch (d) {
+    case DType::BFloat16: return {2, 2, {8, 8, 0}};
+    case DType::Float16: return {2, 2, {8, 8, 0}};
+    case DType::Float32: return {4, 3, {9, 15, 8}};
+    case DType::Float8E4M3: case DType::Float8E5M2: return {1, 1, {8, 0, 0}};
+    default: return {1, 0, {0, 0, 0}};
+  }
+}
+
+namespace {
+
+// The layouts again, at compile time, for the per-value loops. K: 1 fp8, 2 bf16, 3 fp16, 4 fp32.
+template <int K>
+struct Lay {
+  static constexpr int VB = K == 1 ? 1 : K == 4 ? 4 : 2;
+  static constexpr int bits = 8 * VB;
+  static constexpr int NF = K == 1 ? 1 : K == 4 ? 3 : 2;
+  static constexpr int W[3] = {K == 1 ? 8 : K <= 3 ? 8 : 9, K == 1 ? 0 : K <= 3 ? 8 : 15, K == 4 ? 8 : 0};
+  static constexpr int P[3] = {bits - W[0], bits - W[0] - W[1], bits - W[0] - W[1] - W[2]};
+  static uint32_t load(const uint8_t* p) {
+    if constexpr (VB == 1) return *p;
+    if constexpr (VB == 2) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+    if constexpr (VB == 4) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+  }
+  static uint32_t rotl(uint32_t v) {
+    if constexpr (VB == 4) return (v << 1) | (v >> 31);
+    else return ((v << 1) | (v >> (bits - 1))) & ((1u << bits) - 1);
+  }
+  static uint32_t field(uint32_t u, int f) { return (u >> P[f]) & ((1u << W[f]) - 1); }
+};
+
+int kind_of(DType d) {
+  switch (d) {
+    case DType::BFloat16: return 2;
+    case DType::Float16: return 3;
+    case DType::Float32: return 4;
+    default: return 1;
+  }
+}
+
+// fn(std::integral_constant<int, K>) for the dtype's layout.
+template <class Fn>
+decltype(auto) with_kind(DType d, Fn&& fn) {
+  switch (kind_of(d)) {
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    default: return fn(std::integral_constant<int, 1>{});
+  }
+}
+
+bool candidate(const Layout& L, int f) { return L.width[f] <= kMaxSymbolBits; }
+// Huffman code lengths of `hist` (size nsym) limited to kMaxLen: a Huffman tree,
+// then lengths over the limit cut to it and the Kraft sum repaired by lengthening
+// the least frequent codes that still can be. lengths[s] = 0 for absent symbols.
+void code_lengths(const uint64_t* hist, int nsym, uint8_t* len) {
+  std::fill(len, len + nsym, 0);
+  std::vector<int> syms;
+  for (int s = 0; s < nsym; ++s)
+    if (hist[s]) syms.push_back(s);
+  if (syms.empty()) return;
+  if (syms.size() == 1) {
+    len[syms[0]] = 1;
+    return;
+  }
+  // nodes: leaves 0..k-1, internal k..2k-2; parent links give the depths
+  size_t k = syms.size();
+  std::vector<uint64_t> w(2 * k - 1);
+  std::vector<int> parent(2 * k - 1, -1);
+  using Item = std::pair<uint64_t, int>;
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> q;
+  for (size_t i = 0; i < k; ++i) q.push({w[i] = hist[syms[i]], static_cast<int>(i)});
+  for (size_t next = k; q.size() > 1; ++next) {
+    auto a = q.top(); q.pop();
+    auto b = q.top(); q.pop();
+    w[next] = a.first + b.first;
+    parent[a.second] = parent[b.second] = static_cast<int>(next);
+    q.push({w[next], static_cast<int>(next)});
+  }
+  std::vector<int> depth(2 * k - 1, 0);
+  for (int i = static_cast<int>(2 * k - 3); i >= 0; --i) depth[i] = depth[parent[i]] + 1;
+  uint64_t kraft = 0;  // in units of 2^-kMaxLen
+  for (size_t i = 0; i < k; ++i) {
+    int l = std::min(depth[i], kMaxLen);
+    len[syms[i]] = static_cast<uint8_t>(l);
+    kraft += uint64_t{1} << (kMaxLen - l);
+  }
+  if (kraft > (uint64_t{1} << kMaxLen)) {
+    // least frequent first; among them the longest codes below the limit grow by one
+    std::vector<int> order(syms);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return hist[a] < hist[b]; });
+    while (kraft > (uint64_t{1} << kMaxLen)) {
+      int best = -1;
+      for (int s : order)
+        if (len[s] < kMaxLen && (best < 0 || len[s] > len[best])) best = s;
+      kraft -= uint64_t{1} << (kMaxLen - len[best] - 1);
+      ++len[best];
+    }
+  }
+}
+
+// Canonical codes from lengths: symbols ordered by (length, symbol).
+struct Canon {
+  uint16_t count[16] = {};
+  std::vector<uint16_t> sorted;  // symbols in code order
+};
+Canon canon_of(const uint8_t* len, int nsym, uint16_t* code) {
+  Canon c;
+  for (int s = 0; s < nsym; ++s)
+    if (len[s]) ++c.count[len[s]];
+  uint32_t next[17] = {}, first = 0;
+  for (int l = 1; l <= kMaxLen; ++l) {
+    first = (first + c.count[l - 1]) << 1;
+    next[l] = first;
+  }
+  for (int l = 1; l <= kMaxLen; ++l)
+    for (int s = 0; s < nsym; ++s)
+      if (len[s] == l) {
+        c.sorted.push_back(static_cast<uint16_t>(s));
+        if (code) code[s] = static_cast<uint16_t>(next[l]++);
+      }
+  return c;
+}
+
+// What the encoder decided for one chunk.
+// A coded field's code in one chunk: one canonical code per context; a value's context
+// is the number of thresholds its predecessor's symbol (in the same sub-block) reaches,
+// 0 for a sub-block's first value.
+struct FieldCode {
+  int nctx = 0;
+  uint16_t thr[kMaxContexts - 1] = {};
+  std::vector<uint8_t> len[kMaxContexts];  // code length of each symbol, per context
+  uint64_t bits = 0;                        // coded bits of the field in the chunk
+  uint64_t table = 0;                       // bytes of its table
+};
+
+struct ChunkPlan {
+  uint8_t mask = 0;   // bit f: field f is coded
+  uint8_t raw_bits = 0;
+  FieldCode code[kMaxFields];
+  uint64_t bytes = 0;  // the chunk's streams
+};
+
+int context_of(uint32_t prev, const uint16_t* thr, int nctx) {
+  int c = 0;
+  for (int k = 0; k < nctx - 1; ++k) c += prev >= thr[k];
+  return c;
+}
+
+// symbol -> the context it gives its successor, for an alphabet of 2^width
+std::vector<uint8_t> context_map(const uint16_t* thr, int nctx, int width) {
+  std::vector<uint8_t> m(size_t{1} << width);
+  for (size_t v = 0; v < m.size(); ++v) m[v] = static_cast<uint8_t>(context_of(static_cast<uint32_t>(v), thr, nctx));
+  return m;
+}
+
+uint64_t chunk_values(uint64_t n_values, int log2c, uint64_t c) {
+  uint64_t cv = uint64_t{1} << log2c;
+  return std::min(cv, n_values - c * cv);
+}
+
+}  // namespace
+
+struct Plan {
+  Header h;
+  Layout lay;
+  std::vector<ChunkPlan> chunks;
+  std::vector<uint64_t> at;  // each chunk's first stream
+};
+
+namespace {
+
+// The field's symbols in the chunk, in value order.
+std::vector<uint16_t> field_symbols(const uint8_t* src, uint64_t n, DType dtype, int f) {
+  std::vector<uint16_t> out(n);
+  with_kind(dtype, [&](auto kind) {
+    using Y = Lay<decltype(kind)::value>;
+    for (uint64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(Y::field(Y::rotl(Y::load(src + i * Y::VB)), f));
+  });
+  return out;
+}
+
+// The cheapest code of one field's symbols: 1..kMaxContexts contexts, thresholds at the
+// quantiles of the symbols; nctx = 0 when no code beats nothing (all contexts must be used).
+FieldCode best_code(const std::vector<uint16_t>& syms, int width, uint64_t sub, uint64_t n_sub) {
+  const int nsym = 1 << width;
+  const uint64_t n = syms.size();
+  std::vector<uint64_t> hist(nsym, 0);
+  for (uint16_t v : syms) ++hist[v];
+  FieldCode best;
+  uint64_t best_bytes = UINT64_MAX;
+  for (int nctx = 1; nctx <= kMaxContexts; ++nctx) {
+    FieldCode fc;
+    fc.nctx = nctx;
+    // thresholds: the symbols at which the cumulative count passes k / nctx of the values
+    uint64_t cum = 0;
+    int k = 0;
+    for (int v = 0; v < nsym && k < nctx - 1; ++v) {
+      cum += hist[v];
+      while (k < nctx - 1 && cum * nctx > (k + 1) * n && v + 1 < nsym) fc.thr[k++] = static_cast<uint16_t>(v + 1);
+    }
+    if (k < nctx - 1) break;
+    bool distinct = true;
+    for (int q = 1; q < nctx - 1; ++q) distinct &= fc.thr[q] > fc.thr[q - 1];
+    if (!distinct) continue;
+    std::vector<uint64_t> h(static_cast<size_t>(nctx) * nsym, 0);
+    if (nctx == 1) {
+      h = hist;
+    } else {
+      std::vector<uint8_t> cmap = context_map(fc.thr, nctx, width);
+      for (uint64_t s0 = 0; s0 < n; s0 += sub) {
+        ++h[syms[s0]];  // a sub-block's first value: context 0
+        for (uint64_t i = s0 + 1, end = std::min(n, s0 + sub); i < end; ++i)
+          ++h[static_cast<size_t>(cmap[syms[i - 1]]) * nsym + syms[i]];
+      }
+    }
+    uint64_t used = 0, bits = 0;
+    bool empty = false;
+    for (int c = 0; c < nctx; ++c) {
+      fc.len[c].assign(nsym, 0);
+      code_lengths(h.data() + static_cast<size_t>(c) * nsym, nsym, fc.len[c].data());
+      uint64_t u = 0;
+      for (int v = 0; v < nsym; ++v)
+        bits += h[static_cast<size_t>(c) * nsym + v] * fc.len[c][v], u += fc.len[c][v] != 0;
+      empty |= u == 0;
+      used += u;
+    }
+    if (empty) continue;
+    fc.bits = bits;
+    fc.table = table_bytes(nctx, used, width, n_sub);
+    uint64_t bytes = fc.table + stream_bytes(bits);
+    if (bytes < best_bytes) best_bytes = bytes, best = std::move(fc);
+    if (nctx == 1 && 100 * 8 * bytes > 99 * n * width) break;  // near-random: no context will make it pay
+  }
+  return best;
+}
+
+void plan_chunk(const uint8_t* src, uint64_t n, DType dtype, const Layout& L, int log2s, ChunkPlan& cp) {
+  uint64_t sub = uint64_t{1} << log2s, n_sub = ceil_div(n, sub);
+  cp.mask = 0;
+  cp.raw_bits = 0;
+  cp.bytes = 0;
+  for (int f = 0; f < L.n_fields; ++f) {
+    cp.code[f] = FieldCode{};
+    if (candidate(L, f)) {
+      FieldCode fc = best_code(field_symbols(src, n, dtype, f), L.width[f], sub, n_sub);
+      // coded when it beats the field's raw bits (the raw stream's rounding is the same either way, near enough)
+      if (fc.nctx && 8 * (fc.table + stream_bytes(fc.bits)) < n * L.width[f]) {
+        cp.mask |= 1 << f;
+        cp.bytes += fc.table + stream_bytes(fc.bits);
+        cp.code[f] = std::move(fc);
+        continue;
+      }
+    }
+    cp.raw_bits += L.width[f];
+  }
+  cp.bytes += stream_bytes(n * cp.raw_bits);
+}
+
+std::string dname(DType d) { return dtype_name(d); }
+
+}  // namespace
+
+std::shared_ptr<Plan> plan_encode(const uint8_t* src, size_t n, DType dtype, int threads, int log2c, int log2s) {
+  if (log2c < kMinLog2Chunk || log2c > kMaxLog2Chunk || log2s < kMinLog2Sub || log2s > kMaxLog2Sub ||
+      log2c - log2s < kMinLog2Lanes)
+    fail("chunk 2^" + S(log2c) + " / sub-block 2^" + S(log2s) + " values out of range (chunk 2^" +
+         S(kMinLog2Chunk) + "..2^" + S(kMaxLog2Chunk) + ", sub-block 2^" + S(kMinLog2Sub) + "..2^" +
+         S(kMaxLog2Sub) + ", at least 2^" + S(kMinLog2Lanes) + " sub-blocks per chunk)");
+  auto p = std::make_shared<Plan>();
+  Header& h = p->h;
+  h.dtype = dtype;
+  h.n_bytes = n;
+  p->lay = layout_of(dtype);
+  const Layout& L = p->lay;
+  auto stored = [&] {
+    h.coded = false;
+    h.log2_chunk = h.log2_sub = h.max_len = 0;
+    h.n_chunks = h.off_index = 0;
+    h.off_data = kHeaderBytes;
+    h.encoded_bytes = a16(kHeaderBytes + n);
+    p->chunks.clear();
+    return p;
+  };
+  if (L.n_fields == 0) return stored();
+  if (n % L.value_bytes)
+    fail(dname(dtype) + " segment of " + S(n) + " bytes: not a whole number of " + S(L.value_bytes) +
+         "-byte values");
+  uint64_t nv = n / L.value_bytes;
+  if (nv == 0) return stored();
+  h.coded = true;
+  h.log2_chunk = log2c;
+  h.log2_sub = log2s;
+  h.max_len = kMaxLen;
+  h.n_chunks = ceil_div(nv, uint64_t{1} << log2c);
+  h.off_index = kHeaderBytes;
+  h.off_data = a16(kHeaderBytes + kEntryBytes * h.n_chunks);
+  p->chunks.resize(h.n_chunks);
+  parallel(h.n_chunks, resolve_threads(threads, h.n_chunks / 4), [&](size_t c0, size_t c1) {
+    for (size_t c = c0; c < c1; ++c)
+      plan_chunk(src + (c << log2c) * L.value_bytes, chunk_values(nv, log2c, c), dtype, L, log2s, p->chunks[c]);
+  });
+  p->at.resize(h.n_chunks);
+  uint64_t at = h.off_data;
+  for (size_t c = 0; c < h.n_chunks; ++c) p->at[c] = at, at += p->chunks[c].bytes;
+  h.encoded_bytes = at;
+  if (at * 100 > static_cast<uint64_t>(n) * 97) return stored();  // coded only when it saves >= 3%
+  return p;
+}
+
+const Header& plan_header(const Plan& p) { return p.h; }
+
+namespace {
+
+void write_header(const Header& h, uint8_t* out) {
+  std::memset(out, 0, kHeaderBytes);
+  std::memcpy(out, kMagic, 4);
+  out[kOffVersion] = kVersion;
+  out[kOffDtype] = static_cast<uint8_t>(h.dtype);
+  out[kOffMode] = h.coded ? 1 : 0;
+  out[kOffLog2Chunk] = static_cast<uint8_t>(h.log2_chunk);
+  out[kOffLog2Sub] = static_cast<uint8_t>(h.log2_sub);
+  out[kOffMaxLen] = static_cast<uint8_t>(h.max_len);
+  put_u64(out + kOffNBytes, h.n_bytes);
+  put_u64(out + kOffNChunks, h.n_chunks);
+  put_u64(out + kOffTotal, h.encoded_bytes);
+  put_u64(out + kOffIndex, h.off_index);
+  put_u64(out + kOffData, h.off_data);
+}
+
+// MSB-first bit writer (codes), LSB-first (raw words).
+struct MsbWriter {
+  uint8_t* p;
+  uint64_t acc = 0;
+  int n = 0;
+  void put(uint32_t code, int len) {
+    acc = (acc << len) | code;
+    n += len;
+    if (n >= 32) {
+      n -= 32;
+      uint32_t w = __builtin_bswap32(static_cast<uint32_t>(acc >> n));
+      std::memcpy(p, &w, 4);
+      p += 4;
+    }
+  }
+  void flush() {
+    while (n > 0) {
+      int take = std::min(n, 8);
+      *p++ = static_cast<uint8_t>(((acc >> (n - take)) & ((1u << take) - 1)) << (8 - take));
+      n -= take;
+    }
+  }
+};
+struct LsbWriter {
+  uint8_t* p;
+  uint64_t acc = 0;
+  int n = 0;
+  void put(uint64_t v, int len) {
+    if (!len) return;
+    acc |= v << n;
+    n += len;
+    if (n >= 32) {
+      uint32_t w = static_cast<uint32_t>(acc);
+      std::memcpy(p, &w, 4);
+      p += 4;
+      acc >>= 32;
+      n -= 32;
+    }
+  }
+  void flush() {
+    for (; n > 0; n -= 8, acc >>= 8) *p++ = static_cast<uint8_t>(acc);
+    n = 0;
+  }
+};
+
+void encode_chunk(const Plan& P, size_t c, const uint8_t* src, uint8_t* out) {
+  const Header& h = P.h;
+  const Layout& L = P.lay;
+  const ChunkPlan& cp = P.chunks[c];
+  uint64_t nv = h.n_bytes / L.value_bytes;
+  uint64_t n = chunk_values(nv, h.log2_chunk, c);
+  uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(n, sub);
+  src += (c << h.log2_chunk) * L.value_bytes;
+  uint8_t* e = out + h.off_index + kEntryBytes * c;
+  std::memset(e, 0, kEntryBytes);
+  e[kEMask] = cp.mask;
+  e[kERawBits] = cp.raw_bits;
+  uint64_t at = P.at[c];
+  std::memset(out + at, 0, cp.bytes);  // padding and slack are zero
+  for (int f = 0; f < L.n_fields; ++f) {
+    if (!(cp.mask >> f & 1)) continue;
+    const FieldCode& fc = cp.code[f];
+    int nsym = 1 << L.width[f], sb = sym_bytes(L.width[f]);
+    std::vector<uint16_t> code(static_cast<size_t>(fc.nctx) * nsym);
+    uint8_t* t = out + at;
+    put_u64(e + kETable + 8 * f, at);
+    put_u16(t, static_cast<uint16_t>(fc.nctx));
+    for (int k = 0; k < fc.nctx - 1; ++k) put_u16(t + 2 + 2 * k, fc.thr[k]);
+    uint8_t* q = t + 8;
+    for (int c = 0; c < fc.nctx; ++c) {
+      Canon cn = canon_of(fc.len[c].data(), nsym, code.data() + static_cast<size_t>(c) * nsym);
+      for (int l = 0; l < 16; ++l) put_u16(q + 2 * l, cn.count[l]);
+      q += 32;
+      for (uint16_t v : cn.sorted) {
+        if (sb == 2) put_u16(q, v); else *q = static_cast<uint8_t>(v);
+        q += sb;
+      }
+    }
+    uint8_t* sub_bits = q;
+    at += fc.table;
+    put_u64(e + kECode + 8 * f, at);
+    MsbWriter w{out + at};
+    std::vector<uint16_t> syms = field_symbols(src, n, h.dtype, f);
+    std::vector<uint8_t> cmap = context_map(fc.thr, fc.nctx, L.width[f]);
+    for (uint64_t s = 0; s < n_sub; ++s) {
+      uint64_t b = 0;
+      for (uint64_t i = s * sub, end = std::min(n, i + sub); i < end; ++i) {
+        int c = i == s * sub ? 0 : cmap[syms[i - 1]];
+        size_t k = static_cast<size_t>(c) * nsym + syms[i];
+        w.put(code[k], fc.len[c][syms[i]]);
+        b += fc.len[c][syms[i]];
+      }
+      put_u16(sub_bits + 2 * s, static_cast<uint16_t>(b));
+    }
+    w.flush();
+    at += stream_bytes(fc.bits);
+  }
+  put_u64(e + kERaw, at);
+  LsbWriter w{out + at};
+  with_kind(h.dtype, [&](auto kind) {
+    using Y = Lay<decltype(kind)::value>;
+    for (uint64_t i = 0; i < n; ++i) {
+      uint32_t u = Y::rotl(Y::load(src + i * Y::VB));
+      uint64_t r = 0;
+      for (int f = 0; f < Y::NF; ++f)
+        if (!(cp.mask >> f & 1)) r = (r << Y::W[f]) | Y::field(u, f);
+      w.put(r, cp.raw_bits);
+    }
+  });
+  w.flush();
+}
+
+}  // namespace
+
+void encode_into(const Plan& P, const uint8_t* src, size_t n, uint8_t* out, size_t out_n, int threads) {
+  const Header& h = P.h;
+  if (n != h.n_bytes) fail("encode_into: the plan is for " + S(h.n_bytes) + " bytes, got " + S(n));
+  if (out_n != h.encoded_bytes) fail("encode_into: output of " + S(out_n) + " bytes, the plan needs " +
+                                     S(h.encoded_bytes));
+  write_header(h, out);
+  if (!h.coded) {
+    if (n) std::memcpy(out + kHeaderBytes, src, n);
+    std::memset(out + kHeaderBytes + n, 0, out_n - kHeaderBytes - n);
+    return;
+  }
+  std::memset(out + h.off_index + kEntryBytes * h.n_chunks, 0, h.off_data - h.off_index - kEntryBytes * h.n_chunks);
+  parallel(h.n_chunks, resolve_threads(threads, h.n_chunks / 4), [&](size_t c0, size_t c1) {
+    for (size_t c = c0; c < c1; ++c) encode_chunk(P, c, src, out);
+  });
+}
+
+// ----------------------------------------------------------------- decoding
+Header read_header(const uint8_t* enc, size_t n) {
+  if (n < kHeaderBytes) fail("encoded segment has " + S(n) + " bytes, fewer than its header");
+  if (std::memcmp(enc, kMagic, 4) != 0 || enc[kOffVersion] != kVersion) fail("not a version 2 segment");
+  for (size_t i : {10, 11, 12, 13, 14, 15})
+    if (enc[i]) fail("reserved header byte " + S(i) + " is not zero");
+  for (size_t i = 56; i < kHeaderBytes; ++i)
+    if (enc[i]) fail("reserved header byte " + S(i) + " is not zero");
+  Header h;
+  if (enc[kOffDtype] > static_cast<uint8_t>(DType::Float8E5M2))
+    fail("unknown dtype code " + S(enc[kOffDtype]) + " in the header");
+  if (enc[kOffMode] > 1) fail("unknown mode " + S(enc[kOffMode]) + " in the header");
+  h.dtype = static_cast<DType>(enc[kOffDtype]);
+  h.coded = enc[kOffMode] == 1;
+  h.log2_chunk = enc[kOffLog2Chunk];
+  h.log2_sub = enc[kOffLog2Sub];
+  h.max_len = enc[kOffMaxLen];
+  h.n_bytes = get_u64(enc + kOffNBytes);
+  h.n_chunks = get_u64(enc + kOffNChunks);
+  h.encoded_bytes = get_u64(enc + kOffTotal);
+  h.off_index = get_u64(enc + kOffIndex);
+  h.off_data = get_u64(enc + kOffData);
+  if (h.encoded_bytes != n)
+    fail("header says the encoded segment has " + S(h.encoded_bytes) + " bytes, the buffer has " + S(n) +
+         " (truncated, or not the whole segment)");
+  if (!h.coded) {
+    if (h.log2_chunk || h.log2_sub || h.max_len || h.n_chunks || h.off_index)
+      fail("stored segment with code fields set in its header");
+    if (h.n_bytes > n || h.off_data != kHeaderBytes || h.encoded_bytes != a16(kHeaderBytes + h.n_bytes))
+      fail("stored segment of " + S(h.n_bytes) + " bytes in a buffer of " + S(n) + " (data at " + S(h.off_data) +
+           ")");
+    return h;
+  }
+  Layout L = layout_of(h.dtype);
+  if (L.n_fields == 0) fail("coded segment of dtype '" + dname(h.dtype) + "' (that dtype is only stored)");
+  if (h.n_bytes % L.value_bytes || h.n_bytes == 0)
+    fail("coded segment of " + S(h.n_bytes) + " bytes, not whole " + dname(h.dtype) + " values");
+  if (h.log2_chunk < kMinLog2Chunk || h.log2_chunk > kMaxLog2Chunk || h.log2_sub < kMinLog2Sub ||
+      h.log2_sub > kMaxLog2Sub || h.log2_chunk - h.log2_sub < kMinLog2Lanes)
+    fail("chunk 2^" + S(h.log2_chunk) + " / sub-block 2^" + S(h.log2_sub) + " values out of range");
+  if (h.max_len != kMaxLen) fail("longest code " + S(h.max_len) + " bits; this build reads " + S(kMaxLen));
+  uint64_t nv = h.n_bytes / L.value_bytes;
+  if (h.n_chunks != ceil_div(nv, uint64_t{1} << h.log2_chunk))
+    fail(S(h.n_chunks) + " chunks for " + S(nv) + " values of 2^" + S(h.log2_chunk) + " per chunk");
+  if (h.off_index != kHeaderBytes || h.off_data != a16(kHeaderBytes + kEntryBytes * h.n_chunks) ||
+      h.off_data > n)
+    fail("chunk index at " + S(h.off_index) + ", data at " + S(h.off_data) + ": not where " + S(h.n_chunks) +
+         " chunks put them (or past the end of the buffer)");
+  return h;
+}
+
+namespace {
+
+// The checked streams of one chunk.
+struct ChunkView {
+  uint8_t mask, raw_bits;
+  uint64_t n, raw_off;
+  uint64_t table[kMaxFields], code[kMaxFields], code_bytes[kMaxFields], bits_off[kMaxFields];
+};
+
+// Checks chunk c's entry and tables against the layout they imply, starting at `at`
+// (where the previous chunk ended); returns the chunk's view and moves `at` past it.
+ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size_t c, uint64_t& at) {
+  const uint64_t n_total = h.encoded_bytes;
+  const uint8_t* e = enc + h.off_index + kEntryBytes * c;
+  ChunkView v{};
+  std::string where = "chunk " + S(c) + ": ";
+  v.mask = e[kEMask];
+  v.raw_bits = e[kERawBits];
+  v.n = chunk_values(h.n_bytes / L.value_bytes, h.log2_chunk, c);
+  for (size_t i = 2; i < 8; ++i)
+    if (e[i]) fail(where + "reserved entry byte " + S(i) + " is not zero");
+  int want_raw = 0;
+  for (int f = 0; f < kMaxFields; ++f) {
+    bool coded = v.mask >> f & 1;
+    if (coded && (f >= L.n_fields || !candidate(L, f)))
+      fail(where + "field " + S(f) + " marked coded; " + dname(h.dtype) + " codes only fields of <= 9 bits");
+    if (!coded) {
+      if (get_u64(e + kETable + 8 * f) || get_u64(e + kECode + 8 * f))
+        fail(where + "offsets set for the uncoded field " + S(f));
+      if (f < L.n_fields) want_raw += L.width[f];
+    }
+  }
+  if (v.mask >> kMaxFields) fail(where + "coded mask " + S(v.mask) + " names fields that do not exist");
+  if (v.raw_bits != want_raw) fail(where + S(v.raw_bits) + " raw bits per value; its coded fields leave " +
+                                   S(want_raw));
+  uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
+  for (int f = 0; f < L.n_fields; ++f) {
+    if (!(v.mask >> f & 1)) continue;
+    std::string fw = where + "field " + S(f) + ": ";
+    uint64_t t = get_u64(e + kETable + 8 * f);
+    if (t != at) fail(fw + "table at " + S(t) + ", expected " + S(at));
+    if (at > n_total || n_total - at < 8) fail(fw + "table past the end of the buffer");
+    const uint8_t* tp = enc + at;
+    const uint64_t alphabet = uint64_t{1} << L.width[f];
+    const int sb = sym_bytes(L.width[f]);
+    int nctx = get_u16(tp);
+    if (nctx < 1 || nctx > kMaxContexts) fail(fw + S(nctx) + " contexts (1.." + S(kMaxContexts) + ")");
+    for (int k = 0; k < kMaxContexts - 1; ++k) {
+      uint16_t th = get_u16(tp + 2 + 2 * k);
+      if (k >= nctx - 1 ? th != 0 : (th >= alphabet || (k && th <= get_u16(tp + 2 * k))))
+        fail(fw + "context threshold " + S(k) + " (" + S(th) + ") not increasing within the alphabet, or set past "
+             "the contexts");
+    }
+    uint64_t n_sym = 0, q = at + 8;
+    int lmin = 0, lmax = 0;
+    for (int c = 0; c < nctx; ++c) {
+      if (n_total - q < 32) fail(fw + "table past the end of the buffer");
+      uint64_t nc = 0, kraft = 0;
+      for (int l = 0; l < 16; ++l) {
+        uint16_t k = get_u16(enc + q + 2 * l);
+        if (k && (l == 0 || l > kMaxLen))
+          fail(fw + S(k) + " codes of length " + S(l) + " (lengths are 1.." + S(kMaxLen) + ")");
+        if (k) lmin = lmin ? std::min(lmin, l) : l, lmax = std::max(lmax, l);
+        nc += k;
+        kraft += uint64_t{k} << (kMaxLen - std::min(l, kMaxLen));
+      }
+      if (nc == 0 || nc > alphabet) fail(fw + S(nc) + " symbols in the table of context " + S(c));
+      if (kraft > (uint64_t{1} << kMaxLen)) fail(fw + "code lengths over-subscribe the code space (not a prefix code)");
+      q += 32;
+      if (n_total - q < nc * sb) fail(fw + "table past the end of the buffer");
+      std::vector<bool> seen(alphabet, false);
+      for (uint64_t k = 0; k < nc; ++k) {
+        uint16_t sym = get_sym(enc + q, L.width[f], k);
+        if (sym >= alphabet || seen[sym]) fail(fw + "table symbol " + S(sym) + " out of range or repeated");
+        seen[sym] = true;
+      }
+      q += nc * sb;
+      n_sym += nc;
+    }
+    uint64_t tb = table_bytes(nctx, n_sym, L.width[f], n_sub);
+    if (n_total - at < tb) fail(fw + "table of " + S(tb) + " bytes past the end of the buffer");
+    uint64_t bits = 0;
+    for (uint64_t s = 0; s < n_sub; ++s) {
+      uint64_t b = get_u16(enc + q + 2 * s), vals = std::min(sub, v.n - s * sub);
+      if (b < vals * lmin || b > vals * lmax)
+        fail(fw + "sub-block " + S(s) + " of " + S(vals) + " values holds " + S(b) + " bits, outside " +
+             S(vals * lmin) + ".." + S(vals * lmax));
+      bits += b;
+    }
+    v.bits_off[f] = q;
+    at += tb;
+    uint64_t cpos = get_u64(e + kECode + 8 * f), cb = stream_bytes(bits);
+    if (cpos != at) fail(fw + "code stream at " + S(cpos) + ", expected " + S(at));
+    if (n_total - at < cb) fail(fw + "code stream of " + S(cb) + " bytes past the end of the buffer");
+    v.table[f] = t;
+    v.code[f] = at;
+    v.code_bytes[f] = cb;
+    at += cb;
+  }
+  uint64_t r = get_u64(e + kERaw), rb = stream_bytes(v.n * v.raw_bits);
+  if (r != at) fail(where + "raw stream at " + S(r) + ", expected " + S(at));
+  if (at > n_total || n_total - at < rb) fail(where + "raw stream of " + S(rb) + " bytes past the end of the buffer");
+  v.raw_off = at;
+  at += rb;
+  return v;
+}
+
+// One symbol of a lane at bit `p` in context table `c` (an offset into the tables;
+// SAFE: the window read no later than `cap`). An entry is next context << 13 | symbol
+// << 4 | length, or kNoCode << 4; the result keeps symbol and kNoCode (and the context
+// bits, which the callers mask off).
+template <bool SAFE>
+inline uint16_t huff_one(const uint8_t* code, const uint16_t* lut, uint64_t& p, uint32_t& c, uint64_t cap) {
+  uint64_t q = SAFE ? std::min(p, cap) : p;
+  uint16_t en = lut[c + ((load_be64(code + (q >> 3)) << (q & 7)) >> (64 - kMaxLen))];
+  p += en & 15;
+  c = static_cast<uint32_t>((en >> 13) & 3) << kMaxLen;
+  return static_cast<uint16_t>(en >> 4);
+}
+
+// `sub` symbols of each of NL lanes (sub-blocks whose codes start at pos[k], whose
+// values start at first + k * sub): NL independent dependency chains, so their
+// loads overlap. emit(value index, symbol) takes each symbol.
+template <int NL, bool SAFE, class Emit>
+void huff_lanes(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_t cap, uint64_t first, uint64_t sub,
+                Emit& emit) {
+  uint64_t p[NL];
+  uint32_t c[NL];
+  for (int k = 0; k < NL; ++k) p[k] = pos[k], c[k] = 0;
+  for (uint64_t j = 0; j < sub; ++j) {
+#pragma GCC unroll 8
+    for (int k = 0; k < NL; ++k) emit(first + k * sub + j, huff_one<SAFE>(code, lut, p[k], c[k], cap));
+  }
+  for (int k = 0; k < NL; ++k) pos[k] = p[k];
+}
+
+template <class Emit>
+void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Emit&& emit) {
+  const uint8_t* tp = enc + v.table[f];
+  const uint8_t* code = enc + v.code[f];
+  uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
+  // per context a 2^12-entry table: window -> entry (huff_one); kNoCode << 4 where no code starts
+  int nctx = get_u16(tp);
+  uint16_t thr[kMaxContexts - 1];
+  for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
+  std::vector<uint16_t> lut(static_cast<size_t>(nctx) << kMaxLen, kNoCode << 4);
+  const uint8_t* q = tp + 8;
+  for (int c = 0; c < nctx; ++c) {
+    const uint8_t* counts = q;
+    q += 32;
+    uint32_t at = 0, k = 0;
+    for (int l = 1; l <= kMaxLen; ++l)
+      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
+        uint16_t sym = get_sym(q, width, k);
+        uint32_t span = 1u << (kMaxLen - l);
+        uint16_t en = static_cast<uint16_t>(context_of(sym, thr, nctx) << 13 | sym << 4 | l);
+        std::fill(lut.begin() + (static_cast<size_t>(c) << kMaxLen) + at,
+                  lut.begin() + (static_cast<size_t>(c) << kMaxLen) + at + span, en);
+        at += span;
+      }
+    q += static_cast<uint64_t>(k) * sym_bytes(width);
+  }
+  const uint8_t* sub_bits = q;
+  std::vector<uint64_t> start(n_sub + 1, 0);
+  for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(sub_bits + 2 * s);
+  uint64_t cap = (v.code_bytes[f] - 8) * 8;  // a window read at bit <= cap stays inside the stream
+  int bad = 0;
+  uint64_t s = 0;
+  constexpr int NL = kDecodeLanes;
+  for (; s + NL <= n_sub && (s + NL) * sub <= v.n; s += NL) {
+    uint64_t pos[NL];
+    std::copy(start.begin() + s, start.begin() + s + NL, pos);
+    if (start[s + NL - 1] + sub * kMaxLen <= cap)
+      huff_lanes<NL, false>(code, lut.data(), pos, cap, s * sub, sub, emit);
+    else
+      huff_lanes<NL, true>(code, lut.data(), pos, cap, s * sub, sub, emit);
+    for (int q = 0; q < NL; ++q)
+      if (pos[q] != start[s + q + 1]) bad = 1;
+  }
+  for (; s < n_sub; ++s) {
+    uint64_t p = start[s];
+    uint32_t c = 0;
+    for (uint64_t j = 0, vals = std::min(sub, v.n - s * sub); j < vals; ++j)
+      emit(s * sub + j, huff_one<true>(code, lut.data(), p, c, cap));
+    if (p != start[s + 1]) bad = 1;
+  }
+  if (bad) fail("a code stream does not decode to its sub-blocks' recorded lengths (corrupt encoded segment)");
+}
+
+// Values from the decoded symbols of the coded fields (MASK) and the raw words.
+// Returns whether a symbol was kNoCode (a corrupt code stream).
+template <int K, int MASK>
+bool assemble(const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* dst) {
+  using Y = Lay<K>;
+  constexpr int VB = Y::VB;
+  constexpr int R = (MASK & 1 ? 0 : Y::W[0]) + (MASK & 2 ? 0 : Y::W[1]) + (MASK & 4 ? 0 : Y::W[2]);
+  constexpr uint64_t rmask = R ? (~uint64_t{0} >> (64 - R)) : 0;
+  uint32_t seen = 0;
+  auto value = [&](uint64_t i, uint64_t r) {
+    uint32_t u = 0;
+    for (int f = Y::NF - 1; f >= 0; --f) {
+      uint32_t piece;
+      if (MASK >> f & 1) {
+        piece = syms[f][i];
+        seen |= piece;
+        piece &= (1u << Y::W[f]) - 1;
+      } else {
+        piece = static_cast<uint32_t>(r & ((1u << Y::W[f]) - 1));
+        r >>= Y::W[f];
+      }
+      u |= piece << Y::P[f];
+    }
+    uint32_t val = (u >> 1) | ((u & 1) << (Y::bits - 1));
+    if constexpr (VB == 2) {
+      uint16_t x = static_cast<uint16_t>(val);
+      std::memcpy(dst + 2 * i, &x, 2);
+    } else if constexpr (VB == 4) {
+      std::memcpy(dst + 4 * i, &val, 4);
+    } else {
+      dst[i] = static_cast<uint8_t>(val);
+    }
+  };
+  uint64_t i = 0;
+  if constexpr (VB == 2 && MASK == 1 && R == 8) {  // a symbol byte and a raw byte per value: vectorises
+    uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // (dst: 2-byte values, its own buffer)
+    const uint16_t* s0 = syms[0];
+    uint16_t acc = 0;
+    for (uint64_t k = 0; k < n; ++k) {
+      uint16_t u = static_cast<uint16_t>((s0[k] << 8) | raw[k]);
+      acc |= s0[k];
+      out[k] = static_cast<uint16_t>((u >> 1) | (u << 15));
+    }
+    return acc & kNoCode;
+  }
+  if constexpr (R <= 8) {  // eight raw words in R bytes: one load, constant shifts
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w = R ? load_le64(raw + (i / 8) * R) : 0;
+      for (int k = 0; k < 8; ++k) value(i + k, (w >> (k * R)) & rmask);
+    }
+  }
+  for (; i < n; ++i) {
+    uint64_t b = i * R;
+    value(i, R ? (load_le64(raw + (b >> 3)) >> (b & 7)) & rmask : 0);
+  }
+  return seen & kNoCode;
+}
+
+template <int K, int M = 0>
+bool assemble_dispatch(int mask, const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* dst) {
+  if constexpr (M < (1 << Lay<K>::NF)) {
+    if (mask == M) return assemble<K, M>(raw, n, syms, dst);
+    return assemble_dispatch<K, M + 1>(mask, raw, n, syms, dst);
+  }
+  return false;
+}
+
+void decode_chunk(const Header& h, const Layout& L, const uint8_t* enc, const ChunkView& v, uint8_t* dst,
+                  std::vector<uint16_t>* bufs) {
+  uint16_t* syms[kMaxFields] = {};
+  for (int f = 0; f < L.n_fields; ++f)
+    if (v.mask >> f & 1) {
+      bufs[f].resize(size_t{1} << h.log2_chunk);
+      syms[f] = bufs[f].data();
+      uint16_t* out = syms[f];
+      decode_field(h, enc, v, f, L.width[f], [out](uint64_t i, uint16_t sym) { out[i] = sym; });
+    }
+  const uint8_t* raw = enc + v.raw_off;
+  bool no_code = with_kind(h.dtype, [&](auto kind) {
+    return assemble_dispatch<decltype(kind)::value>(v.mask, raw, v.n, syms, dst);
+  });
+  if (no_code) fail("a code stream holds bits that no code of its table starts with (corrupt encoded segment)");
+}
+
+}  // namespace
+
+void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads) {
+  Header h = read_header(enc, n);
+  if (dst_n != h.n_bytes)
+    fail("destination has " + S(dst_n) + " bytes but the segment decodes to " + S(h.n_bytes));
+  if (!h.coded) {
+    if (dst_n) std::memcpy(dst, enc + h.off_data, dst_n);
+    return;
+  }
+  Layout L = layout_of(h.dtype);
+  // every chunk's streams checked (in order: each starts where the previous ended) before any is decoded
+  std::vector<ChunkView> views(h.n_chunks);
+  uint64_t at = h.off_data;
+  for (size_t c = 0; c < h.n_chunks; ++c) views[c] = check_chunk(h, L, enc, c, at);
+  if (at != h.encoded_bytes) fail("the chunks end at " + S(at) + " but the segment at " + S(h.encoded_bytes));
+  parallel(h.n_chunks, resolve_threads(threads, h.n_chunks), [&](size_t c0, size_t c1) {
+    std::vector<uint16_t> bufs[kMaxFields];
+    for (size_t c = c0; c < c1; ++c)
+      decode_chunk(h, L, enc, views[c], dst + (c << h.log2_chunk) * L.value_bytes, bufs);
+  });
+}
+
+}  // namespace layerwise::codec::v2
