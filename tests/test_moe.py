@@ -2,7 +2,11 @@
 tiny Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 (shared experts, a dense first
 layer) from small configs on the CPU backend, with random copy delays: outputs
 bitwise the resident model's; bytes per decode step against the ideal (the
-non-expert bytes + the experts used); the state contract; refusals."""
+non-expert bytes + the experts used); the state contract; refusals. And what
+routed experts compose with: load_offloaded and offload_pipeline,
+compress="lossless" (each expert's rows encoded on their own), the disk tier
+(spill files and the checkpoint: experts' rows read on demand), both, per-expert
+ModuleList experts (plain, torchao, quanto), SIGINTs."""
 import copy
 import logging
 import os
