@@ -12,30 +12,8 @@ from torch import nn
 
 import layerwise
 from layerwise import contract, drift
-from layerwise import manager as manager_mod
 
-from models import TwoGroupModel
-
-GROUPS = ["transformer_blocks", "single_transformer_blocks"]
-
-
-def make(seed=0, n_a=6, n_b=4, d=32):
-    torch.manual_seed(seed)
-    return TwoGroupModel(d=d, n_a=n_a, n_b=n_b).eval()
-
-
-def inputs(n=2, d=32):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randn(3, d, generator=g) for _ in range(n)]
-
-
-def outputs(model, xs):
-    with torch.no_grad():
-        return [model(x) for x in xs]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+from test_residency import GROUPS, inputs, make, outputs, same  # noqa: F401  (the same small models)
 
 
 def leaves_equal(got, want) -> bool:
