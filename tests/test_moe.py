@@ -412,6 +412,7 @@ def test_expert_modules_override_and_predicate():
     (dict(experts="routed", expert_cache=-1), "expert_cache must be"),
     (dict(experts="routed", expert_prefetch="yes"), "expert_prefetch must be"),
     (dict(experts="routed", expert_modules=[3]), "expert_modules must be"),
+    (dict(experts="routed", expert_cache="auto", device_budget=1 << 30), "does not count the expert cache"),
 ])
 def test_bad_expert_options_are_refused(kw, match):
     model = _make("mixtral")
