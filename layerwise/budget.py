@@ -110,6 +110,20 @@ def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
     return int(device_budget)
 
 
+SHARE_STEPS = 64  # a resident share is planned in 64ths of each group
+
+
+def largest_share(fits) -> float | None:
+    """The largest share k / SHARE_STEPS of resident layers for which `fits(share)`
+    holds (the cost is monotone in the share), or None where not even 0 fits."""
+    best = None
+    for k in range(SHARE_STEPS + 1):
+        if not fits(k / SHARE_STEPS):
+            break
+        best = k / SHARE_STEPS
+    return best
+
+
 def apply_device_budget(model, managers, device, device_budget, budget_margin, policy) -> dict:
     """Re-plan every manager's residency to fit the budget; returns the plan.
 
@@ -162,14 +176,7 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
             f"slot rings)"
         )
     depth = fitting[0]
-    steps = [k / 64 for k in range(65)]
-    lo = 0
-    for k in range(1, len(steps)):  # the cost is monotone in the resident fraction
-        if cost(steps[k], depth)[0] <= budget:
-            lo = k
-        else:
-            break
-    need, plans = cost(steps[lo], depth)
+    need, plans = cost(largest_share(lambda f: cost(f, depth)[0] <= budget), depth)
     for m, resident in plans:
         m._set_residency(resident, depth)
     plan = {

@@ -184,8 +184,9 @@ class LayerwiseOffloadManager:
             # A layer leaving the device writes its device bytes back to its source
             # first (where they changed): its source then agrees with its truth.
             for i in sorted(set(old) - set(new)):
-                block = self._resident_block(i)
-                if not torch.equal(block, self._read_layer(i)):
+                source = self._read_layer(i)  # (read once: a layer on disk is a file read)
+                block = self._resident_block(i, source)
+                if not torch.equal(block, source):
                     if not self._src[i].writable:
                         try:
                             self._src[i].refuse_write()
@@ -265,9 +266,10 @@ class LayerwiseOffloadManager:
         return resolve_resident(validate_residency(resident, self.options.residency_policy), n,
                                 self.options.residency_policy)
 
-    def _resident_block(self, i: int) -> torch.Tensor:
-        """Resident layer i's bytes as its device tensors hold them, in plan layout (host)."""
-        block = self._read_layer(i).clone()  # (the gaps between parameters as packed)
+    def _resident_block(self, i: int, source: torch.Tensor) -> torch.Tensor:
+        """Resident layer i's bytes as its device tensors hold them, in plan layout (host);
+        `source`: its bytes as its source holds them (the gaps between parameters)."""
+        block = source.clone()
         for e in self.plan.layers[i].params:
             data = e.source()
             if data.dtype != e.dtype or tuple(data.shape) != tuple(e.shape) or tuple(data.stride()) != tuple(e.stride):
@@ -615,7 +617,7 @@ class LayerwiseOffloadManager:
             self._prefetch_after(i)
             if ev is not None:
                 try:
-                    meanwhile = self._chain.meanwhile(i, not self._engine.is_cuda) if self._chain.reads_ahead else None
+                    meanwhile = self._chain.meanwhile(i) if self._chain.reads_ahead else None
                     if meanwhile is None:
                         self.meter.wait(self._engine, ev, self._stream())
                     else:

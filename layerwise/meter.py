@@ -55,8 +55,13 @@ class Meter:
         """Time every copy of every step and log each one per layer (layerwise.tune's
         probe), or stop; returns the log: (layer, bytes that crossed, seconds)."""
         log, self.copy_log = self.copy_log, ([] if on else None)
-        self.timing = self.measure_stalls and (on or not self.cuda or self.steps % STALL_SAMPLE_EVERY == 1)
+        self.timing = self._timed_step()
         return self.copy_log if on else log
+
+    def _timed_step(self) -> bool:
+        """This step is timed: every step on the CPU or while a probe listens, else one in STALL_SAMPLE_EVERY."""
+        return self.measure_stalls and (self.copy_log is not None or not self.cuda
+                                        or self.steps % STALL_SAMPLE_EVERY == 1)
 
     def fetched(self, src, prefetch: bool, result, layer: int = -1) -> None:
         """A fetch of `src` (layer `layer`) was queued (`result`: what it returned)."""
@@ -110,8 +115,7 @@ class Meter:
         self._t0 = time.perf_counter()
         self.step_open = True
         self.steps += 1
-        self.timing = self.measure_stalls and (self.copy_log is not None or not self.cuda
-                                               or self.steps % STALL_SAMPLE_EVERY == 1)
+        self.timing = self._timed_step()
 
     def end_step(self) -> None:
         """Close the step: its figures become the last complete step's."""

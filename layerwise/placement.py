@@ -186,24 +186,21 @@ def fit_bus(samples) -> tuple[float, float] | None:
 
 
 def candidates_by_policy(step: Step, depths, fits, policies=("leading", "strided")) -> dict:
-    """{(policy, depth): Placement}: per policy and depth, the largest shared fraction
-    of resident layers (in 64ths, as layerwise.budget plans) whose placement `fits`."""
+    """{(policy, depth): Placement}: per policy and depth, the largest shared share
+    of resident layers (as layerwise.budget plans it) whose placement `fits`."""
+    from .budget import largest_share
     from .options import resolve_resident
+
+    def at(share: float, policy: str, d: int) -> Placement:
+        return Placement(tuple(tuple(resolve_resident(share, g.num_layers, policy)) for g in step.groups),
+                         tuple(d for _ in step.groups))
 
     out = {}
     for policy in policies:
         for d in depths:
-            best = None
-            for k in range(65):
-                res = tuple(tuple(range(g.num_layers)) if k == 64 else tuple(resolve_resident(k / 64, g.num_layers,
-                                                                                             policy))
-                            for g in step.groups)
-                p = Placement(res, tuple(d for _ in step.groups))
-                if not fits(p):
-                    break
-                best = p
-            if best is not None:
-                out[(policy, d)] = best
+            share = largest_share(lambda f: fits(at(f, policy, d)))
+            if share is not None:
+                out[(policy, d)] = at(share, policy, d)
     return out
 
 

@@ -13,14 +13,7 @@ from torch import nn
 import layerwise
 from layerwise import contract, drift
 
-from test_residency import GROUPS, inputs, make, outputs, same  # noqa: F401  (the same small models)
-
-
-def leaves_equal(got, want) -> bool:
-    if hasattr(want, "__tensor_flatten__") and type(want) is not torch.Tensor:
-        names, _ = want.__tensor_flatten__()
-        return all(torch.equal(getattr(got, n), getattr(want, n)) for n in names)
-    return torch.equal(got, want)
+from test_residency import GROUPS, inputs, leaves_equal, make, outputs, same  # noqa: F401  (the same small models)
 
 
 def sd_diffs(model, ref) -> list:

@@ -246,16 +246,11 @@ TUNE = """
 
 
 def largest_share(m, depth, policy, room):
-    """The largest resident share (in 64ths, as layerwise.budget plans) of `m` at `depth` that fits `room` bytes."""
+    """The largest resident share of `m` at `depth` that fits `room` bytes (as layerwise.budget plans)."""
+    from layerwise.budget import largest_share as share
     from layerwise.options import resolve_resident
 
-    best = 0.0
-    for k in range(65):
-        if m._device_bytes(resolve_resident(k / 64, m.num_layers, policy), depth) <= room:
-            best = k / 64
-        else:
-            break
-    return best
+    return share(lambda f: m._device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room) or 0.0
 
 
 def test_tune_beats_both_fixed_policies_on_the_simulated_bus_and_predicts_honestly():

@@ -31,6 +31,7 @@ import time
 import torch
 
 import layerwise
+from layerwise.budget import largest_share
 from layerwise.options import resolve_resident
 
 from . import models
@@ -48,13 +49,9 @@ PER_ROUND = {"full": 5, "quick": 5, "tiny": 2}
 
 
 def _largest_share(m, depth: int, policy: str, room: int) -> list[int]:
-    best = []
-    for k in range(65):
-        res = resolve_resident(k / 64, m.num_layers, policy)
-        if m._device_bytes(res, depth) > room:
-            break
-        best = res
-    return best
+    """`policy`'s resident layers of `m` at the largest share that fits `room` (as layerwise.budget plans)."""
+    share = largest_share(lambda f: m._device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room)
+    return resolve_resident(share or 0.0, m.num_layers, policy)
 
 
 def _median_step(ctx: Context, step, n: int) -> float:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
-import time
 
 import torch
 
@@ -56,6 +56,8 @@ class Chain:
         self.transfer: Transfer | None = None
         self._disk_of: dict[int, DiskSource] = {}  # layer index -> the disk source in its chain
         self._upcoming: list = []
+        self._meanwhile: list = []  # per layer: what the disk stage does while the host waits (meanwhile)
+        self.host_blocks = False  # a wait for a fetch blocks the host (the CPU backend's engine)
         # routed experts (layerwise/experts.py plans them): every layer's ordinary fetch copies its
         # non-expert prefix; the experts' rows are copied by this stage from the expert modules' hooks
         self.experts = ExpertTier(group, experts, device, expert_cache) if experts is not None else None
@@ -121,6 +123,7 @@ class Chain:
         ring's (the disk stage's staging slots follow it), `compute_ready` an event on
         the compute stream (CUDA) that the first write into new device buffers waits on."""
         self.transfer = Transfer(engine)
+        self.host_blocks = not engine.is_cuda
         for src in sources:
             for h in src.holders():
                 if isinstance(h, ArenaSource):
@@ -162,6 +165,12 @@ class Chain:
         for i in range(num_layers):
             k = bisect.bisect_right(order, i)
             self._upcoming.append([srcs[(k + j) % len(srcs)] for j in range(n)])
+        # (split fetch: the wait is on a gather, after a collective; reads queued during it
+        # were measured to read a layer twice per step: the hooks' own pace is kept there)
+        self._meanwhile = []
+        if self.host_blocks and self.split is None:
+            self._meanwhile = [functools.partial(self.disk.issue_while_waiting, upcoming=up, poll_s=POLL_S)
+                               for up in self._upcoming]
 
     @property
     def reads_ahead(self) -> bool:
@@ -184,28 +193,13 @@ class Chain:
         if self.disk is not None:
             self.disk.read_ahead(self._upcoming[i])
 
-    def meanwhile(self, i: int, host_blocks: bool):
+    def meanwhile(self, i: int):
         """What the stages do while the host waits for layer i's fetch, or None: where
         the wait blocks the host (the CPU backend), the disk stage keeps the bus busy
         by issuing, as they finish, the copies of reads done and reads into staging
-        slots freed (else they would wait for the next hook, one compute later)."""
-        if self.disk is None or not host_blocks or self.split is not None:
-            # (split fetch: the wait is on a gather, after a collective; reads queued during it
-            # were measured to read a layer twice per step: the hooks' own pace is kept there)
-            return None
-        disk, upcoming = self.disk, self._upcoming[i]
-
-        def work(ev) -> None:
-            while not ev.query():
-                if not disk.pending and not disk.can_read_ahead(upcoming):
-                    return  # nothing left to issue: block on ev
-                before = len(disk.pending)
-                disk.pump()
-                disk.copies_meanwhile += before - len(disk.pending)
-                disk.read_ahead(upcoming)
-                time.sleep(POLL_S)
-
-        return work
+        slots freed (else they would wait for the next hook, one compute later).
+        Made once per layer (restream), not per call."""
+        return self._meanwhile[i] if self._meanwhile else None
 
     def flush(self, collectives: bool = True) -> None:
         """Issue everything queued (blocking on reads; the collectives too unless
@@ -303,7 +297,7 @@ class Chain:
         if self.split is not None:  # (also where no share was kept yet: a configure that failed early)
             attempt("releasing the split-fetch shares", self.split.release)
         self._disk_of = {}
-        self._upcoming = []
+        self._upcoming, self._meanwhile = [], []
 
 
 @contextlib.contextmanager

@@ -568,12 +568,28 @@ class DiskTier:
             if d.ev is None and d.error is None and d.ready():
                 self._settle(d)
 
+    def _room_for(self, want: set) -> bool:
+        """A slot holds nothing wanted sooner (nor a copy still to issue out of it)."""
+        return any(s.pending is None and (s.src is None or s.src not in want) for s in self.slots)
+
     def can_read_ahead(self, upcoming) -> bool:
         """read_ahead(upcoming) would queue a read now."""
         upcoming = upcoming[: len(self.slots)]
-        want = set(upcoming)
         return any(not self._staged(src) and not src.file_failed() for src in upcoming) and \
-            any(s.pending is None and (s.src is None or s.src not in want) for s in self.slots)
+            self._room_for(set(upcoming))
+
+    def issue_while_waiting(self, ev, upcoming, poll_s: float) -> None:
+        """Until `ev` completes (the host blocks on it: the CPU backend), issue the copies
+        of reads that finish and reads into slots that free up, so that the bus does not
+        wait for the next hook; returns early once nothing is left to issue."""
+        while not ev.query():
+            if not self.pending and not self.can_read_ahead(upcoming):
+                return  # nothing left to issue: block on ev
+            before = len(self.pending)
+            self.pump()
+            self.copies_meanwhile += before - len(self.pending)
+            self.read_ahead(upcoming)
+            time.sleep(poll_s)
 
     def read_ahead(self, upcoming) -> None:
         """Queue reads of the next disk layers (`upcoming`, in order) while slots
@@ -585,7 +601,7 @@ class DiskTier:
                 continue
             if src.file_failed():
                 return  # its recovery happens where it is needed
-            if not any(s.pending is None and (s.src is None or s.src not in want) for s in self.slots):
+            if not self._room_for(want):
                 return  # every slot holds bytes wanted sooner
             self.stage(src, protect=want)
 
