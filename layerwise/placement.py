@@ -204,6 +204,36 @@ def candidates_by_policy(step: Step, depths, fits, policies=("leading", "strided
     return out
 
 
+def candidates(step: Step, current: Placement, depths, fits) -> dict:
+    """{name: Placement} that fit: the placement in force, the fixed policies at the
+    largest share (candidates_by_policy), and the greedy choices, at each depth."""
+    out: dict = {}
+    if fits(current):
+        out["in force"] = current
+    for (policy, d), p in candidates_by_policy(step, depths, fits).items():
+        out[f"{policy}, depth {d}"] = p
+    for d in depths:
+        depth = tuple(d for _ in step.groups)
+        if not fits(Placement(tuple(() for _ in step.groups), depth)):
+            continue
+        out[f"greedy, depth {d}"] = greedy(step, depth, fits, by_bytes=False)
+        out[f"greedy per byte, depth {d}"] = greedy(step, depth, fits, by_bytes=True)
+    return out
+
+
+def choose(step: Step, cands: dict, fits) -> tuple[str, dict]:
+    """(the name of the fastest predicted candidate, refined one change at a time by
+    `improve`: added to `cands` as "<name>, improved"; {name: Prediction} of them all).
+    Ties go to the fewer device bytes."""
+    preds = {k: predict(step, p) for k, p in cands.items()}
+    best = min(cands, key=lambda k: (round(preds[k].step_s, 9), cands[k].device_bytes(step)))
+    better = improve(step, cands[best], fits)
+    if better != cands[best]:
+        best = f"{best}, improved"
+        cands[best], preds[best] = better, predict(step, better)
+    return best, preds
+
+
 def greedy(step: Step, depth: tuple, fits, by_bytes: bool) -> Placement:
     """Make resident, one at a time, the layer whose residency shortens the predicted
     step most (per device byte it adds, with `by_bytes`) while the placement fits;

@@ -254,10 +254,10 @@ def _measure(run, obj, managers, clock: _Clock, repeats: int) -> pm.Step:
     finally:
         probe.close()
     seq = [(c[0], c[1]) for c in runs[-1]]
-    runs = [r for r in runs if [(c[0], c[1]) for c in r] == seq]  # calls the same way each time
+    kept = [(r, w) for r, w in zip(runs, walls) if [(c[0], c[1]) for c in r] == seq]  # calls the same way each time
     s = clock.seconds
     per_run = []
-    for r, (start, end) in zip(runs, walls[-len(runs):]):
+    for r, (start, end) in kept:
         inside = s(r[0][2], r[-1][5])
         per_run.append({
             "compute": [s(c[3], c[4]) for c in r],
@@ -365,28 +365,13 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
     def fits(p: pm.Placement) -> bool:
         return fixed + p.device_bytes(step) <= budget
 
-    cands: dict = {}
-    if fits(current):
-        cands["in force"] = current
-    for (policy, d), p in pm.candidates_by_policy(step, depths, fits).items():
-        cands[f"{policy}, depth {d}"] = p
-    for d in depths:
-        depth = tuple(d for _ in managers)
-        if not fits(pm.Placement(tuple(() for _ in managers), depth)):
-            continue
-        cands[f"greedy, depth {d}"] = pm.greedy(step, depth, fits, by_bytes=False)
-        cands[f"greedy per byte, depth {d}"] = pm.greedy(step, depth, fits, by_bytes=True)
+    cands = pm.candidates(step, current, depths, fits)
     if not cands:
         raise RuntimeError(
             f"layerwise.tune: no placement fits a device budget of {fmt_bytes(budget)} ({budget} bytes): the "
             f"non-layer weights take {fmt_bytes(fixed)} and the rings at depth {min(depths)} with nothing resident "
             f"{fmt_bytes(pm.Placement(tuple(() for _ in managers), tuple(min(depths) for _ in managers)).device_bytes(step))}")
-    preds = {k: pm.predict(step, p) for k, p in cands.items()}
-    best = min(cands, key=lambda k: (round(preds[k].step_s, 9), cands[k].device_bytes(step)))
-    better = pm.improve(step, cands[best], fits)  # from the best so far, one change at a time
-    if better != cands[best]:
-        best = f"{best}, improved"
-        cands[best], preds[best] = better, pm.predict(step, better)
+    best, preds = pm.choose(step, cands, fits)
     chosen, pred = cands[best], preds[best]
     plan = TunePlan(
         groups=[{"group": m.layer_name, "layers": m.num_layers, "resident": list(r), "prefetch_depth": d}
