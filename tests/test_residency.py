@@ -254,7 +254,6 @@ def test_real_sigints_at_random_moments_leave_one_placement_whole():
     a.set_residency(*plans[0])
     span = max(time.perf_counter() - t0, 1e-3)
     rng = random.Random(3)
-    interrupted = 0
     for n in range(40):
         old = placement(a)[:2]
         new = plans[(n + 1) % len(plans)]
@@ -269,11 +268,33 @@ def test_real_sigints_at_random_moments_leave_one_placement_whole():
                 timer.join()
             time.sleep(0.005)  # (a signal sent while joining is taken here)
         except KeyboardInterrupt:
-            interrupted += 1
+            pass
         assert placement(a)[:2] in (old, (new[0], new[1]))
         assert same(outputs(model, xs), want), n
         assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.state_dict().items())
-    assert interrupted >= 10
+    # (how many of those landed is the machine's business; these land for sure: a real SIGINT
+    # sent from inside phase one, at each of its allocations in turn)
+    real = manager_mod.materialize
+    for k in range(4):
+        old, calls = placement(a)[:2], [0]
+
+        def kill_at_k(*args, _k=k, **kw):
+            calls[0] += 1
+            if calls[0] == _k + 1:
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(*args, **kw)
+
+        manager_mod.materialize = kill_at_k
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                a.set_residency([0, 1, 2, 3, 4, 5, 6, 7], 1)
+                time.sleep(1)  # (the signal is taken before this ends, if not inside the call)
+        finally:
+            manager_mod.materialize = real
+        assert placement(a)[:2] in (old, ([0, 1, 2, 3, 4, 5, 6, 7], 1)), k
+        assert same(outputs(model, xs), want), k
+        assert all(torch.equal(model.state_dict()[k_], v) for k_, v in ref.state_dict().items())
+        a.set_residency([], 1)
 
 
 def test_a_forward_on_another_thread_stays_exact():
@@ -294,14 +315,19 @@ def test_a_forward_on_another_thread_stays_exact():
     t.start()
     try:
         rng = random.Random(1)
-        for _ in range(30):
+        for n in range(30):
+            seen = runs[0]
             for m in managers:
                 m.set_residency(sorted(rng.sample(range(m.num_layers), rng.randint(0, m.num_layers - 1))),
                                 rng.randint(0, 2))
+            if n % 10 == 9:  # (the other thread forwards between changes, however busy the machine)
+                deadline = time.monotonic() + 60
+                while runs[0] == seen and t.is_alive() and time.monotonic() < deadline:
+                    time.sleep(0.01)
     finally:
         stop.set()
         t.join()
-    assert runs[0] > 0 and not bad
+    assert runs[0] >= 3 and not bad
 
 
 def test_disk_tier_and_compress_keep_their_host_side(tmp_path):

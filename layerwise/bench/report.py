@@ -314,9 +314,9 @@ def write_markdown(path: str, results: list[SuiteResult], env: dict, wide: bool 
             text = line(cells)
             if not wide:
                 ratios = [f"{fmt_num(v)} {k}" for k, v in row.ratios.items()]
-                while len(text) > WIDTH and len(ratios) > 1:
+                while len(text) > WIDTH and ratios:  # (a row's footnote numbers vary from run to run)
                     ratios.pop()
-                    cells = cells[:3] + ["; ".join(ratios) + "; ..."] + cells[4:]
+                    cells = cells[:3] + ["; ".join(ratios + ["..."])] + cells[4:]
                     text = line(cells)
                     notes.cut = True
             lines.append(text)
