@@ -188,8 +188,16 @@ def test_suite_specific_figures(tiny_run):
             assert "missed: the step waited" in row["note"], row
     bf16_bus = [r for r in step_rows
                 if r["measure"].startswith("step over the simulated bus") and ", bf16, layerwise (C/T" in r["measure"]]
-    assert len(bf16_bus) == 1 and "transfer-bound" in bf16_bus[0]["measure"], bf16_bus
-    assert [t["label"] for t in bf16_bus[0]["targets"]] == ["<= 1.1x floor"], bf16_bus
+    # (the bus is chosen for C/T 0.1 against the compute measured a moment before: the regime the step
+    # then shows is the machine's pace; the targets must follow the regime it shows)
+    assert len(bf16_bus) == 1, bf16_bus
+    labels = [t["label"] for t in bf16_bus[0]["targets"]]
+    if "transfer-bound" in bf16_bus[0]["measure"]:
+        assert labels == ["<= 1.1x floor"], bf16_bus
+    elif "compute-bound" in bf16_bus[0]["measure"]:
+        assert labels == ["<= 1.05x resident"], bf16_bus
+    else:
+        assert labels == [], bf16_bus
     # hooks: the flatness row has its target.
     assert suites["hooks"]["rows"][-1]["targets"]
     # disk: the reader read with O_DIRECT, compared with a plain O_DIRECT read in the same run.
