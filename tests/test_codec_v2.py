@@ -193,6 +193,76 @@ def test_triton_field_choices(device):
     triton_decode(codec.encode(rounded, **SMALL), rounded, device)
 
 
+def _long_codes(n=1 << 16, seed=7):
+    """bf16 values whose exponent byte takes codes of every length up to the limit (12):
+    one dominant exponent, the others ever rarer (geometric), so that the CPU decoder's
+    pair tables (11-bit windows) send some windows to the single table."""
+    g = torch.Generator().manual_seed(seed)
+    e = (torch.distributions.Geometric(torch.tensor(0.55)).sample((n,)).long() % 120) + 100
+    perm = torch.randperm(n, generator=g)
+    e = e[perm]
+    mant = torch.randint(0, 128, (n,), generator=g)
+    sign = torch.randint(0, 2, (n,), generator=g)
+    return ((sign << 15) | (e << 7) | mant).to(torch.int16).view(torch.bfloat16)
+
+
+def test_codes_longer_than_a_pair_window_round_trip():
+    """Codes of 12 bits (longer than the CPU decoder's 11-bit pair windows) and windows that
+    hold two codes, in every lane and in the sub-blocks after the last whole group of lanes."""
+    x = _long_codes()
+    enc = roundtrip(x)
+    views = D.check_chunks(enc, D.parse_header(enc, enc.numel()))
+    lengths = {l for v in views if v.mask & 1 for cnt in v.counts[0] for l in range(16) if cnt[l]}
+    assert 12 in lengths and 1 in lengths, lengths  # codes that fill a window, and short ones that pair up
+    for kw in (SMALL, TINY, dict(log2_chunk=12, log2_sub=7)):  # (smaller chunks: shorter codes)
+        roundtrip(x, **kw)
+    for n in (1, 2, 3, 31, 33, 4095, 4097, 60001):  # partial lanes and partial sub-blocks
+        roundtrip(x[:n].clone(), **SMALL)
+        roundtrip(x[:n].clone())
+
+
+def _pair_path_segment():
+    x = _long_codes(1 << 14)
+    enc = codec.encode(x, **SMALL)
+    views = D.check_chunks(enc, D.parse_header(enc, enc.numel()))
+    return x, enc, views
+
+
+def test_corrupt_codes_of_an_8_bit_field_raise():
+    """The pair-table decoder (fields of <= 8 bits) detects streams that do not decode to
+    their recorded sub-block lengths, and windows no code starts with."""
+    x, enc, views = _pair_path_segment()
+    e, mask, _, offs = _entry(enc, 1)
+    assert mask & 1
+    code_at = offs[4]
+    flipped = enc.clone()
+    flipped[code_at : code_at + 16] ^= 0x5A
+    with pytest.raises(ValueError, match="recorded lengths|no code"):
+        native.decode(flipped, torch.empty(x.numel() * 2, dtype=torch.uint8), 1)
+    # an incomplete code: one code of the shortest length made one bit longer (same symbol
+    # count, so the table's layout holds); windows now exist that no code starts with
+    raw = bytes(enc.tolist())
+    cnt_at = offs[1] + 8
+    cnt = struct.unpack_from("<16H", raw, cnt_at)
+    l = min(k for k in range(1, 12) if cnt[k])
+    bad = _set(_set(enc, cnt_at + 2 * l, cnt[l] - 1, 2), cnt_at + 2 * (l + 1), cnt[l + 1] + 1, 2)
+    for threads in (1, 2):
+        with pytest.raises(ValueError, match="recorded lengths|no code|sub-block"):
+            native.decode(bad, torch.empty(x.numel() * 2, dtype=torch.uint8), threads)
+
+
+def test_fp32_with_a_coded_low_byte_round_trips_at_every_tail():
+    """fp32 chunks that code the exponent field and the low byte (mask 0b101: the vector
+    path of the 15 raw bits per value), at sizes that leave 1..7 values after the last
+    group of eight."""
+    w = weights(20000, torch.float32, seed=9)
+    rounded = (w.view(torch.int32) & ~0x7F).view(torch.float32)  # the low byte's mantissa bits: 0
+    for n in (8, 9, 15, 4103, 20000):
+        enc = roundtrip(rounded[:n].clone(), **SMALL)
+        if n > 1000:  # every whole chunk (a last chunk of a few values codes nothing)
+            assert set(chunk_masks(enc)[: n // 1024]) == {0b101}, chunk_masks(enc)
+
+
 def test_stored_when_coding_does_not_pay():
     for dtype in DTYPES:
         rnd = torch.randint(0, 256, (4000 * dtype.itemsize,), dtype=torch.int32).to(torch.uint8).view(dtype)
@@ -215,6 +285,25 @@ def test_uint8_view_and_any_destination_dtype():
     out = torch.empty(3000, dtype=torch.float32)
     codec.decode(enc, out)
     assert_bitwise(out, x)
+
+
+def test_unaligned_destinations():
+    """Into a uint8 slice at every offset 1..3 of a buffer: every assemble path (bf16 masks
+    1 and 3, fp32 masks 1 and 5) stores to unaligned addresses exactly."""
+    w = weights(5000, torch.float32, seed=2)
+    cases = [w.to(torch.bfloat16), (w.to(torch.bfloat16).view(torch.int16) & ~0x3F).view(torch.bfloat16), w,
+             (w.view(torch.int32) & ~0x7F).view(torch.float32)]
+    masks = set()
+    for x in cases:
+        enc = codec.encode(x, **SMALL)
+        masks |= set(chunk_masks(enc))
+        n = x.numel() * x.element_size()
+        for off in (1, 2, 3):
+            buf = torch.full((n + 8,), 0xA5, dtype=torch.uint8)
+            codec.decode(enc, buf[off : off + n], threads=2)
+            assert_bitwise(buf[off : off + n], x.view(-1).view(torch.uint8), f"offset {off}")
+            assert bool((buf[:off] == 0xA5).all()) and bool((buf[off + n :] == 0xA5).all())
+    assert {1, 3, 5} <= masks, masks
 
 
 def test_ratio_at_the_entropy_bound():
