@@ -792,6 +792,7 @@ struct Tables {
   int nctx = 0;
   std::vector<uint16_t> single;
   std::vector<uint32_t> pair;
+  std::vector<uint32_t> rows;  // (building the pair tables)
   const uint8_t* sub_bits = nullptr;
 };
 
@@ -823,9 +824,9 @@ void build_tables(const uint8_t* tp, int width, Tables& t) {
   }
   t.sub_bits = q;
   if (width > 8) return;
-  // pair tables by spans: the windows that start with code 1 (length l1 <= 11) hold, in
-  // their r = 11 - l1 last bits, the codes of its successor's context that fit in r bits
-  // (a prefix of that context's codes in canonical order), then one symbol's entries
+  // pair tables: the windows that start with code 1 (length l1 <= 11) hold, in their
+  // r = 11 - l1 last bits, the codes of its successor's context that fit in r bits (a
+  // prefix of that context's codes in canonical order: a row, below), else one symbol
   t.pair.resize(static_cast<size_t>(nctx) << kPairBits);
   struct Code { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
   Code codes[kMaxContexts][256];
@@ -846,24 +847,36 @@ void build_tables(const uint8_t* tp, int width, Tables& t) {
     ncodes[c] = k;
     q += static_cast<uint64_t>(k) * sym_bytes(width);
   }
+  // rows: per context c' and r = 1..10 bits, the codes of c' that fit in r bits, by their
+  // r-bit windows (len | two | next context | symbol << 24), 0 where none fits; at
+  // t.rows[c' << 11 | (2^r - 2) ..]
+  t.rows.resize(static_cast<size_t>(nctx) << kPairBits);
+  for (int c = 0; c < nctx; ++c) {
+    uint32_t* Rc = t.rows.data() + (static_cast<size_t>(c) << kPairBits);
+    std::fill(Rc, Rc + (1u << kPairBits) - 2, 0u);
+    for (uint32_t r = 1; r < kPairBits; ++r) {
+      uint32_t* Rr = Rc + (1u << r) - 2;
+      for (int j = 0; j < ncodes[c] && codes[c][j].len <= r; ++j) {
+        const Code& b = codes[c][j];
+        uint32_t off = b.at >> (kMaxLen - r), span = 1u << (r - b.len);
+        std::fill(Rr + off, Rr + off + span, b.len | kPairTwo | uint32_t{b.ctx} << kPairBits | uint32_t{b.sym} << 24);
+      }
+    }
+  }
   for (int c = 0; c < nctx; ++c) {
     uint32_t* P = t.pair.data() + (static_cast<size_t>(c) << kPairBits);
     uint32_t end = 0;  // windows filled so far
     for (int k = 0; k < ncodes[c] && codes[c][k].len <= kPairBits; ++k) {
       const Code& a = codes[c][k];
       uint32_t at1 = a.at >> (kMaxLen - kPairBits), r = kPairBits - a.len;
-      uint32_t one = a.len | uint32_t{a.ctx} << kPairBits | uint32_t{a.sym} << 16;
+      uint32_t one = a.len | uint32_t{a.ctx} << kPairBits | uint32_t{a.sym} << 16, first = a.len | uint32_t{a.sym} << 16;
       uint32_t* W = P + at1;
-      uint32_t done = 0;
-      for (int j = 0; j < ncodes[a.ctx] && codes[a.ctx][j].len <= r; ++j) {
-        const Code& b = codes[a.ctx][j];
-        uint32_t off = b.at >> (kMaxLen - r), span = 1u << (r - b.len);
-        std::fill(W + off, W + off + span,
-                  (a.len + b.len) | kPairTwo | uint32_t{b.ctx} << kPairBits | uint32_t{a.sym} << 16 |
-                      uint32_t{b.sym} << 24);
-        done = off + span;
+      if (r == 0) {
+        W[0] = one;
+      } else {
+        const uint32_t* R = t.rows.data() + (static_cast<size_t>(a.ctx) << kPairBits) + (1u << r) - 2;
+        for (uint32_t x = 0; x < (1u << r); ++x) W[x] = R[x] ? R[x] + first : one;
       }
-      std::fill(W + done, W + (1u << r), one);
       end = at1 + (1u << r);
     }
     std::fill(P + end, P + (1u << kPairBits), kPairSlow);
