@@ -1041,6 +1041,27 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
   if (bad) fail("a code stream does not decode to its sub-blocks' recorded lengths (corrupt encoded segment)");
 }
 
+// fn(value index, raw word) for values i..n-1 of R raw bits each (packed from the low bit):
+// eight at a time from R bytes, with constant offsets and shifts, then one by one.
+template <int R, class Fn>
+inline void raw_words(const uint8_t* raw, uint64_t i, uint64_t n, Fn&& fn) {
+  constexpr uint64_t rmask = R ? (~uint64_t{0} >> (64 - R)) : 0;
+  for (; i + 8 <= n; i += 8) {
+    const uint8_t* g = raw + (i / 8) * R;
+    if constexpr (R <= 8) {  // one load
+      uint64_t w = R ? load_le64(g) : 0;
+      for (int k = 0; k < 8; ++k) fn(i + k, (w >> (k * R)) & rmask);
+    } else {
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) fn(i + k, (load_le64(g + (k * R) / 8) >> ((k * R) % 8)) & rmask);
+    }
+  }
+  for (; i < n; ++i) {
+    uint64_t b = i * R;
+    fn(i, R ? (load_le64(raw + (b >> 3)) >> (b & 7)) & rmask : 0);
+  }
+}
+
 // Values from the decoded symbols of the coded fields (MASK: one byte a symbol for fields of
 // <= 8 bits, else u16 with kNoCode) and the raw words.
 // Returns whether a u16 symbol was kNoCode (a corrupt code stream).
@@ -1049,7 +1070,6 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
   using Y = Lay<K>;
   constexpr int VB = Y::VB;
   constexpr int R = (MASK & 1 ? 0 : Y::W[0]) + (MASK & 2 ? 0 : Y::W[1]) + (MASK & 4 ? 0 : Y::W[2]);
-  constexpr uint64_t rmask = R ? (~uint64_t{0} >> (64 - R)) : 0;
   uint32_t seen = 0;
   auto sym = [&](int f, uint64_t i) -> uint32_t {
     if (Y::W[f] <= 8) return static_cast<const uint8_t*>(syms[f])[i];
@@ -1144,33 +1164,10 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
       }
     }
 #endif
-    for (; i + 8 <= n; i += 8) {
-      const uint8_t* g = raw + (i / 8) * R;
-#pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) put(i + k, (load_le64(g + (k * R) / 8) >> ((k * R) % 8)) & rmask);
-    }
-    for (; i < n; ++i) {
-      uint64_t b = i * R;
-      put(i, (load_le64(raw + (b >> 3)) >> (b & 7)) & rmask);
-    }
+    raw_words<R>(raw, i, n, put);
     return acc & kNoCode;
   }
-  if constexpr (R <= 8) {  // eight raw words in R bytes: one load, constant shifts
-    for (; i + 8 <= n; i += 8) {
-      uint64_t w = R ? load_le64(raw + (i / 8) * R) : 0;
-      for (int k = 0; k < 8; ++k) value(i + k, (w >> (k * R)) & rmask);
-    }
-  } else {  // eight raw words in R bytes: a load each at a constant offset and shift
-    for (; i + 8 <= n; i += 8) {
-      const uint8_t* g = raw + (i / 8) * R;
-#pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) value(i + k, (load_le64(g + (k * R) / 8) >> ((k * R) % 8)) & rmask);
-    }
-  }
-  for (; i < n; ++i) {
-    uint64_t b = i * R;
-    value(i, R ? (load_le64(raw + (b >> 3)) >> (b & 7)) & rmask : 0);
-  }
+  raw_words<R>(raw, 0, n, value);
   return seen & kNoCode;
 }
 
