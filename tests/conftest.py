@@ -14,6 +14,15 @@ import layerwise  # noqa: E402
 # OpenMP pool spinning against them on a 2-core machine slows steps 100-fold.
 torch.set_num_threads(1)
 
+# The tests send real SIGINTs (here and to the scripts they start). A shell that runs
+# pytest as a background job (`cmd &` without job control) starts it with SIGINT
+# ignored, Python then keeps it ignored, and so do the children: no interrupt would
+# land. Ctrl-C is Python's KeyboardInterrupt here, as for a user at a terminal.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def cuda_usable() -> bool:
     return torch.cuda.is_available() and layerwise.build_info()["with_cuda"]
