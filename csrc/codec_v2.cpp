@@ -724,13 +724,12 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
   return v;
 }
 
-// One symbol of a lane at bit `p` in context table `c` (an offset into the tables;
-// SAFE: the window read no later than `cap`). An entry is next context << 13 | symbol
-// << 4 | length, or kNoCode << 4; the result keeps symbol and kNoCode (and the context
-// bits, which the callers mask off).
-template <bool SAFE>
+// One symbol of a lane at bit `p` in context table `c` (an offset into the tables; the
+// window read no later than `cap`). An entry is next context << 13 | symbol << 4 |
+// length, or kNoCode << 4; the result keeps symbol and kNoCode (and the context bits,
+// which the callers mask off).
 inline uint16_t huff_one(const uint8_t* code, const uint16_t* lut, uint64_t& p, uint32_t& c, uint64_t cap) {
-  uint64_t q = SAFE ? std::min(p, cap) : p;
+  uint64_t q = std::min(p, cap);
   uint16_t en = lut[c + ((load_be64(code + (q >> 3)) << (q & 7)) >> (64 - kMaxLen))];
   p += en & 15;
   c = static_cast<uint32_t>((en >> 13) & 3) << kMaxLen;
@@ -740,7 +739,7 @@ inline uint16_t huff_one(const uint8_t* code, const uint16_t* lut, uint64_t& p, 
 // `sub` symbols of each of NL lanes (sub-blocks whose codes start at pos[k], whose
 // values start at first + k * sub): NL independent dependency chains, so their
 // loads overlap. emit(value index, symbol) takes each symbol.
-template <int NL, bool SAFE, class Emit>
+template <int NL, class Emit>
 void huff_lanes(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_t cap, uint64_t first, uint64_t sub,
                 Emit& emit) {
   uint64_t p[NL];
@@ -748,7 +747,7 @@ void huff_lanes(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_
   for (int k = 0; k < NL; ++k) p[k] = pos[k], c[k] = 0;
   for (uint64_t j = 0; j < sub; ++j) {
 #pragma GCC unroll 8
-    for (int k = 0; k < NL; ++k) emit(first + k * sub + j, huff_one<SAFE>(code, lut, p[k], c[k], cap));
+    for (int k = 0; k < NL; ++k) emit(first + k * sub + j, huff_one(code, lut, p[k], c[k], cap));
   }
   for (int k = 0; k < NL; ++k) pos[k] = p[k];
 }
@@ -883,6 +882,13 @@ void build_tables(const uint8_t* tp, int width, Tables& t) {
   }
 }
 
+// The single table's entry at window b in context c (an offset into the pair tables), as
+// a pair entry of one symbol.
+inline uint32_t single_entry(const uint16_t* __restrict single, uint64_t b, uint32_t c) {
+  uint16_t e = single[(static_cast<size_t>(c) << (kMaxLen - kPairBits)) + (b >> (64 - kMaxLen))];
+  return (e & 15u) | ((e >> 13) & 3u) << kPairBits | ((e >> 4) & 0xffu) << 16;
+}
+
 // The pair entry to take at window b (the lane's bits, from the top) in context c (an offset
 // into the pair tables): a pair table's entry, or one made from the single table's.
 // A window no code starts with sets `bad` and consumes nothing.
@@ -890,9 +896,8 @@ inline uint32_t pair_entry(const uint32_t* __restrict pair, const uint16_t* __re
                            uint32_t c, int& bad) {
   uint32_t en = pair[c + (b >> (64 - kPairBits))];
   if (__builtin_expect(en & kPairSlow, 0)) {
-    uint16_t e = single[(static_cast<size_t>(c) << (kMaxLen - kPairBits)) + (b >> (64 - kMaxLen))];
-    bad |= (e & 15) == 0;
-    en = (e & 15u) | ((e >> 13) & 3u) << kPairBits | ((e >> 4) & 0xffu) << 16;
+    en = single_entry(single, b, c);
+    bad |= (en & 15) == 0;
   }
   return en;
 }
@@ -950,16 +955,20 @@ void pair_tails(const uint8_t* __restrict code, const Tables& t, uint64_t* p, ui
       any = true;
       uint64_t b = load_be64(code + (p[k] >> 3)) << (p[k] & 7);
       uint32_t en = pair_entry(pair, single, b, c[k], bad);
-      if (end[k] - o[k] == 1 && (en & kPairTwo)) {  // room for one: the single table's entry
-        uint16_t e = single[(static_cast<size_t>(c[k]) << (kMaxLen - kPairBits)) + (b >> (64 - kMaxLen))];
-        en = (e & 15u) | ((e >> 13) & 3u) << kPairBits | ((e >> 4) & 0xffu) << 16;
-      }
+      if (end[k] - o[k] == 1 && (en & kPairTwo)) en = single_entry(single, b, c[k]);  // room for one
       p[k] += en & 63;
       c[k] = en & (3u << kPairBits);
       *o[k]++ = static_cast<uint8_t>(en >> 16);
       if (en & kPairTwo) *o[k]++ = static_cast<uint8_t>(en >> 24);
     }
   }
+}
+
+// Where each sub-block's codes start in the field's stream (bits), and where the last ends.
+std::vector<uint64_t> sub_starts(const Tables& t, uint64_t n_sub) {
+  std::vector<uint64_t> start(n_sub + 1, 0);
+  for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(t.sub_bits + 2 * s);
+  return start;
 }
 
 // A field of <= 8 bits: its symbols into out (one byte a value). `scratch`: the code
@@ -975,8 +984,7 @@ bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int 
   std::memcpy(scratch.data(), enc + v.code[f], data);
   std::memset(scratch.data() + data, 0, scratch.size() - data);
   const uint8_t* code = scratch.data();
-  std::vector<uint64_t> start(n_sub + 1, 0);
-  for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(t.sub_bits + 2 * s);
+  std::vector<uint64_t> start = sub_starts(t, n_sub);
   int bad = 0;
   uint64_t s = 0;
   constexpr int NL = kDecodeLanes;
@@ -1015,8 +1023,7 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
   const uint16_t* lut = t.single.data();
   const uint8_t* code = enc + v.code[f];
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
-  std::vector<uint64_t> start(n_sub + 1, 0);
-  for (uint64_t s = 0; s < n_sub; ++s) start[s + 1] = start[s] + get_u16(t.sub_bits + 2 * s);
+  std::vector<uint64_t> start = sub_starts(t, n_sub);
   uint64_t cap = (v.code_bytes[f] - 8) * 8;  // a window read at bit <= cap stays inside the stream
   int bad = 0;
   uint64_t s = 0;
@@ -1027,7 +1034,7 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
     if (start[s + NL - 1] + sub * kMaxLen <= cap)
       huff_lanes_fast<NL>(code, lut, pos, s * sub, sub, emit);
     else
-      huff_lanes<NL, true>(code, lut, pos, cap, s * sub, sub, emit);
+      huff_lanes<NL>(code, lut, pos, cap, s * sub, sub, emit);
     for (int q = 0; q < NL; ++q)
       if (pos[q] != start[s + q + 1]) bad = 1;
   }
@@ -1035,7 +1042,7 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
     uint64_t p = start[s];
     uint32_t c = 0;
     for (uint64_t j = 0, vals = std::min(sub, v.n - s * sub); j < vals; ++j)
-      emit(s * sub + j, huff_one<true>(code, lut, p, c, cap));
+      emit(s * sub + j, huff_one(code, lut, p, c, cap));
     if (p != start[s + 1]) bad = 1;
   }
   if (bad) fail("a code stream does not decode to its sub-blocks' recorded lengths (corrupt encoded segment)");
