@@ -804,6 +804,11 @@ void build_tables(const uint8_t* tp, int width, Tables& t) {
   for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
   t.nctx = nctx;
   t.single.resize(static_cast<size_t>(nctx) << kMaxLen);  // every entry is written below
+  // the codes of each context in canonical order (fields of <= 8 bits: for the pair tables)
+  struct Code { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
+  Code codes[kMaxContexts][256];
+  int ncodes[kMaxContexts];
+  const bool pairs = width <= 8;
   const uint8_t* q = tp + 8;
   for (int c = 0; c < nctx; ++c) {
     const uint8_t* counts = q;
@@ -814,38 +819,23 @@ void build_tables(const uint8_t* tp, int width, Tables& t) {
       for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
         uint16_t sym = get_sym(q, width, k);
         uint32_t span = 1u << (kMaxLen - l);
-        uint16_t en = static_cast<uint16_t>(context_of(sym, thr, nctx) << 13 | sym << 4 | l);
+        int ctx = context_of(sym, thr, nctx);
+        uint16_t en = static_cast<uint16_t>(ctx << 13 | sym << 4 | l);
         std::fill(base + at, base + at + span, en);
+        if (pairs)
+          codes[c][k] = {sym, static_cast<uint16_t>(l), static_cast<uint16_t>(ctx), static_cast<uint16_t>(at)};
         at += span;
       }
     std::fill(base + at, base + (1u << kMaxLen), static_cast<uint16_t>(kNoCode << 4));  // (Kraft <= 1: at <= 2^12)
+    ncodes[c] = static_cast<int>(k);
     q += static_cast<uint64_t>(k) * sym_bytes(width);
   }
   t.sub_bits = q;
-  if (width > 8) return;
+  if (!pairs) return;
   // pair tables: the windows that start with code 1 (length l1 <= 11) hold, in their
   // r = 11 - l1 last bits, the codes of its successor's context that fit in r bits (a
   // prefix of that context's codes in canonical order: a row, below), else one symbol
   t.pair.resize(static_cast<size_t>(nctx) << kPairBits);
-  struct Code { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
-  Code codes[kMaxContexts][256];
-  int ncodes[kMaxContexts];
-  q = tp + 8;
-  for (int c = 0; c < nctx; ++c) {
-    const uint8_t* counts = q;
-    q += 32;
-    uint32_t at = 0;
-    int k = 0;
-    for (int l = 1; l <= kMaxLen; ++l)
-      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
-        uint16_t sym = get_sym(q, width, k);
-        codes[c][k] = {sym, static_cast<uint16_t>(l), static_cast<uint16_t>(context_of(sym, thr, nctx)),
-                       static_cast<uint16_t>(at)};
-        at += 1u << (kMaxLen - l);
-      }
-    ncodes[c] = k;
-    q += static_cast<uint64_t>(k) * sym_bytes(width);
-  }
   // rows: per context c' and r = 1..10 bits, the codes of c' that fit in r bits, by their
   // r-bit windows (len | two | next context | symbol << 24), 0 where none fits; at
   // t.rows[c' << 11 | (2^r - 2) ..]
@@ -1107,18 +1097,10 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
     }
   };
   uint64_t i = 0;
-  if constexpr (VB == 2 && MASK == 1 && R == 8) {  // a symbol byte and a raw byte per value: vectorises
+  if constexpr (VB == 2 && (MASK == 3 || (MASK == 1 && R == 8))) {
+    // a symbol byte, then a raw byte (MASK 1) or the second field's symbol (3): vectorises
     const uint8_t* s0 = static_cast<const uint8_t*>(syms[0]);  // (dst may be unaligned: memcpy stores)
-    for (uint64_t k = 0; k < n; ++k) {
-      uint16_t u = static_cast<uint16_t>((s0[k] << 8) | raw[k]);
-      u = static_cast<uint16_t>((u >> 1) | (u << 15));
-      std::memcpy(dst + 2 * k, &u, 2);
-    }
-    return false;
-  }
-  if constexpr (VB == 2 && MASK == 3) {  // two symbol bytes per value
-    const uint8_t* s0 = static_cast<const uint8_t*>(syms[0]);
-    const uint8_t* s1 = static_cast<const uint8_t*>(syms[1]);
+    const uint8_t* s1 = MASK == 3 ? static_cast<const uint8_t*>(syms[1]) : raw;
     for (uint64_t k = 0; k < n; ++k) {
       uint16_t u = static_cast<uint16_t>((s0[k] << 8) | s1[k]);
       u = static_cast<uint16_t>((u >> 1) | (u << 15));
@@ -1131,20 +1113,12 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
     uint8_t* out = dst;  // (may be unaligned: memcpy stores, unaligned vector loads and stores)
     const uint16_t* s0 = static_cast<const uint16_t*>(syms[0]);
     uint16_t acc = 0;
-    if constexpr (MASK == 5) {
-      const uint8_t* s2 = static_cast<const uint8_t*>(syms[2]);
-      for (uint64_t k = 0; k < n; ++k) {
-        acc |= s0[k];
-        uint32_t lo = s2[k];
-        uint32_t v = (uint32_t{s0[k]} & 0x1ff) << 22 | lo >> 1 | lo << 31;
-        std::memcpy(out + 4 * k, &v, 4);
-      }
-    } else {
-      for (uint64_t k = 0; k < n; ++k) {
-        acc |= s0[k];
-        uint32_t v = (uint32_t{s0[k]} & 0x1ff) << 22;
-        std::memcpy(out + 4 * k, &v, 4);
-      }
+    const uint8_t* s2 = static_cast<const uint8_t*>(syms[2]);  // (MASK 5)
+    for (uint64_t k = 0; k < n; ++k) {
+      acc |= s0[k];
+      uint32_t v = (uint32_t{s0[k]} & 0x1ff) << 22;
+      if constexpr (MASK == 5) v |= uint32_t{s2[k]} >> 1 | uint32_t{s2[k]} << 31;
+      std::memcpy(out + 4 * k, &v, 4);
     }
     // raw: bits 8..22 of u (MASK 5: u's middle field, lands at bits 7..21), or bits 0..22
     // (MASK 1: rotated right by one)

@@ -22,10 +22,9 @@ _libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap, so freed memory is reused without p
 _libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep freed memory
 
 import torch  # noqa: E402
-import zipnn  # noqa: E402
 
 from layerwise import codec  # noqa: E402
-from layerwise.bench.compress import real_weights, real_weights_name  # noqa: E402
+from layerwise.bench.compress import real_weights, real_weights_name, zipnn_codec  # noqa: E402
 
 
 def main(repeats: int = 21) -> None:
@@ -33,12 +32,16 @@ def main(repeats: int = 21) -> None:
     if isinstance(flat, str):
         raise SystemExit(flat)
     print(f"{real_weights_name()}, {flat.numel() / 1e6:.1f} M values; median ms over {repeats} (interleaved)")
-    for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)):
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        name = str(dt).removeprefix("torch.")
         x = flat.to(dt)
         enc = codec.encode(x)
         slot = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8)
         for threads in (1, 2):
-            z = zipnn.ZipNN(input_format="torch", bytearray_dtype=name, threads=threads)
+            z = zipnn_codec(threads)
+            if isinstance(z, str):
+                raise SystemExit(z)
+            z = z(dt)
             zenc = z.compress(x.clone())  # (ZipNN 0.5.4 rewrites its input: a clone)
             ours, theirs = [], []
             for _ in range(repeats):

@@ -98,9 +98,10 @@ def real_weights_name() -> str:
         return f"{REAL_PACKAGE} full.pth"
 
 
-def zipnn_codec():
-    """dtype -> a ZipNN codec of torch tensors (every hardware thread), or why there is none.
-    (ZipNN 0.5.4 rewrites a bf16/fp32 input in place: compress a clone.)"""
+def zipnn_codec(threads: int | None = None):
+    """dtype -> a ZipNN codec of torch tensors (`threads` threads, default every hardware
+    thread), or why there is none. (ZipNN 0.5.4 rewrites a bf16/fp32 input in place:
+    compress a clone.)"""
     try:
         import zipnn
     except Exception as e:  # noqa: BLE001 - missing or broken: the rows say so
@@ -108,7 +109,7 @@ def zipnn_codec():
 
     def make(dtype: torch.dtype):
         return zipnn.ZipNN(input_format="torch", bytearray_dtype=str(dtype).removeprefix("torch."),
-                           threads=os.cpu_count() or 1)
+                           threads=threads or os.cpu_count() or 1)
     return make
 
 
