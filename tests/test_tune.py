@@ -211,20 +211,32 @@ def test_real_sigints_during_tune_leave_one_placement_whole():
     layerwise.tune(model, counting, device_budget=budget, repeats=1)
     total = calls[0]
     assert total >= 5  # warm-up, timed, probed; after the change: warm-up, timed
+    # a tune whose prediction was off probes again after the change, so a later tune can
+    # make fewer calls than `total` (the measured error decides): a call k it does not make
+    # sends nothing, and that tune must finish; the first three calls (warm-up, timed,
+    # probed) every tune makes, so their interrupts are always sent
     for k in range(total):
         m.set_residency([k % 10], 1)
         old = (tuple(m.resident), m.prefetch_depth)
         calls[0] = 0
+        sent = [False]
 
         def kill_at_k(mm, _k=k):
             calls[0] += 1
             if calls[0] == _k + 1:
+                sent[0] = True
                 os.kill(os.getpid(), signal.SIGINT)
             return mm(x)
 
-        with pytest.raises(KeyboardInterrupt):
+        try:
             layerwise.tune(model, kill_at_k, device_budget=budget, repeats=1)
-        assert (tuple(m.resident), m.prefetch_depth) == old, k  # (after the change: put back)
+            raised = False
+        except KeyboardInterrupt:
+            raised = True
+        assert raised == sent[0], (k, raised, calls[0])
+        assert sent[0] or k >= 3, (k, calls[0])
+        if raised:
+            assert (tuple(m.resident), m.prefetch_depth) == old, k  # (after the change: put back)
         assert len(m._hooks) == 2 * m.num_layers and m.meter.copy_log is None, k
         with torch.no_grad():
             assert torch.equal(model(x), want), k
