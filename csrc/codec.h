@@ -79,7 +79,7 @@ constexpr int kMaxSymbolBits = 9;    // fields of at most 9 bits may be coded
 constexpr int kMaxLen = 12;          // longest code: a 2^12-entry decode table
 constexpr int kMaxContexts = 4;      // codes per field and chunk, chosen by the previous symbol
 constexpr int kLog2Chunk = 16, kMinLog2Chunk = 8, kMaxLog2Chunk = 18;   // values per chunk (default 2^16)
-constexpr int kLog2Sub = 9, kMinLog2Sub = 4, kMaxLog2Sub = 12;          // values per sub-block (default 2^9)
+constexpr int kLog2Sub = 10, kMinLog2Sub = 4, kMaxLog2Sub = 12;         // values per sub-block (default 2^10)
 constexpr int kMinLog2Lanes = 4;     // at least 16 sub-blocks per chunk (the Triton kernel's lanes)
 
 // A dtype's split: value_bytes per value; the value rotated left by one bit,

