@@ -743,5 +743,11 @@ void bind_codec(pybind11::module_& m) {
         return is_v2(e, n) ? header_dict(lc::v2::read_header(e, n)) : header_dict(lc::read_header(e, n));
       },
       py::arg("encoded"), "The checked header of a whole encoded segment (either version), as a dict");
+  c.def("simd_supported", &lc::v2::avx512::supported,
+        "Whether this CPU (and build) has the AVX-512 decode of version 2's fields of <= 8 bits");
+  c.def("simd_enabled", &lc::v2::avx512::enabled, "Whether decode uses the AVX-512 path (LAYERWISE_CODEC_SIMD=0: off)");
+  c.def("set_simd", &lc::v2::avx512::set_enabled, py::arg("on"),
+        "Turn the AVX-512 decode on or off for the process; returns the previous state (on where it is not "
+        "supported raises ValueError). Both paths decode the same bytes bitwise (tests/test_codec_v2.py).");
 }
 #endif  // LAYERWISE_CODEC_STANDALONE

@@ -105,6 +105,21 @@ const Header& plan_header(const Plan& p);
 void encode_into(const Plan& p, const uint8_t* src, size_t n, uint8_t* out, size_t out_n, int threads);
 // Every chunk checked, then decoded (chunks in parallel). Throws std::invalid_argument.
 void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads);
+
+// The AVX-512 decode of fields of <= 8 bits (codec_v2_avx512.cpp), used by decode_into where
+// enabled(): on by default where the CPU has AVX-512F/BW/VL, off with LAYERWISE_CODEC_SIMD=0.
+namespace avx512 {
+bool supported();  // the CPU has it (and this build has the code)
+bool enabled();
+bool set_enabled(bool on);  // returns the previous state; on where !supported() throws
+// 16 * groups (1, 2 or 4) whole sub-blocks of `sub` values (a multiple of 16), sub-block k's
+// codes at bit start[k] of `code`, which has code_bytes bytes (every 8-byte load of a lane
+// must lie inside them: start[k] / 8 + 12 * sub / 8 + 8 <= code_bytes); the u32 single
+// tables `table`; symbols (symbol_bytes 1: u8, fields of <= 8 bits; 2: u16, of 9) to
+// out[k * sub ..]; each lane's end bit to end_pos[k]; the OR of every entry taken to `seen`.
+void lanes(const uint8_t* code, uint64_t code_bytes, const uint32_t* table, const uint64_t* start, uint64_t sub,
+           int groups, int symbol_bytes, void* out, uint32_t* end_pos, uint32_t& seen);
+}  // namespace avx512
 }  // namespace v2
 
 }  // namespace layerwise::codec

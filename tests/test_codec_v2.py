@@ -563,6 +563,101 @@ def test_random_corruption_never_crashes():
     assert outcomes["raised"] > 0 and outcomes["decoded"] > 0, outcomes
 
 
+# --------------------------------------------------------------------------
+# the AVX-512 decode (csrc/codec_v2_avx512.cpp) against the scalar one
+# --------------------------------------------------------------------------
+need_simd = pytest.mark.skipif(not native.simd_supported(), reason="this CPU has no AVX-512F/BW/VL")
+
+
+def _both_paths(enc, n_bytes, threads=1):
+    """(outcome, bytes) of native.decode with the AVX-512 path on, then off (the state restored)."""
+    got = []
+    before = native.set_simd(True)
+    try:
+        for on in (True, False):
+            native.set_simd(on)
+            out = torch.full((n_bytes,), 0xA5, dtype=torch.uint8)
+            try:
+                native.decode(enc, out, threads)
+                got.append(("ok", out))
+            except ValueError as e:
+                got.append((str(e), None))
+    finally:
+        native.set_simd(before)
+    return got
+
+
+@need_simd
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+def test_simd_and_scalar_decode_every_bit_pattern_the_same(dtype):
+    """Every bit pattern (fp32: the dense sample), on chunk boundaries, odd sizes, every
+    sub-block size from 16 to 4096 values and tiny segments: both decoders give the input."""
+    x = torch.cat([patterns(dtype), weights(70_001, dtype, seed=9)])
+    raw = x.view(-1).view(torch.uint8)
+    cases = [dict(), dict(log2_sub=9), dict(log2_sub=12), dict(log2_chunk=12, log2_sub=4), dict(log2_chunk=16, log2_sub=5),
+             SMALL, TINY]
+    for kw in cases:
+        for n in (x.numel(), x.numel() - 1, 65_536 + 1023, 1024 * 17 + 5, 33):
+            seg = x[:n]
+            enc = codec.encode(seg, **kw)
+            for outcome, out in _both_paths(enc, seg.numel() * seg.element_size(), threads=2):
+                assert outcome == "ok", (kw, n, outcome)
+                assert torch.equal(out, raw[: out.numel()]), (kw, n)
+
+
+@need_simd
+def test_simd_and_scalar_agree_on_corrupt_segments():
+    """Flipped bits anywhere in coded segments (bf16, fp16, fp32's low byte, fp8, with sub-blocks
+    of 2**9, 2**10 and 2**4 values): both decoders raise the same error, or decode the same bytes."""
+    rng = random.Random(23)
+    encs = [codec.encode(weights(70_000, torch.bfloat16)), codec.encode(weights(70_000, torch.float16), log2_sub=9),
+            codec.encode(sprinkle(weights(40_000, torch.float32))),
+            codec.encode(weights(30_000, torch.float32).to(torch.float8_e4m3fn), log2_chunk=12, log2_sub=4)]
+    assert all(codec.read_header(e)["mode"] == "coded" for e in encs)
+    seen = {"raised": 0, "decoded": 0}
+    for k in range(400):
+        enc = encs[k % len(encs)].clone()
+        for _ in range(rng.randint(1, 3)):
+            pos = rng.randrange(128, enc.numel())
+            enc[pos] ^= 1 << rng.randrange(8)
+        n_bytes = codec.read_header(encs[k % len(encs)])["n_bytes"]
+        (a, out_a), (b, out_b) = _both_paths(enc, n_bytes, threads=1 + k % 2)
+        assert a == b, (k, a, b)
+        if a == "ok":
+            assert torch.equal(out_a, out_b), k
+            seen["decoded"] += 1
+        else:
+            seen["raised"] += 1
+    assert seen["raised"] > 0 and seen["decoded"] > 0, seen
+
+
+def test_simd_switch_and_its_environment_variable():
+    """set_simd returns the previous state and is what simd_enabled reports; on a CPU without
+    AVX-512 turning it on raises; LAYERWISE_CODEC_SIMD=0 starts a process with it off."""
+    import subprocess
+    import sys
+
+    before = native.simd_enabled()
+    try:
+        assert native.set_simd(False) is before and native.simd_enabled() is False
+        if native.simd_supported():
+            assert native.set_simd(True) is False and native.simd_enabled() is True
+        else:
+            with pytest.raises(ValueError, match="AVX-512"):
+                native.set_simd(True)
+    finally:
+        if native.simd_supported():
+            native.set_simd(before)
+    code = "from layerwise._native import codec as c; print(c.simd_supported(), c.simd_enabled())"
+    env = {**os.environ, "LAYERWISE_CODEC_SIMD": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(native.simd_supported()), "False"], out.stdout
+    env.pop("LAYERWISE_CODEC_SIMD")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [str(native.simd_supported())] * 2, out.stdout
+
+
 def test_kernel_stays_inside_the_buffer_on_corrupt_chunks(device):
     """Launched on corrupt chunk entries (the host check skipped), the kernel reads and
     writes inside its buffers: no crash, the rest of the destination untouched."""
