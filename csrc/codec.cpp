@@ -746,6 +746,8 @@ void bind_codec(pybind11::module_& m) {
   c.def("simd_supported", &lc::v2::avx512::supported,
         "Whether this CPU (and build) has the AVX-512 decode of version 2's fields of <= 8 bits");
   c.def("simd_enabled", &lc::v2::avx512::enabled, "Whether decode uses the AVX-512 path (LAYERWISE_CODEC_SIMD=0: off)");
+  c.def("simd_calls", &lc::v2::avx512::calls, "Calls of the AVX-512 lanes so far in this process (groups of 16-64 "
+        "sub-blocks): which path decoded");
   c.def("set_simd", &lc::v2::avx512::set_enabled, py::arg("on"),
         "Turn the AVX-512 decode on or off for the process; returns the previous state (on where it is not "
         "supported raises ValueError). Both paths decode the same bytes bitwise (tests/test_codec_v2.py).");

@@ -106,12 +106,13 @@ void encode_into(const Plan& p, const uint8_t* src, size_t n, uint8_t* out, size
 // Every chunk checked, then decoded (chunks in parallel). Throws std::invalid_argument.
 void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads);
 
-// The AVX-512 decode of fields of <= 8 bits (codec_v2_avx512.cpp), used by decode_into where
+// The AVX-512 decode of coded fields (codec_v2_avx512.cpp), used by decode_into where
 // enabled(): on by default where the CPU has AVX-512F/BW/VL, off with LAYERWISE_CODEC_SIMD=0.
 namespace avx512 {
 bool supported();  // the CPU has it (and this build has the code)
 bool enabled();
 bool set_enabled(bool on);  // returns the previous state; on where !supported() throws
+uint64_t calls();           // calls of lanes() so far in the process (which path ran, for tests)
 // 16 * groups (1, 2 or 4) whole sub-blocks of `sub` values (a multiple of 16), sub-block k's
 // codes at bit start[k] of `code`, which has code_bytes bytes (every 8-byte load of a lane
 // must lie inside them: start[k] / 8 + 12 * sub / 8 + 8 <= code_bytes); the u32 single

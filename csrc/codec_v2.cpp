@@ -726,38 +726,23 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
   return v;
 }
 
-// One symbol of a lane at bit `p` in context table `c` (an offset into the tables; the
-// window read no later than `cap`). An entry is next context << 13 | symbol << 4 |
-// length, or kNoCode << 4; the result keeps symbol and kNoCode (and the context bits,
-// which the callers mask off).
+// One symbol of a lane at bit `p` in context table `c` (an offset into the tables), from a
+// zero-padded copy of the code stream (padded_code). An entry is next context << 13 |
+// symbol << 4 | length, or kNoCode << 4; the result keeps symbol and kNoCode (and the
+// context bits, which the callers mask off).
 template <class E>
-inline uint16_t huff_one(const uint8_t* code, const E* lut, uint64_t& p, uint32_t& c, uint64_t cap) {
-  uint64_t q = std::min(p, cap);
-  uint32_t en = lut[c + ((load_be64(code + (q >> 3)) << (q & 7)) >> (64 - kMaxLen))];
+inline uint16_t huff_one(const uint8_t* code, const E* lut, uint64_t& p, uint32_t& c) {
+  uint32_t en = lut[c + ((load_be64(code + (p >> 3)) << (p & 7)) >> (64 - kMaxLen))];
   p += en & 15;
   c = static_cast<uint32_t>((en >> 13) & 3) << kMaxLen;
   return static_cast<uint16_t>(en >> 4);
 }
 
-// `sub` symbols of each of NL lanes (sub-blocks whose codes start at pos[k], whose
-// values start at first + k * sub): NL independent dependency chains, so their
-// loads overlap. emit(value index, symbol) takes each symbol.
-template <int NL, class Emit>
-void huff_lanes(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_t cap, uint64_t first, uint64_t sub,
-                Emit& emit) {
-  uint64_t p[NL];
-  uint32_t c[NL];
-  for (int k = 0; k < NL; ++k) p[k] = pos[k], c[k] = 0;
-  for (uint64_t j = 0; j < sub; ++j) {
-#pragma GCC unroll 8
-    for (int k = 0; k < NL; ++k) emit(first + k * sub + j, huff_one(code, lut, p[k], c[k], cap));
-  }
-  for (int k = 0; k < NL; ++k) pos[k] = p[k];
-}
-
-// huff_lanes without a bound (every window of the lanes lies inside the stream) and
-// with a bit container per lane: one load per 4 symbols (4 codes of <= 12 bits fit in
-// the 57 bits a load at a byte boundary leaves). sub: a multiple of 4.
+// `sub` symbols of each of NL lanes (sub-blocks whose codes start at pos[k], whose values
+// start at first + k * sub) from a zero-padded copy of the code stream: NL independent
+// dependency chains, so their loads overlap, each with a bit container: one load per 4
+// symbols (4 codes of <= 12 bits fit in the 57 bits a load at a byte boundary leaves).
+// emit(value index, symbol) takes each symbol. sub: a multiple of 4.
 template <int NL, class Emit>
 void huff_lanes_fast(const uint8_t* code, const uint16_t* lut, uint64_t* pos, uint64_t first, uint64_t sub,
                      Emit& emit) {
@@ -794,7 +779,6 @@ struct Tables {
   int nctx = 0;
   std::vector<uint16_t> single;
   std::vector<uint32_t> wide;  // the single tables with u32 entries (the AVX-512 lanes' gathers), instead
-  bool is_wide = false;
   std::vector<uint32_t> pair;
   std::vector<uint32_t> rows;  // (building the pair tables)
   const uint8_t* sub_bits = nullptr;
@@ -810,7 +794,6 @@ void build_tables(const uint8_t* tp, int width, Tables& t, bool wide = false) {
   uint16_t thr[kMaxContexts - 1];
   for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
   t.nctx = nctx;
-  t.is_wide = wide;
   const size_t entries = static_cast<size_t>(nctx) << kMaxLen;
   (wide ? t.wide.resize(entries) : t.single.resize(entries));  // every entry is written below
   // the codes of each context in canonical order (fields of <= 8 bits: for the pair tables)
@@ -985,8 +968,16 @@ const uint8_t* padded_code(const uint8_t* enc, const ChunkView& v, int f, uint64
   return scratch.data();
 }
 
+// Whether the chunk's coded fields go to the AVX-512 lanes: enabled, and at least one group
+// of 16 whole sub-blocks (whose size is a multiple of 16).
+bool avx512_lanes(const Header& h, const ChunkView& v) {
+  const uint64_t sub = uint64_t{1} << h.log2_sub;
+  return sub % 16 == 0 && v.n / sub >= 16 && avx512::enabled();
+}
+
 // A field's symbols (Y = 1: fields of <= 8 bits, u8; 2: of 9 bits, u16) on the AVX-512 lanes
-// (groups of 16 whole sub-blocks; the rest one code at a time), from a zero-padded copy of
+// (groups of 16 whole sub-blocks; the rest, at most 15 in a segment's last chunk, one code at
+// a time), from a zero-padded copy of
 // the code stream. Returns what is corrupt: 1 a sub-block that does not end where its bit
 // count says, 2 a window no code starts with (both: 3).
 template <class Y>
@@ -1010,7 +1001,7 @@ int decode_field_avx512(const Header& h, const uint8_t* enc, const ChunkView& v,
     uint64_t p = start[s];
     uint32_t c = 0;
     for (uint64_t i = s * sub, e = std::min(v.n, (s + 1) * sub); i < e; ++i) {
-      uint16_t sym = huff_one(code, t.wide.data(), p, c, ~uint64_t{0});
+      uint16_t sym = huff_one(code, t.wide.data(), p, c);
       seen |= uint32_t{sym} << 4;
       out[i] = static_cast<Y>(sym & ((1u << width) - 1));
     }
@@ -1025,8 +1016,7 @@ int decode_field_avx512(const Header& h, const uint8_t* enc, const ChunkView& v,
 bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, uint8_t* out,
                    Tables& t, std::vector<uint8_t>& scratch) {
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
-  if (sub % 16 == 0 && n_sub >= 16 && avx512::enabled())
-    return decode_field_avx512(h, enc, v, f, width, out, t, scratch) != 0;
+  if (avx512_lanes(h, v)) return decode_field_avx512(h, enc, v, f, width, out, t, scratch) != 0;
   build_tables(enc + v.table[f], width, t);
   const uint8_t* code = padded_code(enc, v, f, sub, scratch);
   std::vector<uint64_t> start = sub_starts(t, n_sub);
@@ -1062,24 +1052,21 @@ bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int 
 }
 
 template <class Emit>
-void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Emit&& emit) {
+void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width,
+                  std::vector<uint8_t>& scratch, Emit&& emit) {
   Tables t;
   build_tables(enc + v.table[f], width, t);
   const uint16_t* lut = t.single.data();
-  const uint8_t* code = enc + v.code[f];
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
+  const uint8_t* code = padded_code(enc, v, f, sub, scratch);  // (what the AVX-512 lanes read too)
   std::vector<uint64_t> start = sub_starts(t, n_sub);
-  uint64_t cap = (v.code_bytes[f] - 8) * 8;  // a window read at bit <= cap stays inside the stream
   int bad = 0;
   uint64_t s = 0;
   constexpr int NL = kDecodeLanes;
   for (; s + NL <= n_sub && (s + NL) * sub <= v.n; s += NL) {
     uint64_t pos[NL];
     std::copy(start.begin() + s, start.begin() + s + NL, pos);
-    if (start[s + NL - 1] + sub * kMaxLen <= cap)
-      huff_lanes_fast<NL>(code, lut, pos, s * sub, sub, emit);
-    else
-      huff_lanes<NL>(code, lut, pos, cap, s * sub, sub, emit);
+    huff_lanes_fast<NL>(code, lut, pos, s * sub, sub, emit);
     for (int q = 0; q < NL; ++q)
       if (pos[q] != start[s + q + 1]) bad = 1;
   }
@@ -1087,7 +1074,7 @@ void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f
     uint64_t p = start[s];
     uint32_t c = 0;
     for (uint64_t j = 0, vals = std::min(sub, v.n - s * sub); j < vals; ++j)
-      emit(s * sub + j, huff_one(code, lut, p, c, cap));
+      emit(s * sub + j, huff_one(code, lut, p, c));
     if (p != start[s + 1]) bad = 1;
   }
   if (bad) fail(kSubBlockLengths);
@@ -1254,12 +1241,12 @@ void decode_chunk(const Header& h, const Layout& L, const uint8_t* enc, const Ch
         sc.sym16[f].resize(size_t{1} << h.log2_chunk);
         uint16_t* out = sc.sym16[f].data();
         syms[f] = out;
-        if ((uint64_t{1} << h.log2_sub) % 16 == 0 && v.n >= (uint64_t{16} << h.log2_sub) && avx512::enabled()) {
+        if (avx512_lanes(h, v)) {
           int bad = decode_field_avx512(h, enc, v, f, L.width[f], out, sc.tables, sc.code);
           if (bad & 1) fail(kSubBlockLengths);  // (what decode_field says)
           no_code |= (bad & 2) != 0;
         } else {
-          decode_field(h, enc, v, f, L.width[f], [out](uint64_t i, uint16_t sym) { out[i] = sym; });
+          decode_field(h, enc, v, f, L.width[f], sc.code, [out](uint64_t i, uint16_t sym) { out[i] = sym; });
         }
       }
     }

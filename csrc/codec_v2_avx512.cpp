@@ -1,5 +1,5 @@
-// Codec format version 2, the AVX-512 decode of a field of <= 8 bits (codec_v2.cpp calls it
-// where the CPU has AVX-512F/BW/VL; the format is layerwise/codec.py, "Format (version 2)").
+// Codec format version 2, the AVX-512 decode of a coded field (<= 9 bits; codec_v2.cpp calls
+// it where the CPU has AVX-512F/BW/VL; the format is layerwise/codec.py, "Format (version 2)").
 //
 // 16 sub-blocks a vector, one lane each, in 1, 2 or 4 groups that run interleaved (their
 // gathers overlap): a lane keeps its code bits in a 64-bit container (lanes 0-7 and 8-15 of
@@ -24,6 +24,13 @@
 #endif
 
 namespace layerwise::codec::v2::avx512 {
+
+namespace {
+std::atomic<uint64_t> n_calls{0};
+void count_call() { n_calls.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+uint64_t calls() { return n_calls.load(std::memory_order_relaxed); }
 
 #if LW_AVX512
 namespace {
@@ -141,10 +148,15 @@ bool cpu_has() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
-// LAYERWISE_CODEC_SIMD=0 in the environment turns the path off for the process.
+// LAYERWISE_CODEC_SIMD=0 (or false, off, no) in the environment turns the path off for the
+// process; any other value, or none, leaves it on where the CPU has it.
 int initial_state() {
   const char* e = std::getenv("LAYERWISE_CODEC_SIMD");
-  return cpu_has() && !(e && std::strcmp(e, "0") == 0) ? 1 : 0;
+  bool off = false;
+  if (e)
+    for (const char* no : {"0", "false", "off", "no", "FALSE", "OFF", "NO", "False", "Off", "No"})
+      off |= !std::strcmp(e, no);
+  return cpu_has() && !off ? 1 : 0;
 }
 
 }  // namespace
@@ -156,6 +168,7 @@ bool supported() {
 
 void lanes(const uint8_t* code, uint64_t code_bytes, const uint32_t* table, const uint64_t* start, uint64_t sub,
            int groups, int symbol_bytes, void* out, uint32_t* end_pos, uint32_t& seen) {
+  count_call();
   uint8_t* o = static_cast<uint8_t*>(out);
   if (symbol_bytes == 2) {
     switch (groups) {

@@ -569,19 +569,23 @@ def test_random_corruption_never_crashes():
 need_simd = pytest.mark.skipif(not native.simd_supported(), reason="this CPU has no AVX-512F/BW/VL")
 
 
-def _both_paths(enc, n_bytes, threads=1):
-    """(outcome, bytes) of native.decode with the AVX-512 path on, then off (the state restored)."""
+def _both_paths(enc, n_bytes, threads=1, lanes_ran=None):
+    """(outcome, bytes) of native.decode with the AVX-512 path on, then off (the state restored).
+    lanes_ran (a list): gets, per path, whether the AVX-512 lanes ran (native.simd_calls)."""
     got = []
     before = native.set_simd(True)
     try:
         for on in (True, False):
             native.set_simd(on)
             out = torch.full((n_bytes,), 0xA5, dtype=torch.uint8)
+            calls = native.simd_calls()
             try:
                 native.decode(enc, out, threads)
                 got.append(("ok", out))
             except ValueError as e:
                 got.append((str(e), None))
+            if lanes_ran is not None:
+                lanes_ran.append(native.simd_calls() > calls)
     finally:
         native.set_simd(before)
     return got
@@ -596,13 +600,24 @@ def test_simd_and_scalar_decode_every_bit_pattern_the_same(dtype):
     raw = x.view(-1).view(torch.uint8)
     cases = [dict(), dict(log2_sub=9), dict(log2_sub=12), dict(log2_chunk=12, log2_sub=4), dict(log2_chunk=16, log2_sub=5),
              SMALL, TINY]
+    coded = 0
     for kw in cases:
-        for n in (x.numel(), x.numel() - 1, 65_536 + 1023, 1024 * 17 + 5, 33):
+        for n in (x.numel(), x.numel() - 1, 65_536 + 1023, 1024 * 17 + 5, 333):
             seg = x[:n]
             enc = codec.encode(seg, **kw)
-            for outcome, out in _both_paths(enc, seg.numel() * seg.element_size(), threads=2):
+            if codec.read_header(enc)["mode"] != "coded":  # (small chunks and sub-blocks may not pay)
+                assert kw or n == 333, n  # (the default pays on all but the smallest)
+                continue
+            coded += 1
+            ran = []
+            for outcome, out in _both_paths(enc, seg.numel() * seg.element_size(), threads=2, lanes_ran=ran):
                 assert outcome == "ok", (kw, n, outcome)
                 assert torch.equal(out, raw[: out.numel()]), (kw, n)
+            # the lanes ran with the path on (every case has a chunk of >= 16 whole sub-blocks) and not off
+            chunk_values = 1 << kw.get("log2_chunk", codec.LOG2_CHUNK)
+            whole = min(n, chunk_values) // (1 << kw.get("log2_sub", codec.LOG2_SUB))
+            assert ran == [whole >= 16, False], (kw, n, ran)
+    assert coded >= 12, coded
 
 
 @need_simd
@@ -611,7 +626,7 @@ def test_simd_and_scalar_agree_on_corrupt_segments():
     of 2**9, 2**10 and 2**4 values): both decoders raise the same error, or decode the same bytes."""
     rng = random.Random(23)
     encs = [codec.encode(weights(70_000, torch.bfloat16)), codec.encode(weights(70_000, torch.float16), log2_sub=9),
-            codec.encode(sprinkle(weights(40_000, torch.float32))),
+            codec.encode(sprinkle(weights(70_000, torch.float32))),  # (64 whole sub-blocks: 4 groups)
             codec.encode(weights(30_000, torch.float32).to(torch.float8_e4m3fn), log2_chunk=12, log2_sub=4)]
     assert all(codec.read_header(e)["mode"] == "coded" for e in encs)
     seen = {"raised": 0, "decoded": 0}
@@ -653,8 +668,13 @@ def test_simd_switch_and_its_environment_variable():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(native.simd_supported()), "False"], out.stdout
+    for off in ("off", "false"):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "LAYERWISE_CODEC_SIMD": off},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split()[1] == "False", (off, out.stdout, out.stderr)
     env.pop("LAYERWISE_CODEC_SIMD")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(native.simd_supported())] * 2, out.stdout
 
 
