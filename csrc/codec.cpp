@@ -744,7 +744,7 @@ void bind_codec(pybind11::module_& m) {
       },
       py::arg("encoded"), "The checked header of a whole encoded segment (either version), as a dict");
   c.def("simd_supported", &lc::v2::avx512::supported,
-        "Whether this CPU (and build) has the AVX-512 decode of version 2's fields of <= 8 bits");
+        "Whether this CPU (and build) has the AVX-512 decode of version 2's coded fields (AVX-512F/BW/VL/VBMI2, BMI2)");
   c.def("simd_enabled", &lc::v2::avx512::enabled, "Whether decode uses the AVX-512 path (LAYERWISE_CODEC_SIMD=0: off)");
   c.def("simd_calls", &lc::v2::avx512::calls, "Calls of the AVX-512 lanes so far in this process (groups of 16-64 "
         "sub-blocks): which path decoded");

@@ -107,19 +107,39 @@ void encode_into(const Plan& p, const uint8_t* src, size_t n, uint8_t* out, size
 void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads);
 
 // The AVX-512 decode of coded fields (codec_v2_avx512.cpp), used by decode_into where
-// enabled(): on by default where the CPU has AVX-512F/BW/VL, off with LAYERWISE_CODEC_SIMD=0.
+// enabled(): on by default where the CPU has AVX-512F/BW/VL/VBMI2 and BMI2, off with
+// LAYERWISE_CODEC_SIMD=0.
 namespace avx512 {
 bool supported();  // the CPU has it (and this build has the code)
 bool enabled();
 bool set_enabled(bool on);  // returns the previous state; on where !supported() throws
-uint64_t calls();           // calls of lanes() so far in the process (which path ran, for tests)
+uint64_t calls();           // calls of pair_lanes() so far in the process (which path ran, for tests)
+// Pair tables, per context 2^12 u32 entries: a 12-bit window -> the codes that lie whole inside
+// it, one or two: bits 0-3 the bits they take (0: no code starts there, with kPairInvalid set),
+// 4-7 the first code's length when there are two (else 0), 12-13 the context after the last,
+// the first symbol at kPairSym1, the second at kPairSym2 (fields of <= 8 bits: bytes 2 and 3).
+constexpr uint32_t kPairInvalid = 0x100;
+template <int Y> constexpr int kPairSym1 = Y == 1 ? 16 : 14;
+template <int Y> constexpr int kPairSym2 = Y == 1 ? 24 : 23;
+// A context's canonical code: kMaxCodes entries, the codes in canonical order (by length, then
+// symbol), then len 0.
+struct Code {
+  uint16_t sym;
+  uint8_t len;
+};
+constexpr int kMaxCodes = 513;
+// The pair tables (pair: nctx * 2^12) of a field's codes (codes: nctx * kMaxCodes; ctx_of: the
+// context each symbol gives its successor); scratch: nctx * 2^13 u32.
+void build_pairs(const Code* codes, int nctx, const uint8_t* ctx_of, int symbol_bytes, uint32_t* pair,
+                 uint32_t* scratch);
 // 16 * groups (1, 2 or 4) whole sub-blocks of `sub` values (a multiple of 16), sub-block k's
 // codes at bit start[k] of `code`, which has code_bytes bytes (every 8-byte load of a lane
-// must lie inside them: start[k] / 8 + 12 * sub / 8 + 8 <= code_bytes); the u32 single
-// tables `table`; symbols (symbol_bytes 1: u8, fields of <= 8 bits; 2: u16, of 9) to
-// out[k * sub ..]; each lane's end bit to end_pos[k]; the OR of every entry taken to `seen`.
-void lanes(const uint8_t* code, uint64_t code_bytes, const uint32_t* table, const uint64_t* start, uint64_t sub,
-           int groups, int symbol_bytes, void* out, uint32_t* end_pos, uint32_t& seen);
+// must lie inside them: start[k] / 8 + 12 * sub / 8 + 8 <= code_bytes), through the pair
+// tables `pair`; symbols (symbol_bytes 1: u8, fields of <= 8 bits; 2: u16, of 9) to
+// out[k * sub ..]; each lane's end bit to end_pos[k]; `invalid` set when a lane met a window
+// no code starts with.
+void pair_lanes(const uint8_t* code, uint64_t code_bytes, const uint32_t* pair, const uint64_t* start, uint64_t sub,
+                int groups, int symbol_bytes, void* out, uint32_t* end_pos, bool& invalid);
 }  // namespace avx512
 }  // namespace v2
 

@@ -7,8 +7,8 @@
 // one), the part of a weight that is far from random. Per chunk of 2^16 values each
 // field of at most 9 bits is Huffman coded (lengths <= 12) when that pays, else
 // it travels with the raw bits; sub-blocks of 1024 values (by default) record their bit
-// lengths, so decoders start every sub-block independently (4 interleaved on a
-// CPU thread, one per lane in the Triton kernel).
+// lengths, so decoders start every sub-block independently (8 scalar lanes on a CPU
+// thread, or 64 AVX-512 lanes: codec_v2_avx512.cpp; one per lane in the Triton kernel).
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -730,8 +730,7 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
 // zero-padded copy of the code stream (padded_code). An entry is next context << 13 |
 // symbol << 4 | length, or kNoCode << 4; the result keeps symbol and kNoCode (and the
 // context bits, which the callers mask off).
-template <class E>
-inline uint16_t huff_one(const uint8_t* code, const E* lut, uint64_t& p, uint32_t& c) {
+inline uint16_t huff_one(const uint8_t* code, const uint16_t* lut, uint64_t& p, uint32_t& c) {
   uint32_t en = lut[c + ((load_be64(code + (p >> 3)) << (p & 7)) >> (64 - kMaxLen))];
   p += en & 15;
   c = static_cast<uint32_t>((en >> 13) & 3) << kMaxLen;
@@ -775,32 +774,34 @@ void huff_lanes_fast(const uint8_t* code, const uint16_t* lut, uint64_t* pos, ui
 //   that lie whole inside it, one or two: bits consumed (0..5), two symbols (6), "take the
 //   single table" (7: the first code is 12 bits long or no code starts there), next
 //   context << 11, first symbol << 16, second << 24.
+// pair12 (the AVX-512 lanes, any field): per context 2^12 u32 entries, codec.h's kPair* layout.
 struct Tables {
   int nctx = 0;
   std::vector<uint16_t> single;
-  std::vector<uint32_t> wide;  // the single tables with u32 entries (the AVX-512 lanes' gathers), instead
   std::vector<uint32_t> pair;
   std::vector<uint32_t> rows;  // (building the pair tables)
+  std::vector<uint32_t> pair12, pyr;  // (pyr: building pair12, with codes and ctx_of)
+  std::vector<avx512::Code> codes;
+  std::vector<uint8_t> ctx_of;
   const uint8_t* sub_bits = nullptr;
 };
 
 constexpr int kPairBits = 11;
 constexpr uint32_t kPairTwo = 0x40, kPairSlow = 0x80;
 
-// wide: the u32 single tables only (t.wide), else the u16 ones and, for fields of <= 8 bits,
-// the pair tables.
-void build_tables(const uint8_t* tp, int width, Tables& t, bool wide = false) {
+// The single tables and, for fields of <= 8 bits, the pair tables.
+void build_tables(const uint8_t* tp, int width, Tables& t) {
   int nctx = get_u16(tp);
   uint16_t thr[kMaxContexts - 1];
   for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
   t.nctx = nctx;
   const size_t entries = static_cast<size_t>(nctx) << kMaxLen;
-  (wide ? t.wide.resize(entries) : t.single.resize(entries));  // every entry is written below
+  t.single.resize(entries);  // every entry is written below
   // the codes of each context in canonical order (fields of <= 8 bits: for the pair tables)
   struct Code { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
   Code codes[kMaxContexts][256];
   int ncodes[kMaxContexts];
-  const bool pairs = width <= 8 && !wide;
+  const bool pairs = width <= 8;
   const uint8_t* q = tp + 8;
   for (int c = 0; c < nctx; ++c) {
     const uint8_t* counts = q;
@@ -808,10 +809,7 @@ void build_tables(const uint8_t* tp, int width, Tables& t, bool wide = false) {
     uint32_t at = 0, k = 0;
     const size_t base = static_cast<size_t>(c) << kMaxLen;
     auto fill = [&](uint32_t from, uint32_t to, uint16_t en) {
-      if (wide)
-        std::fill(t.wide.data() + base + from, t.wide.data() + base + to, uint32_t{en});
-      else
-        std::fill(t.single.data() + base + from, t.single.data() + base + to, en);
+      std::fill(t.single.data() + base + from, t.single.data() + base + to, en);
     };
     for (int l = 1; l <= kMaxLen; ++l)
       for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
@@ -975,39 +973,115 @@ bool avx512_lanes(const Header& h, const ChunkView& v) {
   return sub % 16 == 0 && v.n / sub >= 16 && avx512::enabled();
 }
 
-// A field's symbols (Y = 1: fields of <= 8 bits, u8; 2: of 9 bits, u16) on the AVX-512 lanes
-// (groups of 16 whole sub-blocks; the rest, at most 15 in a segment's last chunk, one code at
-// a time), from a zero-padded copy of
-// the code stream. Returns what is corrupt: 1 a sub-block that does not end where its bit
-// count says, 2 a window no code starts with (both: 3).
+// The pair tables of the coded field whose table is at tp (t.pair12; t.nctx, t.sub_bits).
+void build_pair_tables(const uint8_t* tp, int width, Tables& t) {
+  const int nctx = get_u16(tp);
+  uint16_t thr[kMaxContexts - 1];
+  for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
+  t.nctx = nctx;
+  t.ctx_of.resize(size_t{1} << width);
+  for (size_t v = 0; v < t.ctx_of.size(); ++v) t.ctx_of[v] = static_cast<uint8_t>(context_of(static_cast<uint32_t>(v), thr, nctx));
+  t.codes.resize(static_cast<size_t>(nctx) * avx512::kMaxCodes);
+  const uint8_t* q = tp + 8;
+  for (int c = 0; c < nctx; ++c) {
+    const uint8_t* counts = q;
+    q += 32;
+    avx512::Code* out = t.codes.data() + static_cast<size_t>(c) * avx512::kMaxCodes;
+    uint32_t k = 0;
+    for (int l = 1; l <= kMaxLen; ++l)
+      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) out[k] = {get_sym(q, width, k), static_cast<uint8_t>(l)};
+    out[k] = {0, 0};
+    q += static_cast<uint64_t>(k) * sym_bytes(width);
+  }
+  t.sub_bits = q;
+  t.pair12.resize(static_cast<size_t>(nctx) << kMaxLen);
+  t.pyr.resize(static_cast<size_t>(nctx) << (kMaxLen + 1));
+  avx512::build_pairs(t.codes.data(), nctx, t.ctx_of.data(), width > 8 ? 2 : 1, t.pair12.data(), t.pyr.data());
+}
+
+// A field's symbols (Y = 1: fields of <= 8 bits, u8; 2: of 9 bits, u16) on the AVX-512 pair
+// lanes (groups of 16 whole sub-blocks; the rest, at most 15 in a segment's last chunk, one
+// lookup at a time), from a zero-padded copy of the code stream. Returns what is corrupt: 1 a
+// sub-block that does not end where its bit count says, 2 a window no code starts with (both: 3).
 template <class Y>
 int decode_field_avx512(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Y* out,
                          Tables& t, std::vector<uint8_t>& scratch) {
-  build_tables(enc + v.table[f], width, t, true);
+  build_pair_tables(enc + v.table[f], width, t);
+  constexpr int S1 = avx512::kPairSym1<sizeof(Y)>, S2 = avx512::kPairSym2<sizeof(Y)>;
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
   const uint8_t* code = padded_code(enc, v, f, sub, scratch);
   std::vector<uint64_t> start = sub_starts(t, n_sub);
   const uint64_t whole = v.n / sub;  // sub-blocks of `sub` values
-  bool bad = false;
-  uint32_t seen = 0, end_pos[64];
+  bool bad = false, invalid = false;
+  uint32_t end_pos[64];
   uint64_t s = 0;
   for (int groups : {4, 2, 1})
     for (; s + 16 * groups <= whole; s += 16 * groups) {
-      avx512::lanes(code, scratch.size(), t.wide.data(), start.data() + s, sub, groups, sizeof(Y), out + s * sub,
-                    end_pos, seen);
+      avx512::pair_lanes(code, scratch.size(), t.pair12.data(), start.data() + s, sub, groups, sizeof(Y),
+                         out + s * sub, end_pos, invalid);
       for (int k = 0; k < 16 * groups; ++k) bad |= end_pos[k] != start[s + k + 1];
     }
-  for (; s < n_sub; ++s) {  // the sub-blocks after the last whole group of 16
+  const uint32_t* pair = t.pair12.data();
+  const uint32_t msym = (1u << width) - 1;
+  for (; s < n_sub; ++s) {  // the sub-blocks after the last whole group of 16: as a lane does
     uint64_t p = start[s];
     uint32_t c = 0;
     for (uint64_t i = s * sub, e = std::min(v.n, (s + 1) * sub); i < e; ++i) {
-      uint16_t sym = huff_one(code, t.wide.data(), p, c);
-      seen |= uint32_t{sym} << 4;
-      out[i] = static_cast<Y>(sym & ((1u << width) - 1));
+      uint32_t en = pair[c + ((load_be64(code + (p >> 3)) << (p & 7)) >> (64 - kMaxLen))];
+      invalid |= (en & avx512::kPairInvalid) != 0;
+      out[i] = static_cast<Y>((en >> S1) & msym);
+      if (en & 0xF0) {  // two: the second too, if the sub-block owes it
+        if (i + 1 == e) {
+          p += (en >> 4) & 15;
+          break;
+        }
+        out[++i] = static_cast<Y>((en >> S2) & msym);
+      }
+      p += en & 15;
+      c = en & (3u << 12);
     }
     bad |= p != start[s + 1];
   }
-  return (bad ? 1 : 0) | ((seen & (kNoCode << 4)) ? 2 : 0);
+  return (bad ? 1 : 0) | (invalid ? 2 : 0);
+}
+
+// A field whose one code has only codes of 1 bit (one or two symbols: an fp32 weight cast up
+// from bf16 or fp16 leaves its low byte the sign alone): returns how many, else 0.
+int one_bit_codes(const uint8_t* tp) {
+  if (get_u16(tp) != 1) return 0;
+  int k = get_u16(tp + 8 + 2);
+  for (int l = 0; l < 16; ++l)
+    if (l != 1 && get_u16(tp + 8 + 2 * l)) return 0;
+  return k;
+}
+
+// Such a field's n symbols, one bit each, MSB first from `code` (sub-block k at bit k * sub:
+// check_chunk holds every sub-block to one bit a value): bit b -> syms[b]. With one symbol
+// a bit 1 is a window no code starts with: returns whether one was met.
+bool decode_one_bit(const uint8_t* code, uint64_t n, const uint8_t* syms, int k, uint8_t* out) {
+  // spread[b]: byte j = 0xff where bit 7 - j of b is set
+  static const std::array<uint64_t, 256> spread = [] {
+    std::array<uint64_t, 256> a{};
+    for (int b = 0; b < 256; ++b)
+      for (int j = 0; j < 8; ++j)
+        if (b >> (7 - j) & 1) a[b] |= uint64_t{0xff} << (8 * j);
+    return a;
+  }();
+  const uint64_t s0 = syms[0] * 0x0101010101010101ull, diff = (k == 2 ? syms[1] * 0x0101010101010101ull : 0) ^ s0;
+  uint8_t any = 0;
+  uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint8_t b = code[i / 8];
+    any |= b;
+    uint64_t v = s0 ^ (spread[b] & diff);
+    std::memcpy(out + i, &v, 8);
+  }
+  for (; i < n; ++i) {
+    int bit = code[i / 8] >> (7 - i % 8) & 1;
+    any |= bit;
+    out[i] = bit ? syms[k - 1] : syms[0];
+  }
+  return k == 1 && any;
 }
 
 // A field of <= 8 bits: its symbols into out (one byte a value). `scratch`: the code
@@ -1016,6 +1090,7 @@ int decode_field_avx512(const Header& h, const uint8_t* enc, const ChunkView& v,
 bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, uint8_t* out,
                    Tables& t, std::vector<uint8_t>& scratch) {
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
+  if (int k = one_bit_codes(enc + v.table[f])) return decode_one_bit(enc + v.code[f], v.n, enc + v.table[f] + 40, k, out);
   if (avx512_lanes(h, v)) return decode_field_avx512(h, enc, v, f, width, out, t, scratch) != 0;
   build_tables(enc + v.table[f], width, t);
   const uint8_t* code = padded_code(enc, v, f, sub, scratch);
@@ -1052,9 +1127,8 @@ bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int 
 }
 
 template <class Emit>
-void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width,
+void decode_field(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, Tables& t,
                   std::vector<uint8_t>& scratch, Emit&& emit) {
-  Tables t;
   build_tables(enc + v.table[f], width, t);
   const uint16_t* lut = t.single.data();
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
@@ -1143,6 +1217,7 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
     // a symbol byte, then a raw byte (MASK 1) or the second field's symbol (3): vectorises
     const uint8_t* s0 = static_cast<const uint8_t*>(syms[0]);  // (dst may be unaligned: memcpy stores)
     const uint8_t* s1 = MASK == 3 ? static_cast<const uint8_t*>(syms[1]) : raw;
+
     for (uint64_t k = 0; k < n; ++k) {
       uint16_t u = static_cast<uint16_t>((s0[k] << 8) | s1[k]);
       u = static_cast<uint16_t>((u >> 1) | (u << 15));
@@ -1246,7 +1321,7 @@ void decode_chunk(const Header& h, const Layout& L, const uint8_t* enc, const Ch
           if (bad & 1) fail(kSubBlockLengths);  // (what decode_field says)
           no_code |= (bad & 2) != 0;
         } else {
-          decode_field(h, enc, v, f, L.width[f], sc.code, [out](uint64_t i, uint16_t sym) { out[i] = sym; });
+          decode_field(h, enc, v, f, L.width[f], sc.tables, sc.code, [out](uint64_t i, uint16_t sym) { out[i] = sym; });
         }
       }
     }

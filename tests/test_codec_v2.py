@@ -266,6 +266,45 @@ def test_fp32_with_a_coded_low_byte_round_trips_at_every_tail():
             assert set(chunk_masks(enc)[: n // 1024]) == {0b101}, chunk_masks(enc)
 
 
+def _cast_up(n, signed=True, seed=13):
+    """fp32 values cast up from bf16: the low byte (m6..m0 | sign) holds the sign alone, so it
+    is coded with 1-bit codes: two symbols, or one when every value is positive."""
+    w = weights(n, torch.bfloat16, seed=seed).float()
+    return w if signed else w.abs()
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["two symbols", "one symbol"])
+def test_a_field_of_one_bit_codes_decodes_bit_by_bit(signed):
+    """fp32 cast up from bf16 (what a checkpoint saved in fp32 from a bf16 model holds): every
+    chunk codes its low byte with one context of 1-bit codes, which the decoder expands bit
+    by bit; round trips at every size and tail; a bit flipped in the stream flips one value's
+    sign (two symbols) or is a window no code starts with (one symbol: raises)."""
+    x = _cast_up(70_001, signed)
+    enc = codec.encode(x)
+    raw = bytes(enc.tolist())
+    for c in range(codec.read_header(enc)["n_chunks"]):
+        _, mask, _, offs = _entry(enc, c)
+        assert mask == 0b101, (c, mask)
+        nctx = struct.unpack_from("<H", raw, offs[3])[0]
+        counts = struct.unpack_from("<16H", raw, offs[3] + 8)
+        assert nctx == 1 and counts[1] == (2 if signed else 1) and sum(counts) == counts[1], (c, nctx, counts)
+    for n in (x.numel(), 65_536 + 7, 1003, 40, 3):
+        roundtrip(x[:n].clone())
+        roundtrip(x[:n].clone(), **SMALL)
+    _, _, _, offs = _entry(enc, 1)
+    code = offs[6]  # chunk 1's low-byte code stream: bit i = value 65536 + i's code
+    bad = enc.clone()
+    bad[code + 100] ^= 0x10  # value 65536 + 803
+    if signed:
+        out = codec.decode(bad).view(torch.float32)
+        diff = (out.view(torch.int32) != x.view(torch.int32)).nonzero().flatten().tolist()
+        assert diff == [65_536 + 803] and out[diff[0]] == -x[diff[0]], diff
+    else:
+        for threads in (1, 2):
+            with pytest.raises(ValueError, match="no code"):
+                native.decode(bad, torch.empty(x.numel() * 4, dtype=torch.uint8), threads)
+
+
 def test_stored_when_coding_does_not_pay():
     for dtype in DTYPES:
         rnd = torch.randint(0, 256, (4000 * dtype.itemsize,), dtype=torch.int32).to(torch.uint8).view(dtype)
@@ -569,7 +608,7 @@ def test_random_corruption_never_crashes():
 # --------------------------------------------------------------------------
 # the AVX-512 decode (csrc/codec_v2_avx512.cpp) against the scalar one
 # --------------------------------------------------------------------------
-need_simd = pytest.mark.skipif(not native.simd_supported(), reason="this CPU has no AVX-512F/BW/VL")
+need_simd = pytest.mark.skipif(not native.simd_supported(), reason="this CPU has no AVX-512F/BW/VL/VBMI2 or BMI2")
 
 
 def _both_paths(enc, n_bytes, threads=1, lanes_ran=None):
