@@ -129,7 +129,7 @@ struct Code {
 };
 constexpr int kMaxCodes = 513;
 // The pair tables (pair: nctx * 2^12) of a field's codes (codes: nctx * kMaxCodes; ctx_of: the
-// context each symbol gives its successor); scratch: nctx * 2^13 u32.
+// context each symbol gives its successor); scratch: nctx * 2^12 u32.
 void build_pairs(const Code* codes, int nctx, const uint8_t* ctx_of, int symbol_bytes, uint32_t* pair,
                  uint32_t* scratch);
 // 16 * groups (1, 2 or 4) whole sub-blocks of `sub` values (a multiple of 16), sub-block k's

@@ -995,7 +995,7 @@ void build_pair_tables(const uint8_t* tp, int width, Tables& t) {
   }
   t.sub_bits = q;
   t.pair12.resize(static_cast<size_t>(nctx) << kMaxLen);
-  t.pyr.resize(static_cast<size_t>(nctx) << (kMaxLen + 1));
+  t.pyr.resize(static_cast<size_t>(nctx) << kMaxLen);
   avx512::build_pairs(t.codes.data(), nctx, t.ctx_of.data(), width > 8 ? 2 : 1, t.pair12.data(), t.pyr.data());
 }
 

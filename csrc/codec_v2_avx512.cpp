@@ -87,20 +87,22 @@ LW_TARGET void build_pairs_y(const Code* codes, int nctx, const uint8_t* ctx_of,
                              uint32_t* __restrict pyr) {
   constexpr uint32_t W = 1u << kMaxLen;
   // pyr, per context: the code that starts each window, as the second code of a pair (length,
-  // next context << 12, symbol << kPairSym2; 0 where none does) at every resolution r (the 2^r
-  // windows of r bits at 2^r - 1: r = 12 from the codes' spans, the others by halving)
+  // next context << 12, symbol << kPairSym2; 0 where none does) at every resolution r < 12
+  // that a second code can have (the 2^r windows of r bits at 2^r - 1: r = 11 from the codes'
+  // spans, the others by halving)
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  constexpr uint32_t W11 = W / 2;
   for (int c = 0; c < nctx; ++c) {
-    uint32_t* P = pyr + static_cast<size_t>(c) * W * 2;
-    uint32_t* P12 = P + W - 1;
+    uint32_t* P = pyr + static_cast<size_t>(c) * W;
+    uint32_t* P11 = P + W11 - 1;
     uint32_t at = 0;
-    for (const Code* k = codes + c * kMaxCodes; at < W && k->len; ++k) {
-      uint32_t span = W >> k->len;
-      fill32(P12 + at, span, k->len | uint32_t{ctx_of[k->sym]} << 12 | uint32_t{k->sym} << kPairSym2<Y>);
+    for (const Code* k = codes + c * kMaxCodes; at < W11 && k->len && k->len < kMaxLen; ++k) {
+      uint32_t span = W11 >> k->len;
+      fill32(P11 + at, span, k->len | uint32_t{ctx_of[k->sym]} << 12 | uint32_t{k->sym} << kPairSym2<Y>);
       at += span;
     }
-    for (; at < W; ++at) P12[at] = 0;
-    for (int r = kMaxLen - 1; r >= 0; --r) {
+    for (; at < W11; ++at) P11[at] = 0;  // (codes of 12 bits: never a second code)
+    for (int r = kMaxLen - 2; r >= 0; --r) {
       const uint32_t* from = P + (2u << r) - 1;
       uint32_t* to = P + (1u << r) - 1;
       if (r >= 4) {
@@ -119,7 +121,7 @@ LW_TARGET void build_pairs_y(const Code* codes, int nctx, const uint8_t* ctx_of,
     for (const Code* k = codes + c * kMaxCodes; w < W && k->len; ++k) {  // canonical order: spans of 2^(12 - length)
       uint32_t l1 = k->len, r = kMaxLen - l1, c1 = ctx_of[k->sym], s1 = k->sym;
       uint32_t one = l1 | c1 << 12 | s1 << kPairSym1<Y>, base = l1 | l1 << 4 | s1 << kPairSym1<Y>;
-      const uint32_t* R = pyr + static_cast<size_t>(c1) * W * 2 + (1u << r) - 1;  // c1 at r bits
+      const uint32_t* R = pyr + static_cast<size_t>(c1) * W + (1u << r) - 1;  // c1 at r bits
       if (r >= 4) {
         const __m512i vone = _mm512_set1_epi32(one), vbase = _mm512_set1_epi32(base), vr = _mm512_set1_epi32(r);
         for (uint32_t y = 0; y < (1u << r); y += 16) {
