@@ -634,93 +634,94 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
   const uint64_t n_total = h.encoded_bytes;
   const uint8_t* e = enc + h.off_index + kEntryBytes * c;
   ChunkView v{};
-  std::string where = "chunk " + S(c) + ": ";
+  auto where = [c] { return "chunk " + S(c) + ": "; };  // (the messages' prefixes, made on failure only)
   v.mask = e[kEMask];
   v.raw_bits = e[kERawBits];
   v.n = chunk_values(h.n_bytes / L.value_bytes, h.log2_chunk, c);
   for (size_t i = 2; i < 8; ++i)
-    if (e[i]) fail(where + "reserved entry byte " + S(i) + " is not zero");
+    if (e[i]) fail(where() + "reserved entry byte " + S(i) + " is not zero");
   int want_raw = 0;
   for (int f = 0; f < kMaxFields; ++f) {
     bool coded = v.mask >> f & 1;
     if (coded && (f >= L.n_fields || !candidate(L, f)))
-      fail(where + "field " + S(f) + " marked coded; " + dname(h.dtype) + " codes only fields of <= 9 bits");
+      fail(where() + "field " + S(f) + " marked coded; " + dname(h.dtype) + " codes only fields of <= 9 bits");
     if (!coded) {
       if (get_u64(e + kETable + 8 * f) || get_u64(e + kECode + 8 * f))
-        fail(where + "offsets set for the uncoded field " + S(f));
+        fail(where() + "offsets set for the uncoded field " + S(f));
       if (f < L.n_fields) want_raw += L.width[f];
     }
   }
-  if (v.mask >> kMaxFields) fail(where + "coded mask " + S(v.mask) + " names fields that do not exist");
-  if (v.raw_bits != want_raw) fail(where + S(v.raw_bits) + " raw bits per value; its coded fields leave " +
+  if (v.mask >> kMaxFields) fail(where() + "coded mask " + S(v.mask) + " names fields that do not exist");
+  if (v.raw_bits != want_raw) fail(where() + S(v.raw_bits) + " raw bits per value; its coded fields leave " +
                                    S(want_raw));
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
   for (int f = 0; f < L.n_fields; ++f) {
     if (!(v.mask >> f & 1)) continue;
-    std::string fw = where + "field " + S(f) + ": ";
+    auto fw = [&where, f] { return where() + "field " + S(f) + ": "; };
     uint64_t t = get_u64(e + kETable + 8 * f);
-    if (t != at) fail(fw + "table at " + S(t) + ", expected " + S(at));
-    if (at > n_total || n_total - at < 8) fail(fw + "table past the end of the buffer");
+    if (t != at) fail(fw() + "table at " + S(t) + ", expected " + S(at));
+    if (at > n_total || n_total - at < 8) fail(fw() + "table past the end of the buffer");
     const uint8_t* tp = enc + at;
     const uint64_t alphabet = uint64_t{1} << L.width[f];
     const int sb = sym_bytes(L.width[f]);
     int nctx = get_u16(tp);
-    if (nctx < 1 || nctx > kMaxContexts) fail(fw + S(nctx) + " contexts (1.." + S(kMaxContexts) + ")");
+    if (nctx < 1 || nctx > kMaxContexts) fail(fw() + S(nctx) + " contexts (1.." + S(kMaxContexts) + ")");
     for (int k = 0; k < kMaxContexts - 1; ++k) {
       uint16_t th = get_u16(tp + 2 + 2 * k);
       if (k >= nctx - 1 ? th != 0 : (th >= alphabet || (k && th <= get_u16(tp + 2 * k))))
-        fail(fw + "context threshold " + S(k) + " (" + S(th) + ") not increasing within the alphabet, or set past "
+        fail(fw() + "context threshold " + S(k) + " (" + S(th) + ") not increasing within the alphabet, or set past "
              "the contexts");
     }
     uint64_t n_sym = 0, q = at + 8;
     int lmin = 0, lmax = 0;
     for (int c = 0; c < nctx; ++c) {
-      if (n_total - q < 32) fail(fw + "table past the end of the buffer");
+      if (n_total - q < 32) fail(fw() + "table past the end of the buffer");
       uint64_t nc = 0, kraft = 0;
       for (int l = 0; l < 16; ++l) {
         uint16_t k = get_u16(enc + q + 2 * l);
         if (k && (l == 0 || l > kMaxLen))
-          fail(fw + S(k) + " codes of length " + S(l) + " (lengths are 1.." + S(kMaxLen) + ")");
+          fail(fw() + S(k) + " codes of length " + S(l) + " (lengths are 1.." + S(kMaxLen) + ")");
         if (k) lmin = lmin ? std::min(lmin, l) : l, lmax = std::max(lmax, l);
         nc += k;
         kraft += uint64_t{k} << (kMaxLen - std::min(l, kMaxLen));
       }
-      if (nc == 0 || nc > alphabet) fail(fw + S(nc) + " symbols in the table of context " + S(c));
-      if (kraft > (uint64_t{1} << kMaxLen)) fail(fw + "code lengths over-subscribe the code space (not a prefix code)");
+      if (nc == 0 || nc > alphabet) fail(fw() + S(nc) + " symbols in the table of context " + S(c));
+      if (kraft > (uint64_t{1} << kMaxLen)) fail(fw() + "code lengths over-subscribe the code space (not a prefix code)");
       q += 32;
-      if (n_total - q < nc * sb) fail(fw + "table past the end of the buffer");
-      std::vector<bool> seen(alphabet, false);
+      if (n_total - q < nc * sb) fail(fw() + "table past the end of the buffer");
+      uint64_t seen[8] = {};  // (alphabets of <= 512 symbols)
       for (uint64_t k = 0; k < nc; ++k) {
         uint16_t sym = get_sym(enc + q, L.width[f], k);
-        if (sym >= alphabet || seen[sym]) fail(fw + "table symbol " + S(sym) + " out of range or repeated");
-        seen[sym] = true;
+        if (sym >= alphabet || (seen[sym >> 6] >> (sym & 63) & 1))
+          fail(fw() + "table symbol " + S(sym) + " out of range or repeated");
+        seen[sym >> 6] |= uint64_t{1} << (sym & 63);
       }
       q += nc * sb;
       n_sym += nc;
     }
     uint64_t tb = table_bytes(nctx, n_sym, L.width[f], n_sub);
-    if (n_total - at < tb) fail(fw + "table of " + S(tb) + " bytes past the end of the buffer");
+    if (n_total - at < tb) fail(fw() + "table of " + S(tb) + " bytes past the end of the buffer");
     uint64_t bits = 0;
     for (uint64_t s = 0; s < n_sub; ++s) {
       uint64_t b = get_u16(enc + q + 2 * s), vals = std::min(sub, v.n - s * sub);
       if (b < vals * lmin || b > vals * lmax)
-        fail(fw + "sub-block " + S(s) + " of " + S(vals) + " values holds " + S(b) + " bits, outside " +
+        fail(fw() + "sub-block " + S(s) + " of " + S(vals) + " values holds " + S(b) + " bits, outside " +
              S(vals * lmin) + ".." + S(vals * lmax));
       bits += b;
     }
     v.bits_off[f] = q;
     at += tb;
     uint64_t cpos = get_u64(e + kECode + 8 * f), cb = stream_bytes(bits);
-    if (cpos != at) fail(fw + "code stream at " + S(cpos) + ", expected " + S(at));
-    if (n_total - at < cb) fail(fw + "code stream of " + S(cb) + " bytes past the end of the buffer");
+    if (cpos != at) fail(fw() + "code stream at " + S(cpos) + ", expected " + S(at));
+    if (n_total - at < cb) fail(fw() + "code stream of " + S(cb) + " bytes past the end of the buffer");
     v.table[f] = t;
     v.code[f] = at;
     v.code_bytes[f] = cb;
     at += cb;
   }
   uint64_t r = get_u64(e + kERaw), rb = stream_bytes(v.n * v.raw_bits);
-  if (r != at) fail(where + "raw stream at " + S(r) + ", expected " + S(at));
-  if (at > n_total || n_total - at < rb) fail(where + "raw stream of " + S(rb) + " bytes past the end of the buffer");
+  if (r != at) fail(where() + "raw stream at " + S(r) + ", expected " + S(at));
+  if (at > n_total || n_total - at < rb) fail(where() + "raw stream of " + S(rb) + " bytes past the end of the buffer");
   v.raw_off = at;
   at += rb;
   return v;

