@@ -587,9 +587,9 @@ void encode_into(const EncodePlan& plan, const uint8_t* src, size_t n, uint8_t* 
     encode_dispatch<DType::Float16>(plan, src, n_values, out, threads);
 }
 
-void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads) {
+void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads, bool fresh) {
   if (n > kOffVersion && std::memcmp(enc, kMagic, 4) == 0 && enc[kOffVersion] == v2::kVersion)
-    return v2::decode_into(enc, n, dst, dst_n, threads);
+    return v2::decode_into(enc, n, dst, dst_n, threads, fresh);
   Header h = read_header(enc, n);
   if (dst_n != h.n_bytes)
     fail("destination has " + std::to_string(dst_n) + " bytes but the segment decodes to " +
@@ -721,7 +721,7 @@ void bind_codec(pybind11::module_& m) {
       "its size in bytes, nothing written)");
   c.def(
       "decode",
-      [](const at::Tensor& enc, const at::Tensor& dst, int threads) {
+      [](const at::Tensor& enc, const at::Tensor& dst, int threads, bool fresh) {
         check_bytes(enc, "decode", "encoded");
         check_bytes(dst, "decode", "dst");
         const uint8_t* e = enc.data_ptr<uint8_t>();
@@ -730,10 +730,11 @@ void bind_codec(pybind11::module_& m) {
         TORCH_CHECK_VALUE(dn == 0 || en == 0 || d + dn <= e || e + en <= d,
                           "layerwise codec decode: dst overlaps the encoded bytes");
         py::gil_scoped_release r;
-        lc::decode_into(e, en, d, dn, threads);
+        lc::decode_into(e, en, d, dn, threads, fresh);
       },
-      py::arg("encoded"), py::arg("dst"), py::arg("threads") = 0,
-      "Decode `encoded` (either version) into dst (uint8, contiguous, host, exactly the decoded size)");
+      py::arg("encoded"), py::arg("dst"), py::arg("threads") = 0, py::arg("fresh") = false,
+      "Decode `encoded` (either version) into dst (uint8, contiguous, host, exactly the decoded size); fresh: dst "
+      "was just allocated, untouched (its pages are backed by the decoding threads, huge pages while they come fast)");
   c.def(
       "read_header",
       [](const at::Tensor& enc) {

@@ -68,7 +68,9 @@ void encode_into(const EncodePlan& plan, const uint8_t* src, size_t n, uint8_t* 
 // the decoded size in the header). Throws std::invalid_argument on malformed
 // input, before reading outside enc or writing outside dst; after such an error
 // dst's contents are unspecified. `threads` <= 0: every hardware thread.
-void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads = 1);
+// fresh: dst was just allocated (no page of it touched): each thread backs its part first
+// (version 2, coded segments; codec_v2.cpp, populate).
+void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads = 1, bool fresh = false);
 
 // ------------------------------------------------------------ version 2
 namespace v2 {
@@ -104,7 +106,7 @@ std::shared_ptr<Plan> plan_encode(const uint8_t* src, size_t n, DType dtype, int
 const Header& plan_header(const Plan& p);
 void encode_into(const Plan& p, const uint8_t* src, size_t n, uint8_t* out, size_t out_n, int threads);
 // Every chunk checked, then decoded (chunks in parallel). Throws std::invalid_argument.
-void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads);
+void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads, bool fresh = false);
 
 // The AVX-512 decode of coded fields (codec_v2_avx512.cpp), used by decode_into where
 // enabled(): on by default where the CPU has AVX-512F/BW/VL/VBMI2 and BMI2, off with

