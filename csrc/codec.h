@@ -108,6 +108,14 @@ void encode_into(const Plan& p, const uint8_t* src, size_t n, uint8_t* out, size
 // Every chunk checked, then decoded (chunks in parallel). Throws std::invalid_argument.
 void decode_into(const uint8_t* enc, size_t n, uint8_t* dst, size_t dst_n, int threads, bool fresh = false);
 
+// A context's canonical code as decoders read it: kMaxCodes entries, the codes in canonical
+// order (by length, then symbol), then len 0.
+struct Code {
+  uint16_t sym;
+  uint8_t len;
+};
+constexpr int kMaxCodes = 513;
+
 // The AVX-512 decode of coded fields (codec_v2_avx512.cpp), used by decode_into where
 // enabled(): on by default where the CPU has AVX-512F/BW/VL/VBMI2 and BMI2, off with
 // LAYERWISE_CODEC_SIMD=0.
@@ -123,13 +131,6 @@ uint64_t calls();           // calls of pair_lanes() so far in the process (whic
 constexpr uint32_t kPairInvalid = 0x100;
 template <int Y> constexpr int kPairSym1 = Y == 1 ? 16 : 14;
 template <int Y> constexpr int kPairSym2 = Y == 1 ? 24 : 23;
-// A context's canonical code: kMaxCodes entries, the codes in canonical order (by length, then
-// symbol), then len 0.
-struct Code {
-  uint16_t sym;
-  uint8_t len;
-};
-constexpr int kMaxCodes = 513;
 // The pair tables (pair: nctx * 2^12) of a field's codes (codes: nctx * kMaxCodes; ctx_of: the
 // context each symbol gives its successor); scratch: nctx * 2^12 u32.
 void build_pairs(const Code* codes, int nctx, const uint8_t* ctx_of, int symbol_bytes, uint32_t* pair,

