@@ -15,6 +15,7 @@ import torch
 
 from layerwise.bench import cli, hooks, report, stream
 from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
+from layerwise.bench.stream import COMPUTE_BOUND, TRANSFER_BOUND
 
 CPU_SUITES = ["h2d", "stream", "bus", "tune", "startup", "hooks", "quant", "moe"]
 
@@ -230,8 +231,21 @@ def test_suite_specific_figures(tiny_run):
             assert row["ratios"]["/floor"] == pytest.approx(_median(row["ours"]) / base["floor"]), row
             assert row["ratios"]["/read floor"] == pytest.approx(_median(row["ours"]) / base["read floor"]), row
         assert "in memory" in steps[0]["baselines"] and "/in memory" in steps[0]["ratios"]
-        # over the bus: transfer-bound by construction, so the bus suite's target; a miss says what the step waited on
-        assert "(transfer-bound)" in steps[1]["measure"] and steps[1]["targets"][0]["label"] == "<= 1.1x floor", steps
+        # over the bus: chosen so that its copies take BUS_OVER (4) times the first pass's read floor or resident
+        # step, the longer (C/T <= 0.25: transfer-bound with room for a slower second pass) ...
+        over = stream["over_bus"]
+        assert over["bus_over"] >= 4 and over["chosen_for_s"] == pytest.approx(
+            max(stream["read_floor_s"], stream["step_s"]["resident"])), over
+        assert over["bus"]["gbps"] * 1e9 * over["bus_over"] * over["chosen_for_s"] == pytest.approx(
+            stream["bytes_copied_per_step"], rel=1e-4), over  # (the bus keeps 5 digits of GB/s)
+        # ... the row names the regime its own figures show (resident / bus floor) and carries that regime's
+        # target (a loaded CI machine can slow the second pass's compute; the targets follow what it shows)
+        ct = _median(steps[1]["baselines"]["resident"]) / steps[1]["baselines"]["bus floor"]
+        kind = ("transfer-bound" if ct <= TRANSFER_BOUND else "compute-bound" if ct >= COMPUTE_BOUND
+                else "balanced")
+        assert f"({kind})" in steps[1]["measure"], (ct, steps[1])
+        assert [t["label"] for t in steps[1]["targets"]] == {
+            "transfer-bound": ["<= 1.1x floor"], "compute-bound": ["<= 1.05x resident"], "balanced": []}[kind], steps
         assert steps[1]["ratios"]["/resident"] == pytest.approx(
             _median(steps[1]["ours"]) / _median(steps[1]["baselines"]["resident"]))
         assert steps[1]["met"] is not False or "missed: the step waited" in steps[1]["note"], steps[1]

@@ -41,7 +41,7 @@ ENV = "LAYERWISE_SIM_BUS_GBPS"
 TARGET_RESIDENT, TARGET_FLOOR = 1.05, 1.10
 
 SWEEPS = {"full": Sweep(1024, 8, (1, 16, 128, 1024), 5, 1), "quick": Sweep(512, 8, (1, 16, 128, 1024), 5, 1),
-          "tiny": Sweep(128, 6, (1, 256), 2, 1)}  # (6 layers: more than a depth-2 ring holds)
+          "tiny": Sweep(128, 6, (1, 1024), 2, 1)}  # (6 layers: more than a depth-2 ring holds)
 
 
 def bus_bandwidth(layer_bytes: int, copies: int = 16, repeats: int = 5) -> float:
