@@ -15,7 +15,7 @@ import torch
 
 from layerwise.bench import cli, hooks, report, stream
 from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
-from layerwise.bench.stream import COMPUTE_BOUND, TRANSFER_BOUND
+from layerwise.bench.stream import regime
 
 CPU_SUITES = ["h2d", "stream", "bus", "tune", "startup", "hooks", "quant", "moe"]
 
@@ -241,8 +241,7 @@ def test_suite_specific_figures(tiny_run):
         # ... the row names the regime its own figures show (resident / bus floor) and carries that regime's
         # target (a loaded CI machine can slow the second pass's compute; the targets follow what it shows)
         ct = _median(steps[1]["baselines"]["resident"]) / steps[1]["baselines"]["bus floor"]
-        kind = ("transfer-bound" if ct <= TRANSFER_BOUND else "compute-bound" if ct >= COMPUTE_BOUND
-                else "balanced")
+        kind = regime(ct)
         assert f"({kind})" in steps[1]["measure"], (ct, steps[1])
         assert [t["label"] for t in steps[1]["targets"]] == {
             "transfer-bound": ["<= 1.1x floor"], "compute-bound": ["<= 1.05x resident"], "balanced": []}[kind], steps

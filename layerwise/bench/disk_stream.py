@@ -241,9 +241,10 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
                 models["disk tier"] = load("disk tier over the simulated bus", host_budget=budget)
                 bus_times, bus_st, bus_floors = _timed(ctx, models, x, repeats, bar, direct_gbps)
                 layerwise.remove_layerwise_offload(models.pop("disk tier"))
-            bus_data = {"bus": cfg, "bus_over": BUS_OVER, "chosen_for_s": longer, "step_s": {k: v.median for k, v in bus_times.items()},
-                        "last_step": bus_st["last_step"], "read_floor_s": bus_floors["read floor"],
-                        "bus_floor_s": bus_floors["bus floor"], "h2d_bandwidth_GBps": bus_floors["h2d_bandwidth_GBps"]}
+            bus_data = {"bus": cfg, "bus_over": BUS_OVER, "chosen_for_s": longer,
+                        "step_s": {k: v.median for k, v in bus_times.items()}, "last_step": bus_st["last_step"],
+                        "read_floor_s": bus_floors["read floor"], "bus_floor_s": bus_floors["bus floor"],
+                        "h2d_bandwidth_GBps": bus_floors["h2d_bandwidth_GBps"]}
     models.clear()
     del resident
     ctx.free_memory()
