@@ -11,8 +11,12 @@ hooks O(1)), so the contract is kept around them, not by rebinding them:
   their bytes in the host arena (CPU tensors; a write into one reaches the
   model: the arena's version counter tells the next pre-hook to reload).
 - `load_state_dict()` writes streamed parameters into the arena and turns
-  torch's own copy into a no-op; `strict` and `assign` keep PyTorch's meaning
-  (an `assign` that would change a streamed dtype is an error).
+  torch's own copy into a no-op; `strict` keeps PyTorch's meaning. `assign=True`
+  loads a streamed parameter's values the same way (the parameter stays bound
+  to its slot, so it does not alias the state dict's tensor afterwards; one that
+  would change a streamed dtype is an error); into a resident layer it is
+  PyTorch's own, and the parameters it put there are the ones that stream when
+  the layer leaves the device (set_residency).
 - an in-place write into a slot view (`weight.add_(d)` under no_grad) bumps the
   slot's version counter: the next pre-hook discards it and raises.
 - casts and moves (`.half()`, `.to(dtype)`, `.to(other device)`) that would
@@ -20,6 +24,8 @@ hooks O(1)), so the contract is kept around them, not by rebinding them:
   as they are (`.to(the streaming device)`) run on everything else.
 - backward: tensors that autograd saves from a slot are checked when unpacked;
   if the slot was refilled since, the layer's bytes are read back from the arena.
+  A placement change (set_residency) is refused from a forward under grad mode
+  until its backward has finished or its graph is dropped (track_backward).
 - peft's `merge` / `unmerge` (LoRA fusing) run with the layer's true weights in
   its slot, and what they wrote goes back into the arena.
 - `copy.deepcopy` and pickling refuse with an error naming the remedy.
@@ -70,10 +76,12 @@ class GroupGuard:
         self.loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks
         self.error: str | None = None  # a broken contract found outside a forward
         self.saved = weakref.WeakSet()  # slot weights saved for a backward still to run (saved_slot_hooks)
+        self.graphs = weakref.WeakSet()  # layer forwards under grad mode, alive with their graphs (track_backward)
 
     def backward_pending(self) -> bool:
-        """A graph that saved this group's streamed weights is alive (its backward has not run)."""
-        return len(self.saved) > 0
+        """A graph built through this group's layers is alive and its backward has not
+        finished, or one saved its streamed weights (until the backward frees them)."""
+        return len(self.saved) > 0 or any(not g.done for g in list(self.graphs))
 
 
 class ModelLock:
@@ -1222,18 +1230,75 @@ def _slot_of(ring, t):
     return None
 
 
+class _Graph:
+    """A layer forward under grad mode: pending until a backward through its output
+    has finished. It lives as long as that output's graph (a hook of a node of it
+    holds it), so a graph dropped without its backward takes it along."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self):
+        self.done = False
+
+    def finish(self) -> None:
+        self.done = True
+
+
+def _grad_fns(output) -> list:
+    """The autograd nodes of the tensors a layer returned (a tensor, or tuples,
+    lists and dicts of them: a model output); a few suffice."""
+    out, todo = [], [output]
+    while todo and len(out) < 8:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            if o.grad_fn is not None:
+                out.append(o.grad_fn)
+        elif isinstance(o, (tuple, list)):
+            todo.extend(o)
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+    return out
+
+
+def track_backward(manager, output) -> None:
+    """A layer of `manager` returned `output` under grad mode. Its graph may use the
+    group's parameters without saving them (`x + self.shift`: an AccumulateGrad node
+    holds the parameter itself), which saved_slot_hooks never sees: a placement change
+    swaps those parameters (torch.utils.swap_tensors), and torch then fails the
+    backward ("AccumulateGrad node that was poisoned by swap_tensors"), or, where the
+    swap lands in the middle of a backward on another thread, leaves their gradients
+    unset. So the group counts the graph as pending (GroupGuard.backward_pending)
+    until a backward through the output has finished: a hook on the output's node
+    queues a callback that the autograd engine runs once the whole backward is done,
+    so no change gets in while any part of it runs. Recorded under the model's lock,
+    which set_residency holds for its check and its swap."""
+    fns = _grad_fns(output)
+    if not fns:
+        return
+    graph = _Graph()
+
+    def started(grad_outputs):
+        torch.autograd.Variable._execution_engine.queue_callback(graph.finish)
+
+    for fn in fns:
+        fn.register_prehook(started)
+    manager.guard.graphs.add(graph)
+
+
 def saved_slot_hooks(manager):
     """Autograd saved-tensor hooks for one streamed layer's forward: a tensor
     saved from a ring slot is given back as it was even if the slot has been
     refilled since (its layer's bytes are read back from the arena)."""
 
     def pack(t):
-        if t.device != manager.device:
-            return t
-        ring = manager.ring
-        s = _slot_of(ring, t)
+        s = _slot_of(manager.ring, t) if t.device == manager.device else None
         if s is None:
-            return t
+            # Not ours: kept as autograd would keep it, but never with its grad_fn: an op that
+            # saves its own output (tanh, softmax) would hold its node through the output,
+            # a cycle through C++ that no collector frees (a graph dropped without its
+            # backward would never be). Unpacking puts the grad_fn back.
+            return t.detach() if t.grad_fn is not None else t
+        ring = manager.ring
         i = ring.holder[s]
         ref = _SlotRef(t, ring, s, ring.gen[s], i, ring.layer_gen[i])
         manager.guard.saved.add(ref)

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from . import _native, contract, drift, experts, gpu_checks, stages
-from .options import (OffloadOptions, manager_options, named_options, resolve_resident, validate_depth,
-                      validate_residency)
+from .options import (OffloadOptions, manager_options, named_options, resident_arg, resolve_resident,
+                      validate_depth, validate_residency)
 from .meter import Meter
 from .packing import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
 from .plan import GroupPlan, build_group_plan, device_bytes
@@ -49,6 +49,9 @@ class Lifecycle(enum.Enum):
     PLANNED = "planned"  # built (or removed): its parameters are ordinary tensors
     PACKED = "packed"  # its weights are packed (arena, stages), the parameters placeholders
     STREAMING = "streaming"  # finalised: ring, hooks; its layers stream
+
+
+_PLAIN = {torch.Tensor, nn.Parameter}  # parameter types whose bytes are all there is to them
 
 
 class _RingView:
@@ -131,8 +134,9 @@ class LayerwiseOffloadManager:
 
     def set_residency(self, resident, prefetch_depth: int | None = None, *, note=None) -> None:
         """Change which layers stay on the device, and the prefetch depth, while the
-        group streams. `resident`: layer indices, or a count / fraction of the group
-        spread by its residency_policy (as `resident_layers` at configure);
+        group streams. `resident`: layer indices (a list, a 1-D integer array or
+        tensor, any iterable of ints), or a count / fraction of the group spread by
+        its residency_policy (as `resident_layers` at configure);
         `prefetch_depth`: default, the one in force. `note`: what chose it (shown by
         layerwise.report; layerwise.tune passes its plan).
 
@@ -140,15 +144,20 @@ class LayerwiseOffloadManager:
         change placement are bound again. The host side stays as packed (arena,
         encoded blocks, files; the disk stage keeps the staging slots it was planned
         with). A layer that leaves the device takes its current bytes with it (a
-        load_state_dict into it while resident is kept). While it changes, device
-        memory holds the old ring and the new one. Tensors of a state_dict() taken
-        before are snapshots for the layers that changed placement.
+        load_state_dict into it while resident is kept; parameters that
+        load_state_dict(..., assign=True) put in its modules are the ones that then
+        stream, or, where one cannot take the packed one's place, the change is
+        refused). While it changes, device memory holds the old ring and the new
+        one. Tensors of a state_dict() taken before are snapshots for the layers
+        that changed placement.
 
         Transactional: if it raises (no memory, a checkpoint file that cannot take a
         changed layer back) or is interrupted, the old placement stays in force,
         whole. Called between forwards (it waits for a forward in flight on another
-        thread); refused inside one, and for a split-fetch group (its ranks' shares
-        are planned for the layers streamed at configure)."""
+        thread); refused inside one, between a forward under grad mode and the end
+        of its backward (the graph uses the parameters it would rebind), and for a
+        split-fetch group (its ranks' shares are planned for the layers streamed at
+        configure)."""
         if not self._finalized:
             raise RuntimeError(f"layerwise: {self.layer_name}: set_residency changes the placement of a streaming "
                                "group; before configure, pass resident_layers / prefetch_depth to configure")
@@ -165,9 +174,12 @@ class LayerwiseOffloadManager:
                                    "the model (a hook, or a block calling it): call it between forwards")
             if self.guard.backward_pending():
                 raise RuntimeError(
-                    f"layerwise: {self.layer_name}: set_residency between a forward and its backward: the forward "
-                    "saved streamed weights for the backward, whose parameters the change would rebind. Run the "
-                    "backward first (or drop its graph), then change the placement.")
+                    f"layerwise: {self.layer_name}: set_residency between a forward and its backward: a forward "
+                    "under grad mode built a graph through this group's layers that is still alive, and its "
+                    "backward has not finished; the change would rebind the parameters that graph uses, and torch "
+                    "would fail that backward. Run the backward first, or drop the graph (del the loss and the "
+                    "outputs), or run forwards that need no backward under torch.no_grad() or "
+                    "torch.inference_mode(); then change the placement. The placement is unchanged.")
             if self.guard.handed_out:
                 contract.check_handed_out(self)
             self._drain()
@@ -180,6 +192,7 @@ class LayerwiseOffloadManager:
             if new == old and depth == self.prefetch_depth:
                 self.placement = note
                 return
+            self._adopt_replaced(sorted(set(old) - set(new)))
             # Phase one builds everything and changes nothing the model computes with.
             # A layer leaving the device writes its device bytes back to its source
             # first (where they changed): its source then agrees with its truth.
@@ -254,7 +267,47 @@ class LayerwiseOffloadManager:
             except Exception:  # noqa: BLE001 - raised again where the layer is needed (dirty: the next hook resyncs)
                 pass
 
+    def _adopt_replaced(self, layers) -> None:
+        """Resident `layers` leave the device: a parameter that its module holds as
+        another object than the one packed (load_state_dict(..., assign=True) into a
+        resident layer, or `module.weight = nn.Parameter(...)`) is the one the layer
+        computes with, so it is the one that streams: its record takes it (its bytes
+        then go to the layer's source with the others'). One that cannot take the
+        packed one's place in the slot (another dtype, shape or strides, a quantized or
+        sharded parameter, none) is refused first, with nothing changed."""
+        found = []
+        for i in layers:
+            for e in self.plan.layers[i].params:
+                path, _, attr = e.qualname.rpartition(".")
+                now = self.model.get_submodule(path)._parameters.get(attr)
+                if now is e.param:
+                    continue
+                if not isinstance(now, torch.Tensor):
+                    why = f"it is {type(now).__name__} now"
+                elif e.leaf is not None or e.dspec is not None or not {type(now), type(e.param)} <= _PLAIN:
+                    why = (f"it is a {type(now).__name__} where a {type(e.param).__name__} was packed (only a plain "
+                           "parameter takes the place of a plain one)")
+                elif now.dtype != e.dtype or tuple(now.shape) != e.shape:
+                    why = f"it is {now.dtype}{list(now.shape)}, and its place is planned for {e.dtype}{list(e.shape)}"
+                elif tuple(now.stride()) != e.stride:
+                    why = f"its strides {tuple(now.stride())} differ from the {e.stride} its place is planned for"
+                elif now.device.type == "meta":
+                    why = "it is on the meta device"
+                else:
+                    found.append((e, now))
+                    continue
+                raise RuntimeError(
+                    f"layerwise: {self.layer_name}: set_residency: {e.qualname} was replaced by another tensor while "
+                    f"layer {self.layer_name}[{i}] was resident (load_state_dict(..., assign=True), or an assignment "
+                    f"to the module), and {why}: the layer cannot leave the device. Keep it resident (leave {i} in "
+                    "the resident layers), or load into it without assign=True (load_state_dict copies into the "
+                    "parameter packed), or call layerwise.remove_layerwise_offload(model) and configure again. "
+                    "The placement is unchanged.")
+        for e, now in found:
+            e.param = now  # (the module's own: a resident layer's truth is what it computes with)
+
     def _resident_list(self, resident) -> list[int]:
+        resident = resident_arg(resident)  # (arrays, tensors, generators of indices: a list of ints)
         n = self.num_layers
         if isinstance(resident, (list, tuple, set, frozenset, range)):
             out = sorted(set(resident))
@@ -645,6 +698,8 @@ class LayerwiseOffloadManager:
                     self._chain.settle()
             if self.ring.slot_of[i] >= 0:
                 replaced = self.ring.own_output(output)
+            if torch.is_grad_enabled():  # its graph holds the group's parameters until its backward
+                contract.track_backward(self, output if replaced is None else replaced)
             if self.ring.leave(i):
                 me = threading.get_ident()
                 for k in range(len(self._grad_hooks) - 1, -1, -1):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -193,6 +194,46 @@ def resolve_resident(resident_layers, num_layers: int, policy: str, group: str |
     if policy == "leading":
         return list(range(r))
     return sorted({int(k * num_layers / r) for k in range(r)})
+
+
+def resident_arg(resident):
+    """set_residency's `resident` in plain Python types: a 1-D integer array or tensor
+    of layer indices, or any other iterable of them (a generator, dict keys), becomes
+    a list; numpy and 0-D tensor integers become ints (inside a list too). Bools and
+    float or bool arrays are refused with a TypeError naming `resident=` (an index
+    must be an integer: a float array is not a fraction, a bool one not a mask)."""
+    import sys
+
+    np = sys.modules.get("numpy")  # (an ndarray exists only where numpy was imported)
+    if isinstance(resident, torch.Tensor) or (np is not None and isinstance(resident, (np.ndarray, np.generic))):
+        kind = "tensor" if isinstance(resident, torch.Tensor) else "numpy value"
+        dtype = resident.dtype
+        integral = (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+                    if isinstance(resident, torch.Tensor) else np.issubdtype(dtype, np.integer))
+        if resident.ndim == 0 and not integral and kind == "numpy value" and np.issubdtype(dtype, np.floating):
+            return float(resident)  # np.float64(0.5): a fraction, as configure takes it
+        if not integral or resident.ndim > 1:
+            raise TypeError(
+                f"set_residency(resident=...): a {resident.ndim}-D {dtype} {kind} is not layer indices: pass the "
+                "indices as integers (a 1-D integer array or tensor, or a list), a count as an int, or a fraction "
+                f"of the group as a Python float; got {resident!r}")
+        return int(resident) if resident.ndim == 0 else [int(i) for i in resident.tolist()]
+    if isinstance(resident, bool):
+        raise TypeError(f"set_residency(resident=...): a bool is not a layer count or indices, got {resident!r}")
+    if isinstance(resident, (str, bytes)) or not isinstance(resident, Iterable):
+        return resident
+    out = []
+    for i in resident:
+        if isinstance(i, torch.Tensor) or (np is not None and isinstance(i, (np.ndarray, np.generic))):
+            i = resident_arg(i)
+            if not isinstance(i, int):  # (a float scalar or an array inside the list)
+                raise TypeError(f"set_residency(resident=...): layer indices must be integers, got {i!r} among "
+                                f"{resident!r}")
+        elif isinstance(i, bool):
+            raise TypeError(f"set_residency(resident=...): layer indices must be integers, not bools (a mask is "
+                            f"not taken: pass the indices of the resident layers), got {resident!r}")
+        out.append(i)
+    return out
 
 
 def as_number(x):

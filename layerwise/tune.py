@@ -23,6 +23,11 @@ pipeline call). `tune`
 4. measures the step again and returns a `TunePlan`. The prediction must hold:
    measured within 10% of predicted, or the plan says why not (`TunePlan.note`).
 
+Another thread may serve the model meanwhile: the probe records the calls of
+the thread that called tune only (its layers wait for the other thread's, which
+the measured times then include), and each placement change waits for a layer
+in flight on another thread (set_residency).
+
 Interrupt-safe: the probe is removed and every group keeps its old placement
 unless every group's new one was applied (a group that fails puts the others
 back); a failure or an interrupt while the new placement is measured puts every
@@ -44,6 +49,7 @@ from . import contract, placement as pm
 from .budget import fmt_bytes, non_layer_bytes, resolve_budget
 from .configure import managers_of
 from .manager import Lifecycle
+from .options import validate_bytes, validate_count
 
 log = logging.getLogger("layerwise")
 
@@ -75,11 +81,19 @@ class _Clock:
 class Probe:
     """Timestamps around the hooks of every layer of `managers` for the calls of a
     run: before and after our pre-hook, before and after our post-hook (hooks of
-    its own, registered around the manager's), and every fetch timed (Meter.listen)."""
+    its own, registered around the manager's), and every fetch timed (Meter.listen).
+
+    Only the calls of the thread that built it are recorded: another thread serving
+    the same model meanwhile interleaves its layer calls with the run's (the model's
+    lock serialises layers, not steps), and its calls are not the step measured.
+    They are counted (`others`), so that a run that called the model only on
+    another thread is told so."""
 
     def __init__(self, managers, clock: _Clock):
         self.managers, self.clock = managers, clock
+        self.thread = threading.get_ident()  # whose calls are the run's
         self.calls: list = []  # [group, layer, pre_in, pre_out, post_in, post_out]
+        self.others = 0  # layer calls of other threads since the last reset
         self._open: list = []
         self._handles = []
         try:
@@ -99,6 +113,9 @@ class Probe:
 
     def _pre_in(self, key):
         def hook(module, args):
+            if threading.get_ident() != self.thread:
+                self.others += 1
+                return
             rec = [key[0], key[1], self.clock.mark(), None, None, None]
             self.calls.append(rec)
             self._open.append(rec)
@@ -106,19 +123,19 @@ class Probe:
 
     def _pre_out(self, key):
         def hook(module, args):
-            if self._open:
+            if self._open and threading.get_ident() == self.thread:
                 self._open[-1][3] = self.clock.mark()
         return torch.compiler.disable(hook)
 
     def _post_in(self, key):
         def hook(module, args, output):
-            if self._open:
+            if self._open and threading.get_ident() == self.thread:
                 self._open[-1][4] = self.clock.mark()
         return torch.compiler.disable(hook)
 
     def _post_out(self, key):
         def hook(module, args, output):
-            if self._open:
+            if self._open and threading.get_ident() == self.thread:
                 self._open.pop()[5] = self.clock.mark()
         return torch.compiler.disable(hook)
 
@@ -239,12 +256,18 @@ def _measure(run, obj, managers, clock: _Clock, repeats: int) -> pm.Step:
     runs, walls = [], []
     try:
         for _ in range(repeats):
-            probe.calls, probe._open = [], []
+            probe.calls, probe._open, probe.others = [], [], 0
             clock.sync()
             start = clock.mark()
             run(obj)
             end = clock.mark()
             clock.sync()
+            if not probe.calls and probe.others:
+                raise RuntimeError(
+                    f"layerwise.tune: run(model) called no streamed layer on the thread that called tune, while "
+                    f"another thread called {probe.others} layer(s) of the model: tune measures the calls of its "
+                    "own thread only (another thread serving the model meanwhile is not the step measured). Give "
+                    "tune a run that calls the model itself, on this thread")
             if not probe.calls or any(c[5] is None or c[3] is None or c[4] is None for c in probe.calls):
                 raise RuntimeError("layerwise.tune: run(model) called no streamed layer to the end (or raised "
                                    "inside one): give tune a run that performs one representative step")
@@ -334,11 +357,15 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
     (as at configure); None: what they take now (a re-placement at the same memory);
     "auto": free device memory less 10% (on a CPU device: what they take now).
     depths: the prefetch depths to consider. repeats: probed and timed runs per
-    measurement (medians). apply=False: choose and predict, change nothing."""
+    measurement (medians). apply=False: choose and predict, change nothing.
+    `run` must call the model on the thread that calls tune (only its calls are
+    measured)."""
     if not callable(run):
         raise TypeError("layerwise.tune(model, run, ...): run(model) must be a callable that performs one step")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    # The values configure takes for the same things (numpy and 0-D tensor integers too).
+    repeats = validate_count("repeats", repeats, 1, allow_none=False)
+    if device_budget is not None and not isinstance(device_budget, str):
+        device_budget = validate_bytes("device_budget", device_budget, "'auto' or None")
     depths = tuple(depths)
     if not depths or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in depths):
         raise ValueError(f"depths must be prefetch depths (ints >= 0), got {depths!r}")
