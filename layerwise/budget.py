@@ -52,31 +52,60 @@ def record_host_budget(managers, host_budget, budget_bytes: int) -> None:
         m.host_budget = {"bytes": int(budget_bytes), "source": source, "groups": [g.layer_name for g in managers]}
 
 
+def _ring_bytes(manager, streamed: int, depth: int) -> tuple[int, int]:
+    """(slots, bytes) of the group's slot ring for `streamed` layers at `depth`: slots of
+    the size the manager's ring has (a gather's slots can exceed the largest layer), or
+    of the largest streamed layer before it has one."""
+    _, slots = assign_slots(streamed, depth)
+    ring = manager.ring
+    if ring is not None and ring.num_slots:
+        size = ring.slots[0].numel()
+    else:
+        size = max((lp.nbytes for lp in manager.plan.layers if lp.index not in set(manager.resident)), default=0)
+    return slots, slots * size
+
+
 def streaming_saves_nothing(manager) -> str | None:
     """Why streaming this group saves no device memory, or None: every layer is
-    resident, or every streamed layer has a ring slot of its own (as many slots as
-    streamed layers), so the device holds the whole group either way."""
+    resident, or its slot ring holds at least as many bytes as its streamed layers
+    would hold resident, so keeping the group resident costs the device no more."""
     if not manager.enabled:
         return None
-    streamed = manager.num_layers - len(manager.resident)
-    if streamed == 0:
+    resident = set(manager.resident)
+    streamed = [lp.nbytes for lp in manager.plan.layers if lp.index not in resident]
+    if not streamed:
         return (f"every one of its {manager.num_layers} layers is resident (resident_layers): nothing streams; "
                 "configure_layerwise_offload is not needed for it, or lower resident_layers")
-    _, slots = assign_slots(streamed, manager.prefetch_depth)
-    if slots >= streamed:
-        deepest = streamed // 2 - 1  # the deepest prefetch that leaves fewer slots than layers
-        fix = (f"lower prefetch_depth to {deepest} or less, or make the layers resident" if deepest >= 0 else
-               "make it resident (resident_layers) or leave the group out of layer_names")
-        return (f"each of its {streamed} streamed layer(s) has a ring slot of its own (prefetch_depth="
-                f"{manager.prefetch_depth} needs {slots} slot(s)), so the device holds the whole group anyway; {fix}")
-    return None
+    depth = manager.prefetch_depth
+    slots, ring = _ring_bytes(manager, len(streamed), depth)
+    held = sum(streamed)
+    if ring < held:
+        return None
+    fix = ("keep it resident instead: leave it out of layer_names (offload_pipeline: out of the component's "
+           "entry in components, or the component None) and it moves to the device whole")
+    # A shallower prefetch needs fewer slots: the deepest at which the ring holds less (depth is per call).
+    for d in range(depth - 1, -1, -1):
+        fewer, smaller = _ring_bytes(manager, len(streamed), d)
+        if smaller < held:
+            fix += (f"; or prefetch_depth={d} for every group of the call (a ring of {fewer} slot(s), "
+                    f"{fmt_bytes(smaller)})" + (", at which each layer is copied when it is called, with no "
+                                                "overlap of copy and compute" if d == 0 else ""))
+            break
+    return (f"its ring of {slots} slot(s) for prefetch_depth={depth} takes {fmt_bytes(ring)}, "
+            f"{'as much as' if ring == held else 'more than'} its {len(streamed)} streamed layer(s) take "
+            f"resident ({fmt_bytes(held)}); {fix}")
 
 
-def warn_if_streaming_saves_nothing(managers) -> None:
+def warn_if_streaming_saves_nothing(managers, component: str | None = None) -> None:
+    """One WARNING per group where streaming saves no device memory (configure and
+    offload_pipeline call it once per call; `component`: the pipeline component the
+    groups belong to). A logging WARNING on the "layerwise" logger, as every planner
+    message of the package: shown on stderr where logging is not configured."""
+    where = f"component {component!r}, " if component is not None else ""
     for m in managers:
         why = streaming_saves_nothing(m)
         if why:
-            log.warning("layerwise: layer group %r: streaming saves no device memory: %s", m.layer_name, why)
+            log.warning("layerwise: %slayer group %r: streaming saves no device memory: %s", where, m.layer_name, why)
 
 
 def free_device_bytes(device: torch.device) -> tuple[int, int]:

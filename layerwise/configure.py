@@ -172,7 +172,7 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
     return managers
 
 
-def configure_models(parts, dev, finish=None) -> None:
+def configure_models(parts, dev, finish=None, warn_saves_nothing: bool = True) -> None:
     """Several models' layer groups in one pass (layerwise.offload_pipeline).
 
     `parts`: [(model, managers)], every manager prepared (initialize=False) and
@@ -182,11 +182,13 @@ def configure_models(parts, dev, finish=None) -> None:
     `model.to`, then one `model.to(dev)` per model, then every model's managers
     are finalised in declaration order. Startup device memory therefore does not
     depend on the order of the models either. A failure or Ctrl-C anywhere puts
-    every model back exactly as it was (contract.rollback_on_failure)."""
+    every model back exactly as it was (contract.rollback_on_failure).
+    `warn_saves_nothing=False`: the caller warns about groups where streaming saves
+    nothing itself (offload_pipeline: once per call, naming the component)."""
     def log_all():
         for model, managers in parts:
             if managers:
-                _log_summary(model, managers, dev)
+                _log_summary(model, managers, dev, warn_saves_nothing)
         if finish is not None:  # the caller's own completion, with Ctrl-C still held back
             finish()
 
@@ -201,8 +203,9 @@ def configure_models(parts, dev, finish=None) -> None:
                 m._finalize_initialization()
 
 
-def _log_summary(model, managers, dev) -> None:
-    warn_if_streaming_saves_nothing(managers)
+def _log_summary(model, managers, dev, warn_saves_nothing: bool = True) -> None:
+    if warn_saves_nothing:
+        warn_if_streaming_saves_nothing(managers)
     note_cpu_threads(dev)
     per_dtype: dict = {}
     for m in managers:

@@ -1,13 +1,15 @@
 """Models built without weights, made ready for load_offloaded: `empty_model`
 (parameters on meta, buffers computed for real), buffers left on meta recomputed
 from the config of the module that owns them, the ties a model declares, and
-casts as `model.to(dtype)` makes them (with a warning where `from_pretrained`
-would keep fp32)."""
+the dtypes `load_offloaded(dtype=)` gives: as `from_pretrained(dtype=)` gives them
+for a model that declares modules to keep in fp32, else as `model.to(dtype)` makes
+them (with a warning where `from_pretrained` would keep a buffer in fp32)."""
 from __future__ import annotations
 
 import contextlib
 import inspect
 import logging
+import re
 import threading
 import weakref
 
@@ -115,10 +117,11 @@ def _built_differently(mod: nn.Module, twin: nn.Module, rel: str) -> str | None:
     return None
 
 
-def recompute_buffers(model: nn.Module, wanted: dict) -> tuple[dict, dict]:
-    """Values for meta buffers no checkpoint holds ({full name: meta buffer}): each is
-    taken from a fresh copy of the nearest module on its path that can be rebuilt
-    from its config (built with parameters on meta, so it costs no weights).
+def recompute_buffers(model: nn.Module, wanted: dict, as_computed: bool = False) -> tuple[dict, dict]:
+    """Values for buffers no checkpoint holds ({full name: buffer, on meta or cast}):
+    each is taken from a fresh copy of the nearest module on its path that can be
+    rebuilt from its config (built with parameters on meta, so it costs no weights),
+    in the buffer's dtype, or with `as_computed` in the dtype the copy computes it in.
     Returns ({name: host tensor}, {name: why it could not be recomputed})."""
     modules = dict(model.named_modules())
     twins: dict[str, object] = {}
@@ -155,7 +158,7 @@ def recompute_buffers(model: nn.Module, wanted: dict) -> tuple[dict, dict]:
                         reasons.append(f"the model's {diff} differs from what {what} gives, so it was built with "
                                        "other arguments and the value would be a guess")
                     else:
-                        values[full] = (t.to(meta.dtype), what)
+                        values[full] = (t if as_computed else t.to(meta.dtype), what)
                         break
             if not prefix:
                 break
@@ -218,59 +221,94 @@ def tie_declared(model: nn.Module) -> bool:
     return True
 
 
-def retype(model: nn.Module, dtype: torch.dtype) -> bool:
-    """Give every floating-point parameter of another dtype a fresh meta parameter of
-    `dtype` (same shape and strides), under every name it has. True if any changed."""
+def from_pretrained_rule(model: nn.Module, dtype: torch.dtype):
+    """For a model that declares modules to keep in fp32 (`_keep_in_fp32_modules`,
+    transformers' `_keep_in_fp32_modules_strict`): what `from_pretrained(path, dtype)`
+    of its library keeps in fp32, as a predicate on a tensor's state-dict name. None
+    for any other model (`dtype=` is then `model.to(dtype)`).
+
+    The rules as diffusers 0.42 and transformers 5 apply them. diffusers (ModelMixin):
+    the class's `_keep_in_fp32_modules`, for any dtype; a name is kept when one of
+    them is one of its dot-separated parts (`"norm2" in "blocks.0.norm2.weight".split(".")`).
+    transformers (PreTrainedModel): the model's `_keep_in_fp32_modules` (its
+    submodels' gathered by post_init) in fp16 only, its `_keep_in_fp32_modules_strict`
+    in fp16 and bf16; each is a pattern (`*` any text) searched anywhere in the name
+    (`"gate.weight"` keeps `mlp.gate.weight`)."""
+    for cls in type(model).__mro__:
+        library = cls.__module__.partition(".")[0]
+        if cls.__name__ == "ModelMixin" and library == "diffusers":
+            names = getattr(type(model), "_keep_in_fp32_modules", None)
+            if not names:
+                return None
+            names = [names] if isinstance(names, str) else list(names)
+            return lambda key: any(n in key.split(".") for n in names)
+        if cls.__name__ == "PreTrainedModel" and library == "transformers":
+            loose = list(getattr(model, "_keep_in_fp32_modules", None) or ())
+            strict = list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+            if not loose and not strict:
+                return None
+            patterns = (loose if dtype == torch.float16 else []) + \
+                       (strict if dtype in (torch.float16, torch.bfloat16) else [])
+            if not patterns:
+                return lambda key: False
+            found = re.compile("|".join(p.replace("*", ".*") for p in patterns))
+            return lambda key: found.search(key) is not None
+    return None
+
+
+def dtype_at_load(dtype: torch.dtype, keep):
+    """The dtype `load_offloaded(dtype=)` gives a parameter or a checkpoint buffer:
+    (tensor, its full names) -> dtype. Floating-point ones take `dtype`, except those
+    `keep` (from_pretrained_rule) keeps in fp32 under any of their names; others keep theirs."""
+    def want(t: torch.Tensor, names) -> torch.dtype:
+        if not t.is_floating_point():
+            return t.dtype
+        return torch.float32 if keep is not None and any(keep(n) for n in names) else dtype
+    return want
+
+
+def retype(model: nn.Module, dtype: torch.dtype, keep=None) -> bool:
+    """Give every floating-point parameter whose dtype at load (dtype_at_load) is not
+    its own a fresh meta parameter of that dtype (same shape and strides), under every
+    name it has. True if any changed."""
+    want = dtype_at_load(dtype, keep)
+    names: dict[int, list[str]] = {}
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append(f"{prefix}.{attr}" if prefix else attr)
     new: dict[int, nn.Parameter] = {}
     for mod in model.modules():
         for attr, p in mod._parameters.items():
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
+            if p is None or want(p, names[id(p)]) == p.dtype:
                 continue
             if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype, device="meta"),
+                new[id(p)] = nn.Parameter(torch.empty_like(p, dtype=want(p, names[id(p)]), device="meta"),
                                           requires_grad=p.requires_grad)
             mod._parameters[attr] = new[id(p)]
     return bool(new)
 
 
-def _unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """What `dtype=` casts that `from_pretrained(dtype=...)` keeps in fp32: the
-    modules named by a `_keep_in_fp32_modules` (transformers, diffusers) and the
-    non-persistent floating buffers the model computed (RoPE `inv_freq`)."""
+def _unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """The fp32 buffers the model computed (non-persistent: RoPE `inv_freq`) that
+    `dtype=` casts, as model.to(dtype) would, where `from_pretrained(dtype=...)`
+    leaves them as computed."""
     if dtype == torch.float32:
-        return [], []
-    keep = []
-    for prefix, owner in model.named_modules():
-        names = set(getattr(owner, "_keep_in_fp32_modules", None) or ())
-        names |= set(getattr(owner, "_keep_in_fp32_modules_strict", None) or ())
-        if not names:
-            continue
-        for name, sub in owner.named_modules(prefix=prefix):
-            if sub is not owner and names & set(name.split(".")) and any(
-                    p.is_floating_point() and p.dtype != dtype for p in sub.parameters(recurse=False)):
-                keep.append(name)
-    buffers = [f"{n}.{attr}" if n else attr for n, mod in model.named_modules()
-               for attr, b in mod._buffers.items()
-               if b is not None and attr in mod._non_persistent_buffers_set and b.is_floating_point()
-               and b.dtype == torch.float32]
-    return keep, buffers
+        return []
+    return [f"{n}.{attr}" if n else attr for n, mod in model.named_modules() for attr, b in mod._buffers.items()
+            if b is not None and attr in mod._non_persistent_buffers_set and b.dtype == torch.float32]
 
 
 def warn_unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
-    keep, buffers = _unlike_from_pretrained(model, dtype)
-    if not keep and not buffers:
+    """For a model without fp32 modules to keep (from_pretrained_rule is None), where
+    `dtype=` is model.to(dtype): a WARNING naming the fp32 buffers it casts."""
+    buffers = _unlike_from_pretrained(model, dtype)
+    if not buffers:
         return
-
-    def listed(items):
-        return ", ".join(items[:8]) + (f" (and {len(items) - 8} more)" if len(items) > 8 else "")
-
-    what = []
-    if keep:
-        what.append(f"the {len(keep)} module(s) of _keep_in_fp32_modules ({listed(keep)})")
-    if buffers:
-        what.append(f"the fp32 buffers the model computes ({listed(buffers)})")
+    listed = ", ".join(buffers[:8]) + (f" (and {len(buffers) - 8} more)" if len(buffers) > 8 else "")
     log.warning(
-        "layerwise: load_offloaded(dtype=%s) casts like model.to(%s), so the model differs from "
-        "from_pretrained(dtype=%s), which keeps %s in fp32; outputs will differ. To match from_pretrained, build "
-        "the model in that dtype (transformers: from_config(config, dtype=%s)) from a checkpoint stored in it, and "
-        "leave dtype= out (README, 'Loading a checkpoint')", dtype, dtype, dtype, " and ".join(what), dtype)
+        "layerwise: load_offloaded(dtype=%s) casts the fp32 buffers the model computes (%s) to %s, as "
+        "model.to(%s) would, where from_pretrained(dtype=%s) keeps them in fp32; outputs will differ. To match "
+        "from_pretrained, build the model in that dtype (transformers: from_config(config, dtype=%s)) from a "
+        "checkpoint stored in it, and leave dtype= out (README, 'Loading a checkpoint')",
+        dtype, listed, dtype, dtype, dtype, dtype)

@@ -45,7 +45,8 @@ from .budget import record_host_budget
 from .hostplan import plan_host_budget
 from .configure import _build, _prepare
 from .options import OffloadOptions, named_options
-from .empty import recompute_buffers, retype, tie_declared, warn_unlike_from_pretrained
+from .empty import (dtype_at_load, from_pretrained_rule, recompute_buffers, retype, tie_declared,
+                    warn_unlike_from_pretrained)
 from .formats import quantized
 from .formats import safetensors as sft
 from .formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
@@ -78,7 +79,11 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     all); non-persistent buffers left on meta are recomputed from the config of the
     module that owns them. `dtype` (a floating-point dtype) casts every floating-point
     parameter and buffer to it while reading, as `model.to(dtype)` would; without it
-    the checkpoint's dtypes must be the model's.
+    the checkpoint's dtypes must be the model's. For a model that declares modules to
+    keep in fp32 (`_keep_in_fp32_modules`: diffusers' Wan, transformers' T5), `dtype=`
+    gives it what `from_pretrained(path, dtype)` gives it instead: those modules'
+    tensors in fp32 by its library's rule (empty.from_pretrained_rule), the rest of the
+    checkpoint in `dtype`, and the buffers the model computes as a fresh build computes them.
 
     `host_budget` (bytes, or "auto") caps the host memory the weights take: the
     layers that do not fit stay in the checkpoint files and stream disk ->
@@ -111,6 +116,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
             stored[key] = s
 
     managers = _prepare(model, layer_names, options)  # (a configured model, bad paths) before anything changes
+    keep = None  # what from_pretrained keeps in fp32; None: dtype= is model.to(dtype)
     if dtype is not None:
         for name, p in model.named_parameters():
             if quantized.is_wrapper(p) and p.dtype != dtype:
@@ -119,18 +125,20 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
                     f"(a quantized wrapper tensor computing in {p.dtype}); its inner tensors keep the dtypes they "
                     f"are stored in. Quantize the meta model in {dtype} (or load without dtype=). The model is "
                     "unchanged.")
-        warn_unlike_from_pretrained(model, dtype)
+        keep = from_pretrained_rule(model, dtype)
+        if keep is None:
+            warn_unlike_from_pretrained(model, dtype)
     # Ties and dtype change which parameter objects the model holds (and so the
     # plan): done now, put back if anything later fails.
     registered = _parameter_entries(model)
     try:
         changed = tie_declared(model)
         if dtype is not None:
-            changed = retype(model, dtype) or changed
+            changed = retype(model, dtype, keep) or changed
         if changed:
             managers = _prepare(model, layer_names, options)
         forms = quantized.checkpoint_forms(sft.read_metadata(path) for path in files)
-        return _load(model, managers, options, files, stored, strict, dtype, forms)
+        return _load(model, managers, options, files, stored, strict, dtype, forms, keep)
     except BaseException:
         if not contract.managers_of(model):  # (a Ctrl-C delivered once the model was whole keeps it)
             for mod, attr, p in registered:
@@ -138,12 +146,17 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         raise
 
 
-def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype, forms):
-    """`forms`: the quantized wrappers' forms the checkpoint records (formats/quantized.checkpoint_forms)."""
+def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype, forms, keep=None):
+    """`forms`: the quantized wrappers' forms the checkpoint records (formats/quantized.checkpoint_forms);
+    `keep`: what from_pretrained(dtype=) keeps in fp32 (empty.from_pretrained_rule), None: dtype= is model.to."""
     dev = options.device
+    cast = dtype_at_load(dtype, keep) if dtype is not None else None
+    # from_pretrained never casts a buffer the model computes (non-persistent): with a
+    # `keep` rule such a buffer stays as a fresh build computes it.
+    as_computed = keep is not None
 
-    def want(t: torch.Tensor) -> torch.dtype:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+    def want(t: torch.Tensor, name: str) -> torch.dtype:
+        return cast(t, [name]) if cast is not None else t.dtype
 
     # Every name of every parameter and buffer, and where it sits.
     param_names: dict[int, list[str]] = {}
@@ -210,16 +223,29 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
         if len(present) > 1:  # one tensor under two names (tied): the checkpoint must agree with itself
             _same_values(stored, present)
 
-    meta_buffers = {}
+    meta_buffers, cast_down = {}, {}
     for mod, attr, full, persistent in buffers:
         b = mod._buffers[attr]
         if persistent and full in stored:
-            check(full, stored[full], b.shape, want(b))
+            check(full, stored[full], b.shape, want(b, full))
         elif b.is_meta:
             meta_buffers[full] = b
+        elif as_computed and b.is_floating_point() and b.element_size() < 4:
+            cast_down[full] = b
     recomputed = {}
+    if cast_down:
+        # A computed buffer in less than fp32 was cast before loading (model.to(dtype) on a model
+        # built under accelerate.init_empty_weights): from_pretrained has it as computed.
+        recomputed, why = recompute_buffers(model, cast_down, as_computed=True)
+        recomputed = {n: v for n, v in recomputed.items() if v[0].dtype != cast_down[n].dtype}
+        for full, reason in why.items():
+            log.warning("layerwise: load_offloaded(dtype=%s): buffer %r holds values cast to %s before loading, "
+                        "where from_pretrained(dtype=%s) holds them as the model computes them, and layerwise "
+                        "cannot recompute them (%s): build the model without .to(dtype) and let dtype= cast it",
+                        dtype, full, cast_down[full].dtype, dtype, reason)
     if meta_buffers:
-        recomputed, why = recompute_buffers(model, meta_buffers)
+        more, why = recompute_buffers(model, meta_buffers, as_computed=as_computed)
+        recomputed.update(more)
         if why:
             full, reason = next(iter(why.items()))
             others = [n for n in why if n != full]
@@ -229,6 +255,7 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                 f"with its buffers computed and only its parameters on meta: `model = layerwise.empty_model("
                 f"{type(model).__name__}, ...)` (or under accelerate.init_empty_weights()), not under "
                 "`torch.device('meta')`")
+    if recomputed:
         log.info("layerwise: recomputed %d buffer(s) the checkpoint does not hold: %s", len(recomputed),
                  ", ".join(f"{n} (from {what})" for n, (_, what) in recomputed.items()))
 
@@ -325,11 +352,12 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
             for mod, attr, full, persistent in buffers:
                 b = mod._buffers[attr]
                 if persistent and full in stored:
-                    mod._buffers[attr] = sft.host_tensor(stored[full], want(b)).to(dev)
+                    mod._buffers[attr] = sft.host_tensor(stored[full], want(b, full)).to(dev)
                 elif full in recomputed:
-                    mod._buffers[attr] = recomputed[full][0].to(want(b)).to(dev)
-                elif want(b) != b.dtype:
-                    mod._buffers[attr] = b.to(want(b))
+                    value = recomputed[full][0]
+                    mod._buffers[attr] = (value if as_computed else value.to(want(b, full))).to(dev)
+                elif not as_computed and want(b, full) != b.dtype:
+                    mod._buffers[attr] = b.to(want(b, full))
 
         fds = {path: os.open(path, os.O_RDONLY) for path in files}
         evict = None if options.host_budget is None else PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers))

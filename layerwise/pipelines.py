@@ -46,7 +46,8 @@ from torch import nn
 from . import contract, stages
 from .hostmem import PinBudget, pinnable_host_bytes
 from .hostplan import plan_spill
-from .budget import apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget
+from .budget import (apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget,
+                     warn_if_streaming_saves_nothing)
 from .configure import _prepare, configure_models, managers_of
 from .options import OffloadOptions, named_options, validate_bytes
 from .plan import local_tensor
@@ -384,8 +385,9 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
     return _offload(pipe, opts, components, pin_budget, uses)
 
 
-def _offload(pipe, options: OffloadOptions, components, pin_budget, uses) -> dict[str, list]:
-    """offload_pipeline with its options validated (`uses`: a dict or None)."""
+def _offload(pipe, options: OffloadOptions, components, pin_budget, uses, warmup: bool = False) -> dict[str, list]:
+    """offload_pipeline with its options validated (`uses`: a dict or None; `warmup`: the
+    pageable pass that counts uses, whose groups are told about at the final pass)."""
     if _STATE in getattr(pipe, "__dict__", {}):
         raise RuntimeError(f"{type(pipe).__name__} is already offloaded by layerwise.offload_pipeline; call "
                            "layerwise.remove_pipeline_offload(pipe) first")
@@ -418,6 +420,9 @@ def _offload(pipe, options: OffloadOptions, components, pin_budget, uses) -> dic
     # first, so that the host budget counts this rank's shares
     with stages.attached(streamed_managers, options):
         budget = _plan_and_configure(pipe, parts, kept, streamed_managers, options, pin_budget, uses)
+    if not warmup:
+        for c in parts:
+            warn_if_streaming_saves_nothing(c.managers, component=c.name)
     pinned = [f"{c.name}.{g.layer_name}" for c in parts for g in c.groups if g.manager.stats()["arena_pinned"]]
     log.info("layerwise: %s offloaded to %s: streamed %s, whole on the device %s; pin budget %s (%s); pinned %s",
              type(pipe).__name__, dev, [c.name for c in parts if c.managers],
@@ -467,7 +472,7 @@ def _plan_and_configure(pipe, parts, kept, streamed_managers, options: OffloadOp
                 _restore_component(c)
             raise
 
-    configure_models([(c.module, c.managers) for c in parts], dev, finish=finish)
+    configure_models([(c.module, c.managers) for c in parts], dev, finish=finish, warn_saves_nothing=False)
     return budget
 
 
@@ -487,7 +492,7 @@ def _offload_with_warmup(pipe, warmup: Callable, components, pin_budget, options
     """uses=<callable>: offload pageable, run the warm-up, count how often each
     group ran (its first layer's hook), put the pipeline back and offload it
     again with those counts."""
-    managers = _offload(pipe, dataclasses.replace(options, pin_memory=False), components, None, None)
+    managers = _offload(pipe, dataclasses.replace(options, pin_memory=False), components, None, None, warmup=True)
     try:
         before = {(name, m.layer_name): m.stats()["steps"] for name, ms in managers.items() for m in ms}
         warmup(pipe)

@@ -19,7 +19,7 @@ from torch import nn
 
 import layerwise
 from layerwise.configure import managers_of
-from test_real_models import ARCHS, run
+from test_real_models import ARCHS, run, run_bf16
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -249,10 +249,12 @@ def _cast_inputs(kwargs, dtype):
 @pytest.mark.parametrize("name,saved,loaded", [
     ("llama", torch.float32, torch.bfloat16),
     ("llama", torch.bfloat16, torch.float32),
-    ("wan", torch.float32, torch.float16),
+    ("flux", torch.float32, torch.float16),
     ("flux", torch.float16, torch.bfloat16),
 ])
 def test_dtype_at_load_is_model_to_dtype(tmp_path, name, saved, loaded):
+    """For a model that declares no fp32 modules to keep (Wan, T5:
+    test_dtype_at_load_keeps_fp32_modules_as_from_pretrained)."""
     arch = ARCHS[name]
     pytest.importorskip(arch.package)
     torch.manual_seed(0)
@@ -485,10 +487,12 @@ def test_readme_disk_tier_recipe_runs_as_written(tmp_path):
     assert m.stats()["last_step"]["bytes_read"] > 0
 
 
-@pytest.mark.parametrize("name", ["llama", "wan"])
+@pytest.mark.parametrize("name", ["llama"])
 def test_dtype_at_load_warns_where_from_pretrained_keeps_fp32(tmp_path, caplog, name):
-    """dtype= is model.to(dtype): where from_pretrained(dtype=) keeps a module or a buffer
-    in fp32 (Llama's inv_freq, Wan's _keep_in_fp32_modules), a WARNING names them."""
+    """dtype= is model.to(dtype) for a model with no fp32 modules to keep: where
+    from_pretrained(dtype=) keeps a buffer the model computes in fp32 (Llama's inv_freq),
+    a WARNING names it. (Wan's _keep_in_fp32_modules stay fp32: no warning,
+    test_dtype_at_load_keeps_fp32_modules_as_from_pretrained.)"""
     arch = ARCHS[name]
     pytest.importorskip(arch.package)
     torch.manual_seed(0)
@@ -499,7 +503,7 @@ def test_dtype_at_load_warns_where_from_pretrained_keeps_fp32(tmp_path, caplog, 
         layerwise.load_offloaded(model, checkpoint(tmp_path), arch.groups, device="cpu", dtype=torch.bfloat16)
     text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "from_pretrained" in text, text
-    assert ("inv_freq" in text) if name == "llama" else ("_keep_in_fp32_modules" in text and "norm" in text), text
+    assert "inv_freq" in text, text
     layerwise.remove_layerwise_offload(model)
     caplog.clear()
     with torch.device("meta"):
@@ -523,6 +527,129 @@ def test_wan_cast_whole_to_bf16_is_refused_against_a_from_pretrained_checkpoint(
     with pytest.raises(ValueError, match=r"is torch.float32.* but the model expects torch.bfloat16"):
         layerwise.load_offloaded(model, checkpoint(tmp_path / "bf16"), arch.groups, device="cpu")
     assert untouched(model, before)
+
+
+# -------------------------------- dtype= keeps what from_pretrained keeps in fp32
+def _t5(kind):
+    import transformers
+
+    cls, cfg = {"t5": (transformers.T5EncoderModel, transformers.T5Config),
+                "umt5": (transformers.UMT5EncoderModel, transformers.UMT5Config)}[kind]
+    return cls, cfg(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=4, num_heads=4,
+                    feed_forward_proj="gated-gelu")
+
+
+def _keep_case(name):
+    """(resident model, build on meta from the saved folder, from_pretrained(folder, dtype), groups, forward)."""
+    if name == "wan":
+        arch = ARCHS["wan"]
+        pytest.importorskip(arch.package)
+        cls = type(arch.build())
+
+        def forward(model, dtype):
+            args, kwargs = arch.inputs(1)
+            with torch.no_grad():
+                return arch.output(model(*args, **_cast_inputs(kwargs, dtype)))
+
+        return (arch.build, lambda path: cls.from_config(cls.load_config(path)),
+                lambda path, dtype: cls.from_pretrained(path, torch_dtype=dtype), arch.groups, forward)
+    pytest.importorskip("transformers")
+    cls, cfg = _t5(name)
+    ids = torch.tensor([[5, 17, 9, 3, 42, 7], [6, 8, 11, 60, 33, 1]])
+
+    def forward(model, dtype):
+        with torch.no_grad():
+            return model(input_ids=ids).last_hidden_state
+
+    return (lambda: cls(cfg), lambda path: cls(cfg), lambda path, dtype: cls.from_pretrained(path, dtype=dtype),
+            ["encoder.block"], forward)
+
+
+@pytest.mark.parametrize("name,dtype,kept", [
+    ("wan", torch.bfloat16, True), ("wan", torch.float16, True),  # diffusers: any dtype
+    ("t5", torch.float16, True), ("umt5", torch.float16, True),   # transformers: _keep_in_fp32_modules in fp16 only
+    ("t5", torch.bfloat16, False),                                # (_strict ones in bf16 too)
+])
+@pytest.mark.parametrize("build", ["meta", "meta_cast", "init_empty_weights_cast"])
+def test_dtype_at_load_keeps_fp32_modules_as_from_pretrained(tmp_path, caplog, name, dtype, kept, build):
+    """The recipe for a model that declares _keep_in_fp32_modules: build it without weights
+    (in the dtype it was declared in, or already cast), load_offloaded(..., dtype=): every
+    parameter and buffer in the dtype from_pretrained(path, dtype) gives it, and the
+    same bits out, with no WARNING (there is no difference left to warn about)."""
+    make, on_meta, from_pretrained, groups, forward = _keep_case(name)
+    torch.manual_seed(0)
+    make().eval().save_pretrained(tmp_path)
+    want = from_pretrained(tmp_path, dtype).eval()
+    fp32 = sorted(n for n, p in want.named_parameters() if p.dtype == torch.float32)
+    assert bool(fp32) == kept, fp32  # the case really has modules kept in fp32 (or none)
+    if build == "init_empty_weights_cast":  # buffers computed for real, then cast down with the rest
+        accelerate = pytest.importorskip("accelerate")
+        with accelerate.init_empty_weights():
+            model = on_meta(tmp_path).eval().to(dtype)
+    else:
+        with torch.device("meta"):
+            model = on_meta(tmp_path).eval()
+        if build == "meta_cast":
+            model = model.to(dtype)
+    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        layerwise.load_offloaded(model, checkpoint(tmp_path), groups, device="cpu", dtype=dtype)
+    assert not [r for r in caplog.records if r.name == "layerwise" and r.levelno >= logging.WARNING], caplog.text
+    assert {n: p.dtype for n, p in model.named_parameters()} == {n: p.dtype for n, p in want.named_parameters()}
+    assert_bitwise(state(model), state(want))
+    for _ in range(2):
+        a, b = forward(model, dtype), forward(want, dtype)
+        assert a.dtype == b.dtype and torch.equal(raw(a), raw(b))
+    layerwise.remove_layerwise_offload(model)
+    assert_bitwise(state(model), state(want))
+
+
+def test_wan_checkpoint_saved_by_from_pretrained_loads_into_a_bf16_model_with_dtype(tmp_path):
+    """The checkpoint a bf16 Wan pipeline saves (fp32 _keep_in_fp32_modules, bf16 elsewhere),
+    into a model cast whole to bf16: refused without dtype= (naming the tensor and dtype=),
+    then with the dtype= it names, equal to from_pretrained."""
+    arch = ARCHS["wan"]
+    pytest.importorskip(arch.package)
+    cls = type(arch.build())
+    torch.manual_seed(0)
+    arch.build().eval().save_pretrained(tmp_path / "fp32")
+    cls.from_pretrained(tmp_path / "fp32", torch_dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    want = cls.from_pretrained(tmp_path / "bf16", torch_dtype=torch.bfloat16).eval()
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(tmp_path / "bf16")).eval().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"is torch.float32.* but the model expects torch.bfloat16.*"
+                                         r"pass dtype=torch.bfloat16 to load_offloaded"):
+        layerwise.load_offloaded(model, checkpoint(tmp_path / "bf16"), arch.groups, device="cpu")
+    layerwise.load_offloaded(model, checkpoint(tmp_path / "bf16"), arch.groups, device="cpu", dtype=torch.bfloat16)
+    assert_bitwise(state(model), state(want))
+    for seed in (1, 2):
+        assert torch.equal(run_bf16(arch, model, seed), run_bf16(arch, want, seed))
+
+
+def test_strict_fp32_patterns_match_as_transformers_matches_them(tmp_path, caplog):
+    """transformers' _keep_in_fp32_modules_strict (kept in bf16 too) are patterns, `*` any
+    text, searched anywhere in the name (not diffusers' dot-separated parts): "Dense*.wo"
+    keeps DenseReluDense.wo.weight. dtype= keeps exactly what from_pretrained keeps."""
+    transformers = pytest.importorskip("transformers")
+
+    class StrictT5(transformers.T5EncoderModel):
+        _keep_in_fp32_modules_strict = ("Dense*.wo",)
+
+    _, cfg = _t5("t5")
+    torch.manual_seed(0)
+    StrictT5(cfg).eval().save_pretrained(tmp_path)
+    want = StrictT5.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    with torch.device("meta"):
+        model = StrictT5(cfg).eval()
+    with caplog.at_level(logging.WARNING, logger="layerwise"):
+        layerwise.load_offloaded(model, checkpoint(tmp_path), ["encoder.block"], device="cpu", dtype=torch.bfloat16)
+    assert not [r for r in caplog.records if r.name == "layerwise" and r.levelno >= logging.WARNING], caplog.text
+    kept = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert kept == {f"encoder.block.{i}.layer.1.DenseReluDense.wo.weight" for i in range(4)}
+    assert {n: p.dtype for n, p in model.named_parameters()} == {n: p.dtype for n, p in want.named_parameters()}
+    assert_bitwise(state(model), state(want))
+    ids = torch.tensor([[5, 17, 9, 3, 42, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).last_hidden_state, want(input_ids=ids).last_hidden_state)
 
 
 # ------------------------------------------------- found by attacking the loader
