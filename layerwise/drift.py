@@ -20,11 +20,13 @@ ends on the same views, so they never fire it. A parameter found elsewhere is
 settled at once (`settle`):
 
 - adopted, when it kept its element count (a repacked layout, a copy, or a cast to
-  a narrower dtype in a layer held in the arena): its new bytes become the layer's true bytes (through the manager's write
-  path: the arena, or a stage that re-encodes), its entry takes the new shape,
-  and the parameter is bound back to its slot. From then on the derived form is
-  what streams, what state_dict() reads and what removal gives back: the
-  library's own state and its bytes agree, as in the resident model.
+  a narrower dtype, in its place): its new bytes become the layer's true bytes
+  through the manager's write path, whatever holds them (the arena; an encoded
+  block, re-encoded; a spill file, rewritten; this rank's share, collectively),
+  its entry takes the new shape and dtype, and the parameter is bound back to
+  its slot. From then on the derived form is what streams, what state_dict()
+  reads and what removal gives back: the library's own state and its bytes
+  agree, as in the resident model.
 - refused otherwise (another size, a wider dtype, a layer whose true bytes
   cannot be written, a sharded or wrapper parameter): it is bound back to its
   slot, its true bytes unchanged, and a RuntimeError names the parameter, its
@@ -113,12 +115,11 @@ def _why_not(manager, i: int, e, now) -> str | None:
         return f"it became a {quantized.library_type(now)}"
     if now.numel() != e.numel:
         return "a streamed parameter keeps its number of elements while offloaded (its slot is planned for it)"
-    if now.dtype != e.dtype:
-        if now.element_size() > e.dtype.itemsize:
-            return (f"a streamed parameter can take a narrower dtype in its place, not a wider one ({now.dtype} "
-                    f"does not fit where {e.numel} {e.dtype} elements were planned)")
-        if manager._layer_host(i) is None:
-            return "its layer's bytes are kept encoded or elsewhere, by segments planned per dtype"
+    # A narrower dtype in its place is a write of bytes wherever the layer's bytes are kept (the codec
+    # is lossless for any bit pattern in a segment planned for another dtype; a file holds bytes).
+    if now.dtype != e.dtype and now.element_size() > e.dtype.itemsize:
+        return (f"a streamed parameter can take a narrower dtype in its place, not a wider one ({now.dtype} "
+                f"does not fit where {e.numel} {e.dtype} elements were planned)")
     if now.device.type == "meta":
         return "its new data is on the meta device"
     if not manager._src[i].writable:
