@@ -445,6 +445,66 @@ def test_a_rebind_that_cannot_stream_is_refused_naming_module_and_library(derive
     assert_state_equal(model.state_dict(), sd)
 
 
+class PackingOnce(nn.Module):
+    """A toy library that keeps state describing its weight's layout, as bitsandbytes'
+    quant_state does: its first forward repacks weight.data (rows reversed), and it
+    computes from the packed layout ever after."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) / 16)
+        self.packed = False
+
+    def forward(self, x):
+        if not self.packed:
+            self.weight.data, self.packed = self.weight.data.flip(0), True
+        return x @ self.weight.flip(0).t()
+
+
+class PackingToys(Toys):
+    def __init__(self, n=4):
+        nn.Module.__init__(self)
+        torch.manual_seed(5)
+        self.blocks = nn.ModuleList([PackingOnce() for _ in range(n)])
+
+
+@pytest.mark.parametrize("kind", ["toy", "nf4-bf16"])
+def test_a_rebind_into_a_checkpoint_layer_is_held_refused_until_removal_then_exact(kind, tmp_path):
+    """A layer streamed from a checkpoint file layerwise does not write cannot take
+    what its library rebound; bound back to its old bytes, a library that recorded the
+    change (PackingOnce, bitsandbytes' quant_state) would compute garbage from its next
+    call on. So the layer refuses every later call, and removal gives each such
+    parameter the data its library made: exact against the resident model again."""
+    from safetensors.torch import save_file
+
+    build = PackingToys if kind == "toy" else (lambda: make("nf4", mix=False))
+    xs = _xs() if kind == "toy" else inputs()
+    ref, model = build(), build()
+    ckpt = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, ckpt)
+    opts = {"device": "cpu", "strict": False}
+    with pytest.raises(ValueError, match=r"even with every streamed layer on disk") as err:
+        layerwise.load_offloaded(model, ckpt, "blocks", host_budget=1, **opts)
+    least = int(re.search(r"\((\d+) bytes", str(err.value)).group(1))
+    [m] = layerwise.load_offloaded(model, ckpt, "blocks", host_budget=least, **opts)
+    assert m.stats()["disk"]["layers"] == len(m.ring.streamed) and not m.stats()["disk"]["spill"]
+    expect = run(ref, xs)
+    with pytest.raises(RuntimeError, match=r"blocks\.0\..* does not write\. The parameter is bound to its true "
+                                           r"bytes again, unchanged, and its layer refuses every call from now on.*"
+                                           r"remove_layerwise_offload.*spill_dir="):
+        run(model, xs)
+    assert_computes_from_slots(model)
+    for call in (lambda: run(model, xs), model.state_dict):  # never silently: PackingOnce would not repack again
+        with pytest.raises(RuntimeError, match=r"layer 0 of group 'blocks' refuses .*, as since an earlier call: "
+                                               r"blocks\.0\."):
+            call()
+    layerwise.remove_layerwise_offload(model)
+    assert not managers_of(model)
+    assert same(run(model, xs), expect)
+    assert same(run(model, xs), run(ref, xs))
+    assert_state_equal(model.state_dict(), ref.state_dict())
+
+
 def test_the_rebinds_layerwise_does_itself_never_fire_it(monkeypatch):
     from tests.test_quantized import Stack as Plain
 
