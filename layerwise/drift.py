@@ -20,15 +20,27 @@ ends on the same views, so they never fire it. A parameter found elsewhere is
 settled at once (`settle`):
 
 - adopted, when it kept its element count (a repacked layout, a copy, or a cast to
-  a narrower dtype in a layer held in the arena): its new bytes become the layer's true bytes (through the manager's write
-  path: the arena, or a stage that re-encodes), its entry takes the new shape,
-  and the parameter is bound back to its slot. From then on the derived form is
-  what streams, what state_dict() reads and what removal gives back: the
-  library's own state and its bytes agree, as in the resident model.
+  a narrower dtype, in its place): its new bytes become the layer's true bytes
+  through the manager's write path, whatever holds them (the arena; an encoded
+  block, re-encoded; a spill file, rewritten; this rank's share, collectively),
+  its entry takes the new shape and dtype, and the parameter is bound back to
+  its slot. From then on the derived form is what streams, what state_dict()
+  reads and what removal gives back: the library's own state and its bytes
+  agree, as in the resident model.
 - refused otherwise (another size, a wider dtype, a layer whose true bytes
   cannot be written, a sharded or wrapper parameter): it is bound back to its
   slot, its true bytes unchanged, and a RuntimeError names the parameter, its
   module and library, and what to do.
+
+A library may keep state that describes what it made: bitsandbytes' quant_state
+says "packed for the CPU" once it repacked, and never repacks again. Bound back
+to its old bytes, such a layer would compute garbage from its next call on,
+silently. So where only the layer's storage refuses (a checkpoint file layerwise
+does not write; the new value itself could stream), what the library made is
+*held*: the layer refuses every later call that would compute from or read its
+bytes (forward, state_dict, load, edit, set_residency), naming the first
+refusal, and removal gives each held parameter the data its library made, as the
+resident model has it.
 """
 from __future__ import annotations
 
@@ -79,10 +91,13 @@ class Bound:
                 self.chunks[i] = [(params[k:k + self.PER_HOOK], ptrs[k:k + self.PER_HOOK], k)
                                   for k in range(0, len(params), self.PER_HOOK)]
                 self.cursor[i] = 0
+        self.held: dict = {}  # layer -> (why it refuses, {id(entry): (entry, the data its library made)})
 
     def check(self, manager, i: int, where: str = "its forward") -> None:
         """Layer i's parameters (PER_HOOK of them, in turn) still point into its slot;
         the others are settled. (Sliced once at setup: the hook only compares.)"""
+        if self.held and i in self.held:
+            self._refuse_held(manager, i, where)
         chunks = self.chunks.get(i)
         if chunks is None:
             return
@@ -93,18 +108,52 @@ class Bound:
         if [*map(_data_ptr, params)] != ptrs:
             self._settle(manager, i, start, start + len(params), where)
 
-    def check_all(self, manager, layers=None, where: str = "its module") -> None:
+    def check_all(self, manager, layers=None, where: str = "its module", removing: bool = False) -> None:
         """Every parameter of `layers` (default: every streamed layer), before their
-        true bytes are read or written."""
+        true bytes are read or written; a held layer refuses (module doc), but to
+        `removing`, which takes what its library made (`give_back_held`)."""
         for i in self.layers if layers is None else layers:
+            if self.held and i in self.held and not removing:
+                self._refuse_held(manager, i, where)
             rec = self.layers.get(i)
             if rec is not None and [*map(_data_ptr, rec[0])] != rec[1]:
-                self._settle(manager, i, 0, len(rec[0]), where)
+                self._settle(manager, i, 0, len(rec[0]), where, quiet=removing)
 
-    def _settle(self, manager, i, start, end, where) -> None:
+    def _settle(self, manager, i, start, end, where, quiet: bool = False) -> None:
         params, ptrs, entries = self.layers[i]
         settle(manager, i, [e for e, p, x in zip(entries[start:end], params[start:end], ptrs[start:end])
-                            if p.data_ptr() != x], where)
+                            if p.data_ptr() != x], where, quiet)
+
+    def _refuse_held(self, manager, i: int, where: str) -> None:
+        """Layer i holds what its library made (module doc): whatever the library
+        rebound since is held in turn, and the call is refused."""
+        rec = self.layers.get(i)
+        if rec is not None and [*map(_data_ptr, rec[0])] != rec[1]:
+            self._settle(manager, i, 0, len(rec[0]), where, quiet=True)  # (held in turn: what it made last)
+        raise RuntimeError(f"layerwise: layer {i} of group {manager.layer_name!r} refuses {where}, as since an "
+                           f"earlier call: {self.held[i][0]}")
+
+    def hold(self, i: int, why: str, found) -> None:
+        """Layer i refuses from now on (`why`, the first refusal's); `found` [(entry, data
+        its library made)], the latest kept."""
+        first, data = self.held.get(i, (why, {}))
+        data.update({id(e): (e, now) for e, now in found})
+        self.held[i] = (first, data)
+
+    def give_back_held(self, prepared: list, original_devices: bool = False) -> list:
+        """Removal's [(entry, new data)] with each held parameter given the data its
+        library made (on its original device with `original_devices`)."""
+        made = {k: v for _, data in self.held.values() for k, v in data.items()}
+        if not made:
+            return prepared
+        out = []
+        for e, new in prepared:
+            if e is not None and id(e) in made:
+                now = made[id(e)][1]
+                dev = e.orig_device if original_devices else now.device
+                new = now if dev.type == "meta" or dev == now.device else now.to(dev)
+            out.append((e, new))
+        return out
 
 
 def _why_not(manager, i: int, e, now) -> str | None:
@@ -113,17 +162,19 @@ def _why_not(manager, i: int, e, now) -> str | None:
         return f"it became a {quantized.library_type(now)}"
     if now.numel() != e.numel:
         return "a streamed parameter keeps its number of elements while offloaded (its slot is planned for it)"
-    if now.dtype != e.dtype:
-        if now.element_size() > e.dtype.itemsize:
-            return (f"a streamed parameter can take a narrower dtype in its place, not a wider one ({now.dtype} "
-                    f"does not fit where {e.numel} {e.dtype} elements were planned)")
-        if manager._layer_host(i) is None:
-            return "its layer's bytes are kept encoded or elsewhere, by segments planned per dtype"
+    # A narrower dtype in its place is a write of bytes wherever the layer's bytes are kept (the codec
+    # is lossless for any bit pattern in a segment planned for another dtype; a file holds bytes).
+    if now.dtype != e.dtype and now.element_size() > e.dtype.itemsize:
+        return (f"a streamed parameter can take a narrower dtype in its place, not a wider one ({now.dtype} "
+                f"does not fit where {e.numel} {e.dtype} elements were planned)")
     if now.device.type == "meta":
         return "its new data is on the meta device"
     if not manager._src[i].writable:
-        return "its layer's true bytes are read from a file that layerwise does not write"
+        return _READ_ONLY
     return None
+
+
+_READ_ONLY = "its layer's true bytes are read from a file that layerwise does not write"
 
 
 def _describe(e, now=None) -> str:
@@ -135,9 +186,9 @@ def _describe(e, now=None) -> str:
             f"{e.dtype}{list(e.shape)})")
 
 
-def settle(manager, i: int, drifted: list, where: str) -> None:
+def settle(manager, i: int, drifted: list, where: str, quiet: bool = False) -> None:
     """Entries of layer i whose parameters were rebound away from their slot views:
-    adopted or refused (module doc)."""
+    adopted, refused or held (module doc; `quiet`: one held does not raise)."""
     ring = manager.ring
     slot = ring.slots[ring.slot_of[i]]
     found = [(e, e.param.data) for e in drifted]
@@ -146,14 +197,26 @@ def settle(manager, i: int, drifted: list, where: str) -> None:
         for e, _ in found:
             packing.bind_to_slot(e, e.view_in(slot))  # its true bytes never changed
         e, now, why = refused[0]
-        remedy = ("Give that parameter the dtype its module computes in before configuring (cast the model, or "
-                  f"that parameter), or keep {type(e.owner).__qualname__} modules out of the streamed groups"
-                  if isinstance(now, torch.Tensor) and now.dtype != e.dtype else
-                  f"Keep {type(e.owner).__qualname__} modules out of the streamed groups (a resident layer, or a "
-                  "narrower layer group), or call layerwise.remove_layerwise_offload(model) first")
-        raise RuntimeError(
-            f"layerwise: {_describe(e, now)} by {where}; {why}. The parameter is bound to its true bytes again, "
-            f"unchanged. {remedy}.")
+        held = all(w is _READ_ONLY for _, _, w in refused)
+        cls = type(e.owner).__qualname__
+        if held:
+            remedy = ("Call layerwise.remove_layerwise_offload(model) (it gives each such parameter the data its "
+                      "library made) and load again with spill_dir= (the layers on disk are then kept in spill files "
+                      f"that layerwise writes), or keep {cls} modules out of the streamed groups")
+        elif isinstance(now, torch.Tensor) and now.dtype != e.dtype:
+            remedy = ("Give that parameter the dtype its module computes in before configuring (cast the model, or "
+                      f"that parameter), or keep {cls} modules out of the streamed groups")
+        else:
+            remedy = (f"Keep {cls} modules out of the streamed groups (a resident layer, or a narrower layer "
+                      "group), or call layerwise.remove_layerwise_offload(model) first")
+        why = (f"{_describe(e, now)} by {where}; {why}. The parameter is bound to its true bytes again, unchanged"
+               + (", and its layer refuses every call from now on (its library's own state may describe the data "
+                  "it made)" if held else "") + f". {remedy}.")
+        if held:
+            manager.bound.hold(i, why, found)
+            if quiet:
+                return
+        raise RuntimeError(f"layerwise: {why}")
     old = [(e, e.shape, e.stride, e.dtype, e.span) for e, _ in found]
 
     def edit(block):

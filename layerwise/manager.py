@@ -773,11 +773,12 @@ class LayerwiseOffloadManager:
     def _prepare_removal(self, original_devices: bool = False) -> list:
         """[(entry, new data or None)] for every packed parameter (HostLayers.prepare_removal)."""
         self._drain()
-        if self._finalized:
-            with self._lock:
-                self.bound.check_all(self)  # a parameter a library rebound gives back what it computes from
-        resident = set(self.resident) if self._finalized else set()
-        return self._host.prepare_removal(resident, self.device, original_devices)
+        if not self._finalized:
+            return self._host.prepare_removal(set(), self.device, original_devices)
+        with self._lock:  # a parameter a library rebound gives back what it computes from
+            self.bound.check_all(self, removing=True)
+        prepared = self._host.prepare_removal(set(self.resident), self.device, original_devices)
+        return self.bound.give_back_held(prepared, original_devices)
 
     def _commit_removal(self, prepared: list) -> None:
         """Rebind every parameter to what `_prepare_removal` built, then release the

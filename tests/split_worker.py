@@ -955,10 +955,38 @@ def scenario_quantized(rank, world, tmp):
             assert not os.listdir(spill), (what, os.listdir(spill))
 
 
+def scenario_bitsandbytes(rank, world):
+    """bitsandbytes configured before its first forward, which repacks nf4 weights
+    and casts fp32 biases to bf16 in their place: each rebind becomes the layer's
+    true bytes on every rank (a collective write of the shares), with split fetch
+    alone and with compress; bitwise on every rank (inputs of its own) against the
+    resident model, state_dict, remove."""
+    import test_bitsandbytes as tb
+
+    for kind in ("nf4", "int8"):
+        for compress in (None, "lossless"):
+            what = f"{kind} compress={compress}"
+            reference, model = tb.make(kind, mix=True), tb.make(kind, mix=True)
+            [m] = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD,
+                                                        compress=compress, debug_copy_delay_us=200)
+            assert all("share" in r for r in m.stats()["tier_plan"]), what
+            torch.manual_seed(100 + rank)  # different inputs on every rank
+            xs = [torch.randn(2, tb.D).to(torch.bfloat16) for _ in range(2)]
+            for _ in range(3):
+                assert tb.same(tb.run(model, xs), tb.run(reference, xs)), (what, rank)
+            tb.assert_computes_from_slots(model)
+            tb.assert_state_equal(model.state_dict(), reference.state_dict())
+            assert tb.same(tb.run(model, xs), tb.run(reference, xs)), (what, rank)
+            layerwise.remove_layerwise_offload(model)
+            assert tb.same(tb.run(model, xs), tb.run(reference, xs)), (what, rank)
+            tb.assert_state_equal(model.state_dict(), reference.state_dict())
+
+
 SCENARIOS = {"lockstep": scenario_lockstep, "seeds": scenario_seeds, "refused_load": scenario_refused_load,
              "gather_error": scenario_gather_error, "tiers": scenario_tiers, "write_fails": scenario_write_fails,
              "read_fails": scenario_read_fails, "sigint": scenario_sigint,
-             "real_tiers": scenario_real_tiers, "real_sigint": scenario_real_sigint, "quantized": scenario_quantized}
+             "real_tiers": scenario_real_tiers, "real_sigint": scenario_real_sigint, "quantized": scenario_quantized,
+             "bitsandbytes": scenario_bitsandbytes}
 
 
 def main(rank, world, port, tmp, scenario=None):

@@ -9,6 +9,7 @@ and casts an fp32 bias to the input's dtype (`bias.data = ...`). Before this, th
 int8 layers and repacked nf4 layers computed from resident memory, and a
 state_dict() of a repacked model took other layers' bytes from shared slots."""
 import logging
+import re
 
 import pytest
 import torch
@@ -24,19 +25,22 @@ D = 256
 
 
 class Block(nn.Module):
-    def __init__(self, linear):
+    def __init__(self, linear, mix=False):
         super().__init__()
         self.up = linear(D, 2 * D)
         self.down = linear(2 * D, D)
+        # (mix: a plain bf16 layer beside the quantized ones, so that compress has bytes to encode)
+        self.mix = nn.Linear(D, D, dtype=torch.bfloat16) if mix else None
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+        x = x + self.down(torch.relu(self.up(x)))
+        return x if self.mix is None else x + self.mix(x)
 
 
 class Stack(nn.Module):
-    def __init__(self, linear, n):
+    def __init__(self, linear, n, mix=False):
         super().__init__()
-        self.blocks = nn.ModuleList([Block(linear) for _ in range(n)])
+        self.blocks = nn.ModuleList([Block(linear, mix) for _ in range(n)])
         self.head = nn.Linear(D, D, dtype=torch.bfloat16)
 
     def forward(self, x):
@@ -45,18 +49,19 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def make(kind, seed=0, n=6, train=False):
+def make(kind, seed=0, n=6, train=False, compute=torch.bfloat16, mix=False):
     """The bitsandbytes recipe: its modules built in fp32, a bf16 state dict loaded,
-    quantized by .to(device). Biases stay fp32 until a forward casts them."""
+    quantized by .to(device). Biases stay fp32 until a forward casts them (to the
+    input's dtype: int8, and nf4 with a bf16 `compute` dtype)."""
     torch.manual_seed(seed)
-    ref = Stack(nn.Linear, n).to(torch.bfloat16)
+    ref = Stack(nn.Linear, n, mix).to(torch.bfloat16)
     if kind == "int8":
         def linear(i, o):
             return bnb.nn.Linear8bitLt(i, o, has_fp16_weights=False)
     else:
         def linear(i, o):
-            return bnb.nn.Linear4bit(i, o, quant_type="nf4", compute_dtype=torch.bfloat16)
-    model = Stack(linear, n)
+            return bnb.nn.Linear4bit(i, o, quant_type="nf4", compute_dtype=compute)
+    model = Stack(linear, n, mix)
     model.load_state_dict(ref.state_dict())
     return model.to("cpu").train(train)
 
@@ -147,6 +152,139 @@ def test_streams_bitwise_from_its_slots(kind, train, when):
     if kind == "int8":  # bitsandbytes' alias is a plain tensor again, as in the resident model
         st = model.blocks[0].up.state
         assert type(st.CB) is torch.Tensor and st.CB.data_ptr() == model.blocks[0].up.weight.data_ptr()
+
+
+TIERS = ["compress", "disk", "compress+disk"]
+TIER_KINDS = [("nf4", torch.float32), ("nf4", torch.bfloat16), ("int8", None)]
+
+
+def tier_options(model, tier, spill_dir) -> dict:
+    opts = {"compress": "lossless"} if "compress" in tier else {}
+    if "disk" in tier:  # the least host_budget the planner takes: every streamed layer in the spill file
+        with pytest.raises(ValueError, match=r"even with every streamed layer on disk") as err:
+            layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=1,
+                                                  spill_dir=spill_dir, **opts)
+        assert not managers_of(model)
+        opts.update(host_budget=int(re.search(r"\((\d+) bytes", str(err.value)).group(1)), spill_dir=spill_dir)
+    return opts
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("kind,compute", TIER_KINDS, ids=["nf4-fp32", "nf4-bf16", "int8"])
+@pytest.mark.parametrize("when", ["before_forward", "after_forward"])
+def test_composes_with_compress_and_the_disk_tier(kind, compute, when, tier, tmp_path):
+    """What a library's forward or save rebinds (nf4's CPU repack and its inverse, a
+    bias cast to bf16 in its fp32 place) becomes the layer's true bytes whatever holds
+    them: an encoded block, a spill file, or both; exact against the resident model
+    with the same calls, configured before or after the first forward."""
+    ref = make(kind, compute=compute, mix=True)
+    model = make(kind, compute=compute, mix=True)
+    if when == "after_forward":
+        run(ref), run(model)
+    [m] = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", **tier_options(model, tier, tmp_path))
+    s = m.stats()
+    if "compress" in tier:  # every streamed layer travels encoded: its bf16 weights shrink
+        assert s["compress"]["layers"] == len(m.ring.streamed) and not s["compress"]["layers_raw"]
+    if "disk" in tier:
+        assert s["disk"]["layers"] == len(m.ring.streamed)
+    for _ in range(3):
+        assert same(run(model), run(ref))
+    assert_computes_from_slots(model)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+    assert same(run(model), run(ref))
+    assert_computes_from_slots(model)
+
+    # load_state_dict(state_dict()) round trips as it does in the resident model
+    sd_ref, sd = ref.state_dict(), model.state_dict()
+    assert_state_equal(sd, sd_ref)
+    try:
+        want = ref.load_state_dict(sd_ref, strict=False)
+    except RuntimeError as err:  # int8 after a forward: bitsandbytes refuses (its SCB moved to its state)
+        with pytest.raises(RuntimeError, match=re.escape(str(err).splitlines()[0][:60])):
+            model.load_state_dict(sd, strict=False)
+    else:
+        got = model.load_state_dict(sd, strict=False)
+        assert (sorted(got.missing_keys), sorted(got.unexpected_keys)) == (sorted(want.missing_keys),
+                                                                           sorted(want.unexpected_keys))
+    assert same(run(model), run(ref))
+    assert_computes_from_slots(model)
+    assert_state_equal(model.state_dict(), ref.state_dict())
+
+    layerwise.remove_layerwise_offload(model)
+    assert same(run(model), run(ref))
+    assert_state_equal(model.state_dict(), ref.state_dict())
+
+
+def llama_nf4(compute, bias=False):
+    """A tiny LlamaForCausalLM whose attention and MLP projections are all nf4
+    Linear4bit (fp32 weights quantized by .to("cpu")), in eval."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attention_bias=bias, mlp_bias=bias)
+    model = LlamaForCausalLM(config).eval()
+    sd = model.state_dict()
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if isinstance(lin, nn.Linear):
+                    setattr(parent, name, bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=bias,
+                                                            quant_type="nf4", compute_dtype=compute))
+    model.load_state_dict(sd)
+    return model.to("cpu").eval()
+
+
+@pytest.mark.parametrize("tier", ["arena", "compress", "disk"])
+@pytest.mark.parametrize("compute,bias", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-bias"])
+@pytest.mark.parametrize("when", ["before_forward", "after_forward"])
+def test_llama_nf4_state_dict_then_forward_matches_resident(when, compute, bias, tier, tmp_path):
+    """nf4 in a transformers Llama: state_dict() of the whole model runs each
+    Linear4bit's own save (which unpacks the CPU layout and rebinds weight.data)
+    outside its layer's forward, over its true bytes, and what it rebinds becomes
+    them. The resident reference makes the same calls: bitsandbytes' unpacking
+    re-quantizes the nested absmax statistics, so a resident Llama's forward after
+    its own state_dict() is not the one before it (a plain stack's statistics
+    happen to come back exact)."""
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids).logits
+
+    ref, model = llama_nf4(compute, bias), llama_nf4(compute, bias)
+    if when == "after_forward":
+        assert torch.equal(logits(model), logits(ref))
+    opts = {"compress": "lossless"} if tier == "compress" else {}
+    if tier == "disk":  # the least host_budget the planner takes: every streamed layer in the spill file
+        with pytest.raises(ValueError, match=r"even with every streamed layer on disk") as err:
+            layerwise.configure_layerwise_offload(model, "model.layers", device="cpu", host_budget=1,
+                                                  spill_dir=tmp_path)
+        opts = {"host_budget": int(re.search(r"\((\d+) bytes", str(err.value)).group(1)), "spill_dir": tmp_path}
+    [m] = layerwise.configure_layerwise_offload(model, "model.layers", device="cpu", **opts)
+    if tier == "disk":
+        assert m.stats()["disk"]["layers"] == len(m.ring.streamed)
+    assert torch.equal(logits(model), logits(ref))
+    for _ in range(2):
+        sd, sd_ref = model.state_dict(), ref.state_dict()
+        assert_state_equal(sd, sd_ref)
+        q = model.model.layers[1].mlp.up_proj.weight  # unpacked by the save, as the resident one is
+        assert q.shape == ref.model.layers[1].mlp.up_proj.weight.shape and q.shape[1] == 1
+        assert torch.equal(logits(model), logits(ref))
+        assert_computes_from_slots(model)
+
+    want = ref.load_state_dict(ref.state_dict(), strict=False)
+    got = model.load_state_dict(model.state_dict(), strict=False)
+    assert (sorted(got.missing_keys), sorted(got.unexpected_keys)) == (sorted(want.missing_keys),
+                                                                       sorted(want.unexpected_keys))
+    assert torch.equal(logits(model), logits(ref))
+    assert_computes_from_slots(model)
+    layerwise.remove_layerwise_offload(model)
+    assert torch.equal(logits(model), logits(ref))
+    assert_state_equal(model.state_dict(), ref.state_dict())
+    assert torch.equal(logits(model), logits(ref))
 
 
 def test_side_tensors_stay_resident_and_are_counted():
@@ -240,6 +378,57 @@ def test_a_module_that_rebinds_its_weight_to_a_copy_is_adopted(derive, caplog):
     assert same(run(model, _xs()), run(ref, _xs()))
 
 
+class SaveRebinding(nn.Module):
+    """A toy library whose own save rebinds weight.data to a value derived from it
+    (as bitsandbytes' nf4 unpacks its CPU layout), which it computes from ever after."""
+
+    def __init__(self, derive):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) / 16)
+        self.derive = derive
+
+    def forward(self, x):
+        return x @ self.weight.t().to(x.dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.weight.data = self.derive(self.weight.data)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+
+class SaveToys(Toys):
+    def __init__(self, derive, n=4):
+        nn.Module.__init__(self)
+        torch.manual_seed(5)
+        self.blocks = nn.ModuleList([SaveRebinding(derive) for _ in range(n)])
+
+
+@pytest.mark.parametrize("tier", TIERS[:2] + ["arena"])
+@pytest.mark.parametrize("derive", [lambda w: w * 0.5, lambda w: w.t().contiguous().t(), lambda w: w.bfloat16()],
+                         ids=["scaled copy", "transposed layout", "narrower dtype"])
+def test_a_save_that_rebinds_is_adopted_from_the_true_bytes_of_every_layer(derive, tier, tmp_path):
+    """state_dict() on the root model runs each module's own save outside its
+    layer's forward, while its slot holds another layer's bytes: the save reads
+    and rebinds over the layer's true bytes (arena, encoded block or spill file),
+    and what it made becomes them."""
+    ref, model = SaveToys(derive), SaveToys(derive)
+    [m] = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=1,
+                                                **tier_options(model, tier, tmp_path))
+    assert len(m.ring.slots) < len(m.ring.streamed)  # the slots are shared
+    if "compress" in tier:
+        assert not m.stats()["compress"]["layers_raw"]
+    for _ in range(2):
+        assert same(run(model, _xs()), run(ref, _xs()))
+        assert_state_equal(model.state_dict(), ref.state_dict())
+        assert same(run(model, _xs()), run(ref, _xs()))
+        assert_computes_from_slots(model)
+    model.load_state_dict(model.state_dict())
+    ref.load_state_dict(ref.state_dict())
+    assert same(run(model, _xs()), run(ref, _xs()))
+    layerwise.remove_layerwise_offload(model)
+    assert same(run(model, _xs()), run(ref, _xs()))
+    assert_state_equal(model.state_dict(), ref.state_dict())
+
+
 @pytest.mark.parametrize("derive,match", [(lambda w: w.double(), r"narrower dtype .*not a wider"),
                                           (lambda w: w[D // 2:].clone(), r"number of elements")],
                          ids=["wider dtype", "another size"])
@@ -254,6 +443,66 @@ def test_a_rebind_that_cannot_stream_is_refused_naming_module_and_library(derive
     assert_state_equal(model.state_dict(), sd)
     layerwise.remove_layerwise_offload(model)
     assert_state_equal(model.state_dict(), sd)
+
+
+class PackingOnce(nn.Module):
+    """A toy library that keeps state describing its weight's layout, as bitsandbytes'
+    quant_state does: its first forward repacks weight.data (rows reversed), and it
+    computes from the packed layout ever after."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) / 16)
+        self.packed = False
+
+    def forward(self, x):
+        if not self.packed:
+            self.weight.data, self.packed = self.weight.data.flip(0), True
+        return x @ self.weight.flip(0).t()
+
+
+class PackingToys(Toys):
+    def __init__(self, n=4):
+        nn.Module.__init__(self)
+        torch.manual_seed(5)
+        self.blocks = nn.ModuleList([PackingOnce() for _ in range(n)])
+
+
+@pytest.mark.parametrize("kind", ["toy", "nf4-bf16"])
+def test_a_rebind_into_a_checkpoint_layer_is_held_refused_until_removal_then_exact(kind, tmp_path):
+    """A layer streamed from a checkpoint file layerwise does not write cannot take
+    what its library rebound; bound back to its old bytes, a library that recorded the
+    change (PackingOnce, bitsandbytes' quant_state) would compute garbage from its next
+    call on. So the layer refuses every later call, and removal gives each such
+    parameter the data its library made: exact against the resident model again."""
+    from safetensors.torch import save_file
+
+    build = PackingToys if kind == "toy" else (lambda: make("nf4", mix=False))
+    xs = _xs() if kind == "toy" else inputs()
+    ref, model = build(), build()
+    ckpt = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, ckpt)
+    opts = {"device": "cpu", "strict": False}
+    with pytest.raises(ValueError, match=r"even with every streamed layer on disk") as err:
+        layerwise.load_offloaded(model, ckpt, "blocks", host_budget=1, **opts)
+    least = int(re.search(r"\((\d+) bytes", str(err.value)).group(1))
+    [m] = layerwise.load_offloaded(model, ckpt, "blocks", host_budget=least, **opts)
+    assert m.stats()["disk"]["layers"] == len(m.ring.streamed) and not m.stats()["disk"]["spill"]
+    expect = run(ref, xs)
+    with pytest.raises(RuntimeError, match=r"blocks\.0\..* does not write\. The parameter is bound to its true "
+                                           r"bytes again, unchanged, and its layer refuses every call from now on.*"
+                                           r"remove_layerwise_offload.*spill_dir="):
+        run(model, xs)
+    assert_computes_from_slots(model)
+    for call in (lambda: run(model, xs), model.state_dict):  # never silently: PackingOnce would not repack again
+        with pytest.raises(RuntimeError, match=r"layer 0 of group 'blocks' refuses .*, as since an earlier call: "
+                                               r"blocks\.0\."):
+            call()
+    layerwise.remove_layerwise_offload(model)
+    assert not managers_of(model)
+    assert same(run(model, xs), expect)
+    assert same(run(model, xs), run(ref, xs))
+    assert_state_equal(model.state_dict(), ref.state_dict())
 
 
 def test_the_rebinds_layerwise_does_itself_never_fire_it(monkeypatch):

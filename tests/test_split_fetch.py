@@ -124,6 +124,15 @@ def test_split_fetch_streams_quantized_layers_with_the_tiers(tmp_path):
 
 
 @needs_gloo
+def test_split_fetch_adopts_what_bitsandbytes_rebinds(tmp_path):
+    """bitsandbytes nf4 / int8 configured before their first forward (a repack, a bias
+    cast to bf16 in its place) with split fetch, alone and with compress, on 2 ranks:
+    each rebind is written to every rank's share; bitwise (tests/split_worker.py)."""
+    pytest.importorskip("bitsandbytes")
+    run_ranks(2, tmp_path, "bitsandbytes")
+
+
+@needs_gloo
 def test_split_ranks_with_different_weights_are_refused(tmp_path):
     """Issue 21, item 5: configure / offload_pipeline compare the streamed layers' bytes."""
     run_ranks(2, tmp_path, "seeds")
