@@ -35,10 +35,11 @@ GRACE=5
 TOTAL_MAX=360
 FILES_MAX=8
 ALWAYS_FILES="summary.txt run.log"
-# name   limit_s  files (comma-separated; - for none)
+# name   limit_s  files (comma-separated; - for none); a line starting with # is none
 STAGES="
 build    90   -
 smoke    60   smoke.json
+# compile  -  compile.json   <- compile-native streaming and CUDA graph capture go here, limits rebalanced
 cuda     100  -
 kernels  30   -
 bench    80   bench.json,bench.md,stream.png
@@ -104,7 +105,7 @@ command_of() {  # what stage NAME runs, in words (the dry run)
 total=0
 files="$ALWAYS_FILES"
 while read -r name limit out; do
-  [ -n "$name" ] || continue
+  [ -n "$name" ] && [ "${name:0:1}" != "#" ] || continue
   total=$((total + limit))
   [ "$out" = - ] || files="$files ${out//,/ }"
 done <<< "$STAGES"
@@ -119,7 +120,7 @@ if [ "$DRY" = 1 ]; then
   echo "gpu_check dry run: stages in order (each limit includes ${GRACE} s between SIGINT and SIGKILL)"
   k=0
   while read -r name limit out; do
-    [ -n "$name" ] || continue
+    [ -n "$name" ] && [ "${name:0:1}" != "#" ] || continue
     k=$((k + 1))
     printf '  %d. %-8s %4s s  files: %-30s %s\n' "$k" "$name" "$limit" "$out" "$(command_of "$name")"
   done <<< "$STAGES"
@@ -161,7 +162,7 @@ cap_log() {  # a stage's log for run.log: its head and tail where it is long
 
 stopped=""
 while read -r name limit out; do
-  [ -n "$name" ] || continue
+  [ -n "$name" ] && [ "${name:0:1}" != "#" ] || continue
   if [ -n "$stopped" ]; then
     printf '%-8s not run: %s\n' "$name" "$stopped" >> "$OUT/summary.txt"
     continue

@@ -442,7 +442,7 @@ def test_bitwise_with_the_gpu_behind_the_host(device, tier, depth, tmp_path):
         extra = {} if budget is None else dict(host_budget=budget, spill_dir=tmp_path)
         return layerwise.configure_layerwise_offload(model, GROUPS, device=device, **options, **extra)
 
-    managers = smallest_host_budget(configure) if tier.endswith("disk") else configure()
+    managers = smallest_host_budget(configure, 1 << 20, 64 << 10) if tier.endswith("disk") else configure()
     plan = [r for m in managers for r in m.stats()["tier_plan"]]
     if tier.endswith("disk"):
         assert any(r.startswith("spill") for r in plan), plan

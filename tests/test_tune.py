@@ -317,7 +317,8 @@ TUNE = """
     measured = {"tune": [], "leading": [], "strided": []}
     policies = {}
     for policy in ("leading", "strided"):
-        best = min(((k, v) for k, v in plan.alternatives.items() if k.startswith(policy)), key=lambda kv: kv[1])
+        best = min(((k, v) for k, v in plan.alternatives.items() if k.startswith(policy) and "improved" not in k),
+                   key=lambda kv: kv[1])  # (the policy's own placements: "<policy>, depth <d>")
         depth = int(best[0].rsplit(" ", 1)[1])
         res = layerwise.options.resolve_resident(T.largest_share(m, depth, policy, budget - fixed), m.num_layers, policy)
         policies[policy] = (res, depth)
