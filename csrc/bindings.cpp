@@ -120,8 +120,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return self.elapsed_ms(end);
       })
       .def_property_readonly("copy_ms", &Event::copy_ms,
-                             "Milliseconds the event's copy took once it has completed (CUDA: only for a copy "
-                             "issued with timing=True), else -1")
+                             "Milliseconds from the event's start (`start`) to the event once both have completed "
+                             "(a copy issued with timing=True: the copy's time), else -1")
+      .def_property(
+          "start", [](Event& self) { return self.start; },
+          [](Event& self, EventPtr s) { self.set_start(std::move(s)); },
+          "The event that marks when this event's timed work began (a copy or decode issued with timing=True "
+          "gets one), or None. A fetch that ends in another stage (a decode, a gather) is given its first "
+          "copy's start, so that copy_ms spans the whole fetch.")
       // A host event completed by Python (split fetch: a gather thread completes it once the
       // ranks' shares are in the slot), so that the CPU engine's waits and copies chain on it.
       .def("set", [](Event& self) {
@@ -214,7 +220,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& pieces, EventPtr after,
              EventPtr after2, bool timing) {
             TORCH_CHECK_VALUE(!self.impl->is_cuda(), "decode_async: the CPU backend's decoder; on CUDA launch the "
-                              "Triton decoder on stream_handle(0) (layerwise/stages/decode.py)");
+                              "Triton decoder on decode_stream_handle() (layerwise/stages/decode.py)");
             for (const at::Tensor* t : {&dst, &enc}) {
               const char* name = t == &dst ? "dst" : "encoded";
               TORCH_CHECK_VALUE(t->is_cpu() && t->has_storage() && t->is_contiguous() &&
@@ -240,10 +246,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("dst"), py::arg("encoded"), py::arg("pieces"), py::arg("after") = py::none(),
           py::arg("after2") = py::none(), py::arg("timing") = false,
           "Queue a decode of codec segments: piece (enc_off, enc_n, dst_off, dst_n) of `encoded` into `dst`, "
-          "after `after` and `after2`; returns its Event (CPU backend)")
+          "after `after` and `after2`, on the engine's decode lane (a worker of its own, beside the copy "
+          "workers); returns its Event (CPU backend)")
       .def(
           "stream_handle", [](PyEngine& self, int k) { return self.impl->stream_handle(k); }, py::arg("k") = 0,
           "The raw handle of copy stream k (cudaStream_t; 0 on CPU): torch.cuda.ExternalStream wraps it")
+      .def(
+          "decode_stream_handle", [](PyEngine& self) { return self.impl->decode_stream_handle(); },
+          "The raw handle of the decode stream (cudaStream_t, none of the copy streams; 0 on CPU, where decodes "
+          "run on a worker of their own)")
       .def(
           "wait", [](PyEngine& self, const EventPtr& ev, uintptr_t stream) { self.impl->wait(ev, stream); },
           py::arg("event"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())

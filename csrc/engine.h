@@ -44,6 +44,9 @@ class InFlight {
   std::atomic<bool> held_{true};
 };
 
+struct Event;
+using EventPtr = std::shared_ptr<Event>;
+
 // An event marks the completion of a copy, or a point on a compute stream.
 struct Event {
   virtual ~Event() = default;
@@ -57,9 +60,21 @@ struct Event {
   // Milliseconds from this event to `end`; both must be complete (CUDA: both
   // recorded with timing enabled).
   virtual double elapsed_ms(Event& end) = 0;
-  // How long this event's copy took, in milliseconds, once it has completed
-  // (CPU: the memcpy; CUDA: only for a copy issued with timing); else -1.
-  virtual double copy_ms() { return -1.0; }
+  // Milliseconds from `start` (below) to this event, once both have completed;
+  // else -1 (no start: the work was not timed). A disk read of the CPU backend
+  // without a start reports its own time (reader.cpp).
+  virtual double copy_ms() = 0;
+  // Makes `s` this event's start (null: none), checking that both can be timed
+  // against each other (same backend; CUDA: same device, both with timing).
+  virtual void set_start(EventPtr s) = 0;
+  // When the timed work this event ends began: a copy issued with timing gets
+  // one (completed when the copy starts, on its stream), a decode issued with
+  // timing one completed when the decode starts. A fetch that ends in another
+  // stage (a decode, a gather, the last of several chained copies) is timed
+  // from its first copy: that stage's event is given the first copy's start
+  // (set_start), so copy_ms() spans the whole fetch on both backends.
+  // Only a marker: it holds no storage, so keeping it alive costs nothing.
+  EventPtr start;
   // The storages of this event's copy (none for a recorded event). Dropping
   // the last reference to a storage may need the GIL: an event is only ever
   // destroyed on a thread that may take it, never on a copy worker. They are
@@ -69,7 +84,6 @@ struct Event {
   std::unique_ptr<InFlight> keepalive;
   const Origin origin;
 };
-using EventPtr = std::shared_ptr<Event>;
 
 // What shutdown_all() stops before the interpreter finalises: copy engines and
 // disk readers (reader.h), anything that owns threads.
@@ -87,19 +101,28 @@ struct CopyEngine : Stoppable {
   // Copies n bytes src -> dst on one of the engine's streams, after `after`
   // (if given) has completed. Returns the event that completes with the copy
   // and owns `keep` (taken before dst/src were read, so they cannot move).
-  // `timing` (CUDA): also record when the copy starts, for copy_ms().
+  // `timing`: the event gets a start (Event::start), completed when the copy
+  // starts (after `after`), so that copy_ms() is the copy's time; without it
+  // copy_ms() is -1 on both backends.
   virtual EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
                               std::unique_ptr<InFlight> keep, bool timing) = 0;
   // Decodes lossless-codec segments (csrc/codec.h) from `enc` into `dst` once
   // `after` and `after2` (either may be null) have completed; piece k is
   // enc[enc_off, +enc_n) -> dst[dst_off, +dst_n). The event completes with the
-  // decode (a malformed segment fails it, naming why). CPU backend only: on
-  // CUDA the Triton decoder runs on stream_handle(0) (layerwise/stages/decode.py).
+  // decode (a malformed segment fails it, naming why); `timing` gives it a start
+  // at the decode's own start. CPU backend only, on a worker of its own (the
+  // decode lane), never behind or in front of a copy: the copy of the next
+  // layer's bytes overlaps this decode. On CUDA the Triton decoder runs on
+  // decode_stream_handle() (layerwise/stages/decode.py).
   virtual EventPtr decode_async(uint8_t* dst, const uint8_t* enc, std::vector<DecodePiece> pieces,
                                 const EventPtr& after, const EventPtr& after2, std::unique_ptr<InFlight> keep,
                                 bool timing) = 0;
   // The raw handle of copy stream k (a cudaStream_t; 0 on the CPU backend).
   virtual uintptr_t stream_handle(int k) const = 0;
+  // The raw handle of the decode stream (a cudaStream_t of its own, none of the
+  // copy streams, so that a decode waiting for its slot never holds up the next
+  // copy; 0 on the CPU backend, whose decodes run on their own worker).
+  virtual uintptr_t decode_stream_handle() const = 0;
   // Makes the compute stream (CUDA: handle `stream`) wait for `ev` (CPU: blocks).
   virtual void wait(const EventPtr& ev, uintptr_t stream) = 0;
   // An event recorded on the compute stream (CPU: already complete).

@@ -50,18 +50,32 @@ struct CpuEvent : Event {
   std::atomic<bool> done{false};
   std::atomic<int> waiters{0};
   HostClock::time_point when{};
-  HostClock::time_point started{};
+  HostClock::time_point started{};  // a disk read's first piece (reader.cpp): its own time, without a start
   // Set (before done) by a job that failed; read only once done is seen.
   std::string error;
   int error_errno = 0;
 
   double copy_ms() override {
-    if (!done.load(std::memory_order_acquire) || started == HostClock::time_point{}) return -1.0;
+    if (!done.load(std::memory_order_acquire)) return -1.0;
+    if (start) {
+      auto* s = static_cast<CpuEvent*>(start.get());
+      if (!s->completed()) return -1.0;
+      return std::chrono::duration<double, std::milli>(when - s->when).count();
+    }
+    if (started == HostClock::time_point{}) return -1.0;
     return std::chrono::duration<double, std::milli>(when - started).count();
   }
 
-  void set() {
-    when = HostClock::now();
+  void set_start(EventPtr s) override {
+    TORCH_CHECK_TYPE(!s || dynamic_cast<CpuEvent*>(s.get()) != nullptr,
+                     "Event.start: the start must be an event of the same backend (a CPU event)");
+    start = std::move(s);
+  }
+
+  void set() { set_at(HostClock::now()); }
+  // Completed, as of `t` (a simulated bus copy's start lies ahead of the worker's clock).
+  void set_at(HostClock::time_point t) {
+    when = t;
     {
       std::lock_guard<std::mutex> l(m);
       done.store(true, std::memory_order_release);

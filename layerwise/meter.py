@@ -8,6 +8,12 @@ runs from one layer 0 to the next. On CUDA the compute-stream stall is timed
 with event pairs on one step in `STALL_SAMPLE_EVERY` (each pair costs two
 events and two native calls per layer); pairs and timed copies resolve when
 they have completed, never by a sync.
+
+A fetch is timed from its first copy's start to the event it ends in (a copy, a
+decode, a gather: the stages give that event the first copy's start,
+`Event.start`), on both backends; a timed fetch that moved bytes and completed
+without a start is counted in `unstarted` (a stage that lost its start: its
+time is missing from copy_s and from tune's bus samples).
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ class Meter:
         self._step_stall: dict[int, float] = {}
         self.timed_copies = []  # (step, copy result) of the timed steps
         self.copy_s = 0.0
+        self.unstarted = 0  # timed fetches that moved bytes and came back with no start
         self._step_copy: dict[int, float] = {}
         self.steps = 0
         self._mark = self._now()
@@ -144,12 +151,14 @@ class Meter:
             if not done:
                 pending.append(item)
                 continue
-            ms = ev.copy_ms
+            ms = ev.copy_ms  # from the fetch's first copy's start (Event.start) to its last event
             if ms >= 0:
                 self.copy_s += ms / 1e3
                 self._step_copy[step] = self._step_copy.get(step, 0.0) + ms / 1e3
                 if self.copy_log is not None:
                     self.copy_log.append((layer, nbytes, ms / 1e3))
+            elif nbytes:
+                self.unstarted += 1
         self.timed_copies = pending
         pending = []
         for step, a, b in self.stall_pairs:

@@ -1,116 +1,196 @@
 #!/usr/bin/env bash
-# One-shot check on a machine with a CUDA GPU and no network:
-#   scripts/gpu_check.sh RESULTS_DIR
-# Stages, each writing its results into RESULTS_DIR the moment it ends, so that a
-# run cut short still returns what it measured:
-#   build      the CUDA variant, with the python3 found there (+ .whl/*.whl)  <= 150 s
-#   cuda       the CUDA-specific tests (-k cuda over every test file), the   <= 120 s
-#              CUDA paths the CPU cannot show first (CUDA_PATH_TESTS below)
-#   tests      the CPU variants of the engine's own test files               <= 120 s
-#   bench      the GPU benchmark suites, compress included (files after each) <= 150 s
-# At most 540 s of stages (under 6 minutes with start-up), files: gpu.txt,
-# build.log, cuda.log, cuda-paths.xml, cuda.xml, tests.log, tests.xml, bench.log,
-# bench.json, bench.md, stream.png, summary.txt (12 files; the device tool returns 8: pass
-# GPU_CHECK_FEW_FILES=1 to drop the JUnit XML and fold gpu.txt into summary.txt).
-# A stage past its limit gets SIGINT first (pytest then prints its summary), and
-# SIGKILL 10 s later. Every test also has its own limit (LAYERWISE_TEST_TIMEOUT).
-# Python packages missing there (diffusers, peft) can travel as wheels in .whl/.
+# One run on a machine with a CUDA GPU and no network, sized for the device lease
+# (15 minutes of device time in all, the machine's start included, with room for a
+# second run): at most 360 s of stages, the most valuable first, each with its own
+# limit, so that a run cut short has already returned what matters most.
+#
+#   scripts/gpu_check.sh RESULTS_DIR            run it (on the device: RESULTS_DIR=$OUT)
+#   scripts/gpu_check.sh --dry-run [DIR]        (or DRY_RUN=1) print the stages in order, their
+#                                               limits, the total and the files; run nothing
+#
+# Stages (STAGES below: name, limit in seconds, the files it leaves in RESULTS_DIR):
+#   build    90  the CUDA variant, with the python3 found there (+ .whl/*.whl it lacks: carry .whl)
+#   smoke    60  scripts/gpu_smoke.py -> smoke.json: build info, the device, pinned-arena
+#                H2D GB/s against torch's pinned copy_ at 64 MB and 1 GB, one bitwise
+#                stream with the GPU behind the host (raw and compressed), one decode's GB/s
+#   (a stage that needs the GPU early, such as compile and CUDA graph capture, goes
+#    right after smoke: one line in STAGES and a stage_NAME function, limits rebalanced)
+#   cuda    100  the CUDA tests of the core files, in this order: native, manager, cuda
+#                path, residency, tune, loading, then routed experts and the reader
+#                (LAYERWISE_CUDA_ONLY=1: their cuda variants and GPU-only tests; CI runs
+#                the rest on the CPU backend)
+#   kernels  30  the CUDA tests of the Triton kernels: codec (decode) and scatter
+#   bench    80  python -m layerwise.bench --quick h2d compress stream
+#                -> bench.json, bench.md, stream.png (compress, the decode GB/s, before stream)
+# Files (at most 8; the device tool returns 8): summary.txt (each stage's outcome, and
+# under smoke and bench their key figures), run.log (each stage's output, capped),
+# and the stages' own files above. A stage works in a scratch directory: when it ends,
+# at its limit or not, its own files (and no others) move into RESULTS_DIR and its log
+# is appended to run.log. A stage at its limit gets SIGINT (pytest prints its summary),
+# then SIGKILL GRACE s later, within its limit. A failed build stops the run.
 set -uo pipefail
-OUT=${1:?usage: scripts/gpu_check.sh RESULTS_DIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-FEW=${GPU_CHECK_FEW_FILES:-0}
-export PYTHONUNBUFFERED=1 LAYERWISE_TEST_TIMEOUT=${LAYERWISE_TEST_TIMEOUT:-60}
-: > "$OUT/summary.txt"
 
-stage() {  # stage NAME LIMIT_S CMD...: run, log to $OUT/NAME.log, append the outcome to summary.txt
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s): $*"
-  local t0=$SECONDS
-  timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  # tee has exited with the pipeline: the log is complete when it is read here.
-  printf '%-6s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
-    "$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | cut -c1-110)" >> "$OUT/summary.txt"
-  return "$rc"
-}
+GRACE=5
+TOTAL_MAX=360
+FILES_MAX=8
+ALWAYS_FILES="summary.txt run.log"
+# name   limit_s  files (comma-separated; - for none); a line starting with # is none
+STAGES="
+build    90   -
+smoke    60   smoke.json
+# compile  -  compile.json   <- compile-native streaming and CUDA graph capture go here, limits rebalanced
+cuda     100  -
+kernels  30   -
+bench    80   bench.json,bench.md,stream.png
+"
+if [ "${GPU_CHECK_SELFTEST:-0}" = 1 ]; then  # tests/test_gpu_check_script.py: limits and file discipline
+  STAGES="
+slow     8    smoke.json
+quick    6    -
+"
+fi
 
-build() {
+CORE_TESTS="tests/test_native.py tests/test_manager.py tests/test_cuda_path.py tests/test_residency.py
+ tests/test_tune.py tests/test_loading.py tests/test_moe.py tests/test_reader.py"
+KERNEL_TESTS="tests/test_codec.py tests/test_codec_v2.py tests/test_scatter.py"
+BENCH="-m layerwise.bench --quick h2d compress stream --device cuda"
+
+DRY=${DRY_RUN:-0}
+if [ "${1:-}" = "--dry-run" ]; then
+  DRY=1
+  shift
+fi
+
+# -------------------------------------------------------------- the stages
+stage_build() {
   if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || return
   fi
-  LAYERWISE_BUILD=${LAYERWISE_BUILD:-cuda} "$PY" -m pip install --no-build-isolation --no-deps --no-index -q -e . || return
+  # The Triton kernels live in triton_kernels/ (package_dir); a checkout links them into the
+  # package, a copy of the tree may not carry the link: the tests import the package from here.
+  [ -e layerwise/triton_kernels ] || ln -s ../triton_kernels layerwise/triton_kernels
+  LAYERWISE_BUILD=${LAYERWISE_BUILD:-cuda} "$PY" -m pip install --no-build-isolation --no-deps --no-index -q -e . \
+    || return
   "$PY" -c "import layerwise, json; print(json.dumps(layerwise.build_info()))"
 }
-export -f build  # `timeout` runs programs, not shell functions: stage runs it through bash -c
-export PY PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+stage_smoke() { "$PY" scripts/gpu_smoke.py "$WORK/smoke.json"; }
+stage_cuda() {
+  # shellcheck disable=SC2086
+  LAYERWISE_CUDA_ONLY=1 "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider $CORE_TESTS
+}
+stage_kernels() {
+  # shellcheck disable=SC2086
+  LAYERWISE_CUDA_ONLY=1 "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider $KERNEL_TESTS
+}
+stage_bench() {
+  # shellcheck disable=SC2086
+  "$PY" $BENCH --json "$WORK/bench.json" --markdown "$WORK/bench.md" --plot "$WORK/stream.png"
+}
+stage_slow() { echo '{}' > "$WORK/smoke.json"; echo x > "$WORK/stray.txt"; echo "slow: sleeping"; sleep 60; }
+stage_quick() { echo "quick: done"; }
 
-junit() {  # --junitxml into the results, unless the file count must stay at 8
-  [ "$FEW" = 1 ] || echo "--junitxml=$OUT/$1.xml"
+command_of() {  # what stage NAME runs, in words (the dry run)
+  case $1 in
+    build) echo "pip install -e . (LAYERWISE_BUILD=cuda; .whl/*.whl first)" ;;
+    smoke) echo "python scripts/gpu_smoke.py smoke.json" ;;
+    cuda) echo "LAYERWISE_CUDA_ONLY=1 python -m pytest" $CORE_TESTS ;;
+    kernels) echo "LAYERWISE_CUDA_ONLY=1 python -m pytest" $KERNEL_TESTS ;;
+    bench) echo "python $BENCH --json bench.json --markdown bench.md --plot stream.png" ;;
+    *) echo "stage_$1" ;;
+  esac
 }
 
-# The CPU variants of the files that exercise this build's engine and kernels (CI
-# runs every test on CPU; the whole suite would not fit the stage's limit).
-CPU_TESTS="tests/test_native.py tests/test_manager.py tests/test_contract.py
- tests/test_scatter.py tests/test_loading.py tests/test_reader.py tests/test_codec.py tests/test_disk_tier.py"
+# ---------------------------------------------------------- the plan, once
+total=0
+files="$ALWAYS_FILES"
+while read -r name limit out; do
+  [ -n "$name" ] && [ "${name:0:1}" != "#" ] || continue
+  total=$((total + limit))
+  [ "$out" = - ] || files="$files ${out//,/ }"
+done <<< "$STAGES"
+nfiles=$(wc -w <<< "$files")
+if [ "$total" -gt "$TOTAL_MAX" ] || [ "$nfiles" -gt "$FILES_MAX" ]; then
+  echo "gpu_check: the stages take $total s (at most $TOTAL_MAX) and write $nfiles files (at most $FILES_MAX):" \
+       "rebalance STAGES" >&2
+  exit 2
+fi
 
-# The CUDA paths that the CPU backend cannot show (issue 22), run first in the cuda
-# stage. Each fails on a broken path; their CPU variants run in CI.
-#   reader CPU while waiting on CUDA events:
-#     test_a_read_waiting_on_a_late_copy_does_not_spin_a_core[cuda]   one read after a late copy
-#     test_reader_threads_stay_idle_through_a_disk_tier_forward[cuda]  /proc CPU time of every thread
-#                                                    but the main one, compute-bound forward: < 0.5 core
-#   pinned blocks freed under a copy in flight, no cudaDeviceSynchronize:
-#     test_a_freed_pinned_block_keeps_its_bytes_until_its_copy_completes[cuda]
-#   decode (Triton) with a staging regrow under random delays: sleeps on the copy streams,
-#   on the compute stream (rule 1: staging and slots wait on the compute stream's last use), both:
-#     test_decode_regrows_its_staging_under_random_copy_delays[cuda-copies|cuda-compute|cuda-both]
-#   split fetch (NCCL, one GPU per rank: these skip with fewer than 2 GPUs, and NCCL
-#   refuses two ranks on one GPU, so a 1-GPU host cannot run them):
-#     test_split_fetch_beside_an_all_to_all_on_the_same_group[cuda]   + the gather stream is
-#                                                                      none of torch's pool streams
-#     test_split_fetch_remove_under_rank_skew[cuda]
-#   capture check on the managed device's stream (the 2-device half needs 2 GPUs),
-#   the dedicated gather stream, the decode path ready (triton >= 3.6, TRITON_INTERPRET unset):
-#     test_capture_check_on_the_gpu, test_the_dedicated_stream_is_none_of_torchs_pool_streams,
-#     test_decode_path_is_ready_on_this_gpu_host
-#   CUDA copy out of staging, the next read after it: test_reader.py (its cuda test)
-CUDA_COPY_READ=tests/test_reader.py::test_cuda_copy_out_of_staging_and_reading_after_a_cuda_copy
-CUDA_PATH_TESTS="tests/test_cuda_path.py $CUDA_COPY_READ"
+if [ "$DRY" = 1 ]; then
+  echo "gpu_check dry run: stages in order (each limit includes ${GRACE} s between SIGINT and SIGKILL)"
+  k=0
+  while read -r name limit out; do
+    [ -n "$name" ] && [ "${name:0:1}" != "#" ] || continue
+    k=$((k + 1))
+    printf '  %d. %-8s %4s s  files: %-30s %s\n' "$k" "$name" "$limit" "$out" "$(command_of "$name")"
+  done <<< "$STAGES"
+  echo "total: $total s of stages (at most $TOTAL_MAX)"
+  echo "files ($nfiles of at most $FILES_MAX): $files"
+  exit 0
+fi
 
-cuda_tests() {  # the CUDA paths first (pytest would fold them into the directory's order), then the rest
-  local paths rest
-  # shellcheck disable=SC2046,SC2086
-  "$PY" -m pytest -q -rfEs -p no:cacheprovider $(junit cuda-paths) $CUDA_PATH_TESTS 2>&1 | tee -i "$OUT/.paths"
-  paths=${PIPESTATUS[0]}
-  # shellcheck disable=SC2046
-  "$PY" -m pytest -q -rfE -p no:cacheprovider -k cuda --ignore=tests/test_cuda_path.py --deselect "$CUDA_COPY_READ" \
-    $(junit cuda) tests 2>&1 | tee -i "$OUT/.rest"
-  rest=${PIPESTATUS[0]}
-  echo "paths: $(grep -v '^\s*$' "$OUT/.paths" | tail -n 1) | rest: $(grep -v '^\s*$' "$OUT/.rest" | tail -n 1)"
-  rm -f "$OUT/.paths" "$OUT/.rest"
-  [ "$paths" = 0 ] && return "$rest"
-  return "$paths"
+OUT=${1:?usage: scripts/gpu_check.sh [--dry-run] RESULTS_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+PY=${PYTHON:-python3}
+export PY WORK CORE_TESTS KERNEL_TESTS BENCH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export LAYERWISE_TEST_TIMEOUT=${LAYERWISE_TEST_TIMEOUT:-40}  # one test past it fails instead of eating the stage
+export -f stage_build stage_smoke stage_cuda stage_kernels stage_bench stage_slow stage_quick
+
+{
+  echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv,noheader 2>&1 | head -n 4 || echo "no nvidia-smi"
+  echo "plan: $total s of stages; files: $files"
+} > "$OUT/summary.txt"
+: > "$OUT/run.log"
+
+cap_log() {  # a stage's log for run.log: its head and tail where it is long
+  local n
+  n=$(wc -l < "$1")
+  if [ "$n" -le 400 ]; then
+    cat "$1"
+  else
+    head -n 80 "$1"
+    echo "... ($((n - 380)) lines left out) ..."
+    tail -n 300 "$1"
+  fi
 }
-export -f cuda_tests junit
-export OUT FEW CUDA_PATH_TESTS CUDA_COPY_READ
 
-gpu_file="$OUT/gpu.txt"
-[ "$FEW" = 1 ] && gpu_file="$OUT/summary.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv \
-  >> "$gpu_file" 2>&1 || echo "no nvidia-smi" >> "$gpu_file"
-
-stage build 150 bash -c build
-stage cuda 120 bash -c cuda_tests
-# shellcheck disable=SC2046
-stage tests 120 "$PY" -m pytest -q -rfE -p no:cacheprovider -k "not cuda" $(junit tests) ${GPU_CHECK_TESTS:-$CPU_TESTS}
-# shellcheck disable=SC2086
-stage bench 150 "$PY" -m layerwise.bench ${BENCH_SUITES:-h2d scatter stream tune startup hooks disk compress} \
-  --device "${BENCH_DEVICE:-cuda}" ${BENCH_ARGS:-} \
-  --json "$OUT/bench.json" --plot "$OUT/stream.png" --markdown "$OUT/bench.md"
+stopped=""
+while read -r name limit out; do
+  [ -n "$name" ] && [ "${name:0:1}" != "#" ] || continue
+  if [ -n "$stopped" ]; then
+    printf '%-8s not run: %s\n' "$name" "$stopped" >> "$OUT/summary.txt"
+    continue
+  fi
+  echo "== $name (limit ${limit} s): $(command_of "$name")"
+  t0=$SECONDS
+  timeout -s INT -k "$GRACE" "$((limit - GRACE))" bash -c "stage_$name" > "$WORK/$name.log" 2>&1
+  rc=$?
+  took=$((SECONDS - t0))
+  if [ "$out" != - ]; then
+    for f in ${out//,/ }; do
+      [ -f "$WORK/$f" ] && mv -f "$WORK/$f" "$OUT/$f"
+    done
+  fi
+  { echo "== $name: rc=$rc in ${took} s (limit ${limit} s)"; cap_log "$WORK/$name.log"; echo; } >> "$OUT/run.log"
+  last=$(grep -v '^\s*$' "$WORK/$name.log" | tail -n 1 | cut -c1-110)
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && last="STOPPED AT ITS LIMIT; last: $last"
+  printf '%-8s rc=%-3s %4s s of %-4s %s\n' "$name" "$rc" "$took" "$limit" "$last" >> "$OUT/summary.txt"
+  for f in ${out//,/ }; do  # the key figures, as soon as they are there (no torch import: a second)
+    case $f in
+      *.json) [ -f "$OUT/$f" ] && "$PY" scripts/gpu_smoke.py --key-figures "$OUT/$f" 2>&1 | sed 's/^/    /' \
+                >> "$OUT/summary.txt" ;;
+    esac
+  done
+  tail -n 15 "$WORK/$name.log"
+  [ "$name" = build ] && [ "$rc" != 0 ] && stopped="the build failed"
+done <<< "$STAGES"
 
 echo
-echo "== summary"
+echo "== summary ($OUT)"
 cat "$OUT/summary.txt"

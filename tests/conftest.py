@@ -59,3 +59,27 @@ def pytest_runtest_call(item):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# LAYERWISE_CUDA_ONLY=1 (scripts/gpu_check.sh): only the tests that run on the GPU,
+# so that the GPU's minutes go to what CI cannot run: the "cuda" variants of
+# device-parametrized tests, and of the others those whose name says cuda or gpu or
+# that skip without a GPU. (`-k cuda` would also take every test of a file whose
+# name says cuda, and the cpu variants of tests whose name does.)
+def _needs_gpu(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "device" in params:  # (the device fixtures: conftest's, test_codec's, test_scatter's)
+        return params["device"] == "cuda"
+    if "cuda" in item.name or "gpu" in item.name:
+        return True
+    return any(m.args and "GPU" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LAYERWISE_CUDA_ONLY") != "1":
+        return
+    keep = [it for it in items if _needs_gpu(it)]
+    dropped = [it for it in items if not _needs_gpu(it)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep

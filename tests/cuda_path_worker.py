@@ -6,8 +6,11 @@ several ranks: gloo ranks on CPU here, NCCL ranks (one GPU each) on a GPU host.
 (test_split_fetch.run_ranks starts it.) DEVICE: "cpu" (gloo) or "cuda" (NCCL,
 rank r on cuda:r). SCENARIO: alltoall (the model's forward runs an all-to-all on
 the split_fetch group itself, between the layer groups' gathers) or remove_skew
-(the ranks reach remove at different times). Each checks outputs and weights
-bitwise against a resident copy.
+(the ranks reach remove at different times), timed (every fetch, a gather at its
+end, timed from its local copy's start: raw and compressed shares). Each checks
+outputs and weights bitwise against a resident copy; on CUDA with two copy
+streams and the compute stream slowed before every block (the GPU runs behind
+the host, so that a missing event edge shows as a wrong output).
 """
 import copy
 import datetime
@@ -38,6 +41,27 @@ class AllToAllNet(Net):
         return self.head(y)
 
 
+def behind_the_host(model, device, ms=1.0):
+    """On CUDA: a GPU sleep of about `ms` queued on the compute stream before every
+    block's kernels (pre-hooks registered after configure run after layerwise's, so
+    the sleep lies between the block's wait for its copy and its kernels): the host
+    runs ahead, and every later fetch and slot reuse is ordered by events alone."""
+    if device.type != "cuda":
+        return []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(1_000_000 * ms / start.elapsed_time(end))
+    return [b.register_forward_pre_hook(lambda *a: torch.cuda._sleep(cycles))
+            for b in (*model.blocks, *model.extra)]
+
+
+def streams(device):
+    return {"num_copy_streams": 2} if device.type == "cuda" else {}
+
+
 def check_outputs(model, reference, rank, device, steps=3):
     torch.manual_seed(100 + rank)  # different inputs on every rank
     xs = [torch.randn(2 * dist.get_world_size(), 48).to(device) for _ in range(2)]
@@ -58,7 +82,8 @@ def scenario_alltoall(rank, device):
     model = AllToAllNet()
     reference = copy.deepcopy(model).to(device)
     layerwise.configure_layerwise_offload(model, ["blocks", "extra"], device=device, prefetch_depth=2,
-                                          split_fetch=dist.group.WORLD)
+                                          split_fetch=dist.group.WORLD, **streams(device))
+    behind_the_host(model, device)
     check_outputs(model, reference, rank, device)
     if device.type == "cuda":
         (group,) = [g for g in gather._LIVE if g.stream is not None]
@@ -76,7 +101,8 @@ def scenario_remove_skew(rank, device):
     model = Net()
     reference = copy.deepcopy(model).to(device)
     layerwise.configure_layerwise_offload(model, ["blocks", "extra"], device=device, prefetch_depth=1,
-                                          resident_layers=1, split_fetch=dist.group.WORLD)
+                                          resident_layers=1, split_fetch=dist.group.WORLD, **streams(device))
+    behind_the_host(model, device)
     check_outputs(model, reference, rank, device, steps=2)
     time.sleep(1.5 * rank)  # the later ranks reach remove 1.5 s after the one before
     layerwise.remove_layerwise_offload(model)
@@ -84,7 +110,30 @@ def scenario_remove_skew(rank, device):
     check_outputs(model, reference, rank, device, steps=1)
 
 
-SCENARIOS = {"alltoall": scenario_alltoall, "remove_skew": scenario_remove_skew}
+def scenario_timed(rank, device):
+    from fetch_timing import FetchLog
+
+    for compress in (None, "lossless"):
+        torch.manual_seed(0)
+        model = Net()
+        reference = copy.deepcopy(model).to(device)
+        managers = layerwise.configure_layerwise_offload(model, ["blocks", "extra"], device=device,
+                                                         prefetch_depth=1, split_fetch=dist.group.WORLD,
+                                                         compress=compress, **streams(device))
+        behind_the_host(model, device)
+        with FetchLog() as log:
+            for m in managers:
+                m.meter.listen(True)  # every step timed
+            check_outputs(model, reference, rank, device, steps=2)
+            log.check(managers)
+            for m in managers:
+                samples = m.meter.listen(False)
+                assert samples and all(t > 0 for _, _, t in samples), (m.layer_name, samples)
+        layerwise.remove_layerwise_offload(model)
+        same_weights(model, reference)
+
+
+SCENARIOS = {"alltoall": scenario_alltoall, "remove_skew": scenario_remove_skew, "timed": scenario_timed}
 
 
 def main(rank, world, port, tmp, scenario, device):

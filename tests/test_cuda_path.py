@@ -120,13 +120,25 @@ def test_arena_split_points_are_empty_for_ordinary_blocks():
     assert arena.split_points(block.data_ptr() - arena.data_ptr, block.numel()) == []
 
 
-def test_every_copy_reports_its_duration_on_the_cpu_backend():
+def test_only_a_timed_copy_has_a_start_and_a_duration_on_the_cpu_backend():
+    # The same rule on both backends: a copy issued with timing has a start and a
+    # duration; one without has neither (copy_ms -1), so that a stage that loses the
+    # timing of a fetch shows on the CPU backend too.
     engine = _native.CopyEngine("cpu")
     src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
-    ev = engine.copy_async(dst, src)
+    ev = engine.copy_async(dst, src, timing=True)
     ev.synchronize()
+    assert ev.start is not None and ev.start.query()
     assert ev.copy_ms > 0 and torch.equal(dst, src)
+    untimed = engine.copy_async(dst, src)
+    untimed.synchronize()
+    assert untimed.start is None and untimed.copy_ms == -1.0
     assert engine.record().copy_ms == -1.0
+    later = engine.record()
+    later.start = ev.start  # a stage's event timed from the copy's start
+    assert later.copy_ms >= ev.copy_ms
+    with pytest.raises(TypeError):
+        later.start = object()
 
 
 # ------------------------------------------------------------ issue 22: helpers
@@ -240,7 +252,8 @@ def test_reader_threads_stay_idle_through_a_disk_tier_forward(device, tmp_path):
     model = SleepyNet(cycles=cycles)
     ref = copy.deepcopy(model).to(device)
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=device, prefetch_depth=1,
-                                                 host_budget=budget(model, 1, 1, device=device), spill_dir=tmp_path)
+                                                 host_budget=budget(model, 1, 1, device=device), spill_dir=tmp_path,
+                                                 num_copy_streams=2)
     assert m.stats()["disk"]["layers"] >= 4, m.stats()["disk"]
     xs = [torch.randn(4, 256, generator=torch.Generator().manual_seed(k)).to(device) for k in range(2)]
     with torch.no_grad():
@@ -356,7 +369,7 @@ def test_decode_regrows_its_staging_under_random_copy_delays(device, monkeypatch
     real = linear_stack(torch.bfloat16, n=6, d=256, seed=1).to(device)
     delays = delayed_copies(device, monkeypatch) if lag in ("copies", "both") else {}
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=device, prefetch_depth=2,
-                                                 compress="lossless", **delays)
+                                                 compress="lossless", num_copy_streams=2, **delays)
     if lag in ("compute", "both"):
         lagging_compute(model, device)
     xs = [x.to(device) for x in xs_for(256, torch.bfloat16)]
@@ -381,6 +394,73 @@ def test_decode_regrows_its_staging_under_random_copy_delays(device, monkeypatch
         for x in xs:
             assert torch.equal(model(x), zeros(x))
     layerwise.remove_layerwise_offload(model)
+
+
+# ----------------------------------------------- the GPU behind the host
+def behind_the_host(blocks, device, ms=1.0):
+    """On CUDA, a GPU sleep of about `ms` queued on the compute stream before each
+    block's kernels: a pre-hook registered after configure runs after layerwise's
+    (which made the stream wait for the block's copy and queued the next fetches),
+    so the sleep lies between that wait and the block's kernels. The host then runs
+    ahead of the GPU through the whole step, as it does with real blocks: every
+    fetch, slot reuse and decode is ordered by events alone, and a missing edge
+    gives a wrong output instead of passing because the GPU was idle. On the CPU
+    (compute is synchronous) nothing: the copy side's random delays stand in."""
+    if device != "cuda":
+        return []
+    cycles = gpu_sleep_cycles(ms / 1000)
+    return [b.register_forward_pre_hook(lambda *a: torch.cuda._sleep(cycles)) for b in blocks]
+
+
+def smallest_host_budget(configure, start=32 << 10, step=16 << 10):
+    """configure(host_budget) at the smallest budget it takes: most layers on disk."""
+    budget = start
+    while True:
+        try:
+            return configure(budget)
+        except ValueError as e:
+            assert "too small" in str(e), e
+            budget += step
+
+
+@pytest.mark.parametrize("tier", ["raw", "encoded", "disk", "encoded-disk"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_bitwise_with_the_gpu_behind_the_host(device, tier, depth, tmp_path):
+    """Two groups (the prefetch crosses from one to the other and wraps to the next
+    step), two copy streams, each tier, the compute stream slowed before every block
+    (behind_the_host); blocks called out of order too: bitwise the resident model."""
+    torch.manual_seed(0)
+    model = TwoGroupModel(d=256).eval()
+    ref = copy.deepcopy(model).to(device)
+    options = dict(prefetch_depth=depth, num_copy_streams=2)
+    if device == "cpu":
+        options["debug_copy_delay_us"] = 300
+    if tier.startswith("encoded"):
+        options["compress"] = "lossless"
+
+    def configure(budget=None):
+        extra = {} if budget is None else dict(host_budget=budget, spill_dir=tmp_path)
+        return layerwise.configure_layerwise_offload(model, GROUPS, device=device, **options, **extra)
+
+    managers = smallest_host_budget(configure, 1 << 20, 64 << 10) if tier.endswith("disk") else configure()
+    plan = [r for m in managers for r in m.stats()["tier_plan"]]
+    if tier.endswith("disk"):
+        assert any(r.startswith("spill") for r in plan), plan
+    if tier.startswith("encoded"):
+        assert any(r.endswith("encoded") for r in plan), plan
+    behind_the_host([*model.transformer_blocks, *model.single_transformer_blocks], device)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 256, generator=g).to(device) for _ in range(3)]
+    with torch.no_grad():
+        for _ in range(3):
+            for x in xs:
+                assert torch.equal(model(x), ref(x))
+        order = dict(order_a=[4, 0, 3, 3], order_b=[2, 1])
+        assert torch.equal(model(xs[0], **order), ref(xs[0], **order))
+        assert torch.equal(model(xs[1]), ref(xs[1]))
+    layerwise.remove_layerwise_offload(model)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k].to(device), v), k
 
 
 # --------------------------------------------- item 6: capture on which device
@@ -496,3 +576,118 @@ def test_decode_path_check_names_what_is_missing(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.sh)")
 def test_decode_path_is_ready_on_this_gpu_host():
     check_decode_path("cuda")  # triton >= 3.6 there, TRITON_INTERPRET unset
+
+
+# ------------------------------------------- decode on a lane of its own
+def encoded_stack(device, n=4, **options):
+    """A bf16 stack streamed with compress="lossless" (every layer encoded), its
+    resident twin on `device`, and inputs there."""
+    from test_compress import linear_stack, xs_for
+
+    model = linear_stack(torch.bfloat16, n=n, d=256)
+    ref = copy.deepcopy(model).to(device)
+    (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=device, compress="lossless", **options)
+    assert m.stats()["compress"]["layers_raw"] == []
+    return model, ref, m, [x.to(device) for x in xs_for(256, torch.bfloat16)]
+
+
+def test_the_next_copy_overlaps_a_decode_that_waits_for_its_slot(device, monkeypatch):
+    """With one copy stream (the default), the copy of layer b's encoded bytes must
+    not queue behind the decode of layer a, which waits for its slot to be free (the
+    compute still using it): decodes run on a lane of their own (CPU: a worker of
+    their own; CUDA: a stream of their own), ordered by events only, so the bus
+    carries the next layer while a decode waits or runs. Structural: the slot of a
+    is freed by an event the test holds back (CPU: a host event it sets; CUDA: an
+    event behind a 3 s GPU sleep), and the copy of b must complete meanwhile."""
+    from layerwise.stages.transfer import Transfer
+
+    if device == "cuda":
+        check_decode_path(device)
+    model, ref, m, xs = encoded_stack(device, prefetch_depth=1)
+    with torch.no_grad():
+        assert torch.equal(model(xs[0]), ref(xs[0]))  # warm: kernels compiled, staging in use
+    m.stats(sync=True)
+    assert m._engine.num_streams == 1
+    a, b = (m._src[i] for i in m.ring.streamed[1:3])
+    assert a.encoded and b.encoded
+    copies = []
+    real = Transfer.copy
+
+    def copy_logged(self, *args, **kwargs):
+        copies.append(real(self, *args, **kwargs))
+        return copies[-1]
+
+    monkeypatch.setattr(Transfer, "copy", copy_logged)
+    gate = _native._C.host_event() if device == "cpu" else late_event(device, m._engine, 3.0)
+    t_gate = time.perf_counter()
+    dst_a = torch.zeros(a.nbytes, dtype=torch.uint8, device=device)
+    dst_b = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)
+    try:
+        decode_a = a.tier.fetch(a, a.index, dst_a, gate, timing=False)  # its slot frees at the gate
+        decode_b = b.tier.fetch(b, b.index, dst_b, None, timing=False)
+        copy_b = copies[-1]
+        deadline = time.perf_counter() + (1.5 if device == "cuda" else 60.0)
+        while not copy_b.query() and time.perf_counter() < deadline:
+            time.sleep(0.002)
+        assert copy_b.query(), "the copy of the next layer queued behind a decode waiting for its slot"
+        if device == "cpu" or time.perf_counter() - t_gate < 2.5:  # (CUDA: the gate is still closed)
+            assert not decode_a.query(), "the decode did not wait for its slot"
+    finally:
+        if device == "cpu" and not gate.query():
+            gate.set()
+    decode_a.synchronize()
+    decode_b.synchronize()
+    assert torch.equal(dst_a.cpu(), a.read()) and torch.equal(dst_b.cpu(), b.read())
+    monkeypatch.undo()
+    with torch.no_grad():
+        for x in xs:
+            assert torch.equal(model(x), ref(x))
+    layerwise.remove_layerwise_offload(model)
+
+
+# --------------------------------- every fetch timed from its first copy
+@pytest.mark.parametrize("kind", ["raw", "encoded", "disk", "encoded-disk"])
+def test_every_fetch_is_timed_from_its_first_copy(device, kind, tmp_path):
+    """The meter (stats()' copy_s, report's GB/s, tune's bus samples) times each fetch
+    from its first copy's start to the event it ends in: the copy itself (raw), the
+    decode after it (encoded: CUDA had no start there, copy_ms -1, no copy time and
+    no bus samples for compressed groups; the CPU timed the decode alone), the last
+    of a disk read's copies. Checked structurally (tests/fetch_timing.py): each
+    timed fetch's start is a copy's start, on every step, with 2 copy streams."""
+    from fetch_timing import FetchLog
+    from test_compress import linear_stack, xs_for
+
+    model = linear_stack(torch.bfloat16, n=6, d=256)
+    ref = copy.deepcopy(model).to(device)
+    options = dict(prefetch_depth=1, num_copy_streams=2)
+    if kind.startswith("encoded"):
+        options["compress"] = "lossless"
+
+    def configure(budget=None):
+        extra = {} if budget is None else dict(host_budget=budget, spill_dir=tmp_path)
+        return layerwise.configure_layerwise_offload(model, "blocks", device=device, **options, **extra)
+
+    (m,) = smallest_host_budget(configure) if kind.endswith("disk") else configure()
+    plan = m.stats()["tier_plan"]
+    if kind == "disk":
+        assert "spill" in plan, plan
+    if kind == "encoded-disk":
+        assert "spill, encoded" in plan, plan
+    xs = [x.to(device) for x in xs_for(256, torch.bfloat16)]
+    with FetchLog() as log:
+        m.meter.listen(True)  # every step timed (CUDA times one in 8 otherwise)
+        with torch.no_grad():
+            for x in xs:
+                assert torch.equal(model(x), ref(x))
+        log.check([m])
+        samples = m.meter.listen(False)
+    assert {layer for layer, nbytes, s in samples if s > 0} == set(m.ring.streamed), samples
+    assert m.stats()["copy_s"] > 0
+    layerwise.remove_layerwise_offload(model)
+
+
+def test_split_fetch_times_every_gather_from_its_local_copy(device, tmp_path):
+    """A split fetch ends in a gather (a host event on gloo, an event on the gather
+    stream on NCCL): it is timed from the local copy's start (the first copy of the
+    fetch), on every rank."""
+    split_ranks(device, "timed", tmp_path)

@@ -941,3 +941,87 @@ def test_load_state_dict_into_one_module_list_expert(cache):
     sd = model.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k], v), k
+
+
+# ------------------------------------------------------------------------ CUDA
+# The routed-experts paths on the GPU (scripts/gpu_check.sh runs them; they skip
+# without one): demand copies of the experts a layer's routing chose, the device
+# expert cache, speculative prefetch, and encoded expert rows decoded by the
+# Triton decoder, with two copy streams and the compute stream slowed before
+# every layer, so that the host runs ahead of the GPU and the expert copies,
+# cache fills and slot reuses are ordered by events alone.
+def _cuda_usable() -> bool:
+    from conftest import cuda_usable
+
+    return cuda_usable()
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_usable(), reason="needs a GPU and a CUDA build (scripts/gpu_check.sh)")
+
+
+def _behind_the_host(model, ms=1.0):
+    """A GPU sleep of about `ms` before each decoder layer's kernels (pre-hooks
+    registered after configure run after layerwise's: after the layer's wait for its
+    copy, before its compute and its experts' routing)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(1_000_000 * ms / start.elapsed_time(end))
+    return [layer.register_forward_pre_hook(lambda *a: torch.cuda._sleep(cycles)) for layer in model.model.layers]
+
+
+def _on_cuda(ref, **options):
+    """(resident twin on cuda, the streamed model on cuda, its manager)."""
+    model = copy.deepcopy(ref)
+    (m,) = layerwise.configure_layerwise_offload(model, "model.layers", device="cuda", experts="routed",
+                                                 num_copy_streams=2, **options)
+    _behind_the_host(model)
+    return ref.to("cuda"), model, m
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek"])
+@pytest.mark.parametrize("cache", [None, "auto"])
+def test_routed_on_cuda_is_bitwise_with_the_gpu_behind_the_host(arch, cache):
+    ref, model, m = _on_cuda(_make(arch), prefetch_depth=2, expert_cache=cache)
+    ids = _ids(batch=2).to("cuda")
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats(sync=True)["experts"]
+    assert st["misses"] > 0 and st["experts_used"] == st["hits"] + st["misses"]
+    if cache is not None:
+        assert st["cache_hits"] > 0 and 0 < st["cache_bytes"] <= torch.cuda.get_device_properties(0).total_memory
+    layerwise.remove_layerwise_offload(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+@needs_cuda
+def test_speculative_prefetch_on_cuda_costs_bytes_never_correctness():
+    ref, model, m = _on_cuda(_make("mixtral"), prefetch_depth=2, expert_prefetch=True)
+    ids = _ids(batch=1).to("cuda")
+    want, got = _run(ref, ids, new=8), _run(model, ids, new=8)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats(sync=True)["experts"]
+    assert st["speculative_bytes"] > 0
+    assert st["speculative_used_bytes"] + st["speculative_wasted_bytes"] == st["speculative_bytes"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("cache", [None, "auto"])
+def test_compressed_routed_experts_on_cuda_decode_their_rows_bitwise(cache):
+    """Each expert's rows are a segment of their own: a demand fetch copies its encoded
+    rows and the Triton decoder writes them into the slot (the decode lane)."""
+    from layerwise.gpu_checks import check_decode_path
+
+    check_decode_path("cuda")
+    ref, model, m = _on_cuda(_bf16("mixtral"), compress="lossless", expert_cache=cache,
+                             expert_prefetch=cache is not None)
+    ids = _ids(batch=2).to("cuda")
+    want, got = _run(ref, ids), _run(model, ids)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    st = m.stats(sync=True)
+    assert st["compress"]["layers_raw"] == [] and st["experts"]["misses"] > 0
+    layerwise.remove_layerwise_offload(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))

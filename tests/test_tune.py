@@ -126,7 +126,8 @@ def test_tune_is_bitwise_within_its_budget_and_reported(device):
     with torch.no_grad():
         want = ref(x)
     model = stack()
-    (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=device, debug_copy_delay_us=200)
+    delays = {"debug_copy_delay_us": 200} if device == "cpu" else {}  # (a CPU-backend mode)
+    (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=device, **delays)
     x = x.to(device)
     fixed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
     budget = fixed + 6 * max(lp.nbytes for lp in m.plan.layers)
@@ -142,6 +143,33 @@ def test_tune_is_bitwise_within_its_budget_and_reported(device):
     text = str(plan)
     assert "predicted" in text and "measured" in text and "floor" in text and "blocks" in text
     assert "layerwise.tune" in str(layerwise.report(model))
+    layerwise.remove_layerwise_offload(model)
+    with torch.no_grad():
+        assert torch.equal(model(x).cpu(), want)
+
+
+def test_tune_with_compression_gets_bus_samples_and_stays_bitwise(device):
+    """Compressed layers are fetched as a copy and a decode: tune's probe must time
+    them from the copy's start to the decode's end (on CUDA the decode's event had no
+    start: no bus samples, and tune predicted no transfer at all for them)."""
+    ref = stack()
+    x = torch.randn(64, 64)
+    with torch.no_grad():
+        want = ref(x)
+    model = stack()
+    options = {"debug_copy_delay_us": 200} if device == "cpu" else {"num_copy_streams": 2}
+    (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=device, compress="lossless", **options)
+    assert len(m.stats()["compress"]["layers_raw"]) < m.num_layers  # (fp32 weights: their exponents shrink)
+    x = x.to(device)
+    fixed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    budget = fixed + 6 * max(lp.nbytes for lp in m.plan.layers)
+    plan = layerwise.tune(model, lambda mm: mm(x), device_budget=budget, repeats=2)
+    assert plan.bus_gbps is not None and plan.bus_gbps > 0, str(plan)
+    assert m.meter.unstarted == 0
+    st = m.stats()
+    assert fixed + st["ring_bytes"] + st["resident_bytes"] <= budget
+    with torch.no_grad():
+        assert torch.equal(model(x).cpu(), want)
     layerwise.remove_layerwise_offload(model)
     with torch.no_grad():
         assert torch.equal(model(x).cpu(), want)
@@ -289,7 +317,8 @@ TUNE = """
     measured = {"tune": [], "leading": [], "strided": []}
     policies = {}
     for policy in ("leading", "strided"):
-        best = min(((k, v) for k, v in plan.alternatives.items() if k.startswith(policy)), key=lambda kv: kv[1])
+        best = min(((k, v) for k, v in plan.alternatives.items() if k.startswith(policy) and "improved" not in k),
+                   key=lambda kv: kv[1])  # (the policy's own placements: "<policy>, depth <d>")
         depth = int(best[0].rsplit(" ", 1)[1])
         res = layerwise.options.resolve_resident(T.largest_share(m, depth, policy, budget - fixed), m.num_layers, policy)
         policies[policy] = (res, depth)

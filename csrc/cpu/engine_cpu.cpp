@@ -1,7 +1,11 @@
 // CPU backend of the copy engine: each "stream" is a worker thread with a FIFO
 // queue. The copy runs off the calling thread, events are real, and a debug
 // mode delays every copy by a random amount so that a missing wait in the
-// layers above shows up as a wrong output instead of passing by luck.
+// layers above shows up as a wrong output instead of passing by luck. Decodes
+// run on a worker of their own (the decode lane, started at the first decode),
+// as the CUDA backend runs them on a stream of their own: a decode waiting for
+// its slot never holds up the next copy, and the order between them is only
+// what their events say.
 //
 // A worker never drops a reference that could be the last one to an event:
 // that would free the copy's storages on the worker, and freeing a storage that
@@ -116,6 +120,9 @@ struct Job {
   bool decode = false;
   std::vector<DecodePiece> pieces;
   EventPtr after2;
+  // The start of a timed job (Event::start of `done`): completed when the work
+  // starts, after the waits (a copy: when it goes on the simulated bus).
+  std::shared_ptr<CpuEvent> start;
   HostClock::time_point queued = HostClock::now();  // (the simulated bus: when the copy was ready to go)
 };
 
@@ -189,9 +196,12 @@ class Worker {
         failed_errno = e.err;
       } catch (...) {
       }
-      job.done->started = Clock::now();
+      auto mark_start = [&](HostClock::time_point t) {
+        if (job.start && !job.start->completed()) job.start->set_at(t);
+      };
       std::string failed_decode;
       if (failed_after.empty() && job.decode) {
+        mark_start(Clock::now());
         try {
           auto* dst = static_cast<uint8_t*>(job.dst);
           auto* enc = static_cast<const uint8_t*>(job.src);
@@ -204,13 +214,14 @@ class Worker {
         // (the simulated bus, sim_bus.h: ready when queued, or when what it waited on completed)
         HostClock::time_point on_bus{};
         const auto crossed = sim_bus_reserve(job.n, job.src, waited ? HostClock::now() : job.queued, &on_bus);
-        if (crossed != HostClock::time_point{}) job.done->started = on_bus;  // (copy_ms: its time on the bus)
+        mark_start(crossed != HostClock::time_point{} ? on_bus : Clock::now());  // (copy_ms: its time on the bus)
         std::memcpy(job.dst, job.src, job.n);
         if (crossed != HostClock::time_point{}) {
           std::unique_lock<std::mutex> l(m_);
           cv_.wait_until(l, crossed, [&] { return stop_; });
         }
       }
+      mark_start(Clock::now());  // nothing ran (a failed wait, no bytes): it started as it ends
       if (job.done->keepalive) job.done->keepalive->release();  // resizable again once the copy is done
       if (!failed_after.empty())
         job.done->fail("layerwise: copy not done: the read it waited on failed: " + failed_after, failed_errno);
@@ -219,7 +230,7 @@ class Worker {
       else
         job.done->set();
       retired_->add(std::move(job.after), std::move(job.done));
-      retired_->add(std::move(job.after2), nullptr);
+      retired_->add(std::move(job.after2), std::move(job.start));
     }
   }
 
@@ -238,7 +249,7 @@ class Worker {
 
 class CpuEngine : public CopyEngine {
  public:
-  CpuEngine(int num_streams, int64_t delay_us) : retired_(std::make_shared<Retired>()) {
+  CpuEngine(int num_streams, int64_t delay_us) : delay_us_(delay_us), retired_(std::make_shared<Retired>()) {
     TORCH_CHECK_VALUE(num_streams >= 1, "CopyEngine: num_streams must be >= 1, got ", num_streams);
     sim_bus_from_env();
     for (int i = 0; i < num_streams; ++i) workers_.emplace_back(std::make_unique<Worker>(delay_us, retired_));
@@ -248,14 +259,16 @@ class CpuEngine : public CopyEngine {
       // The threads stayed in the parent: joining them here would wait forever,
       // and destroying a joinable std::thread calls std::terminate. Leak them.
       for (auto& w : workers_) (void)w.release();
+      (void)decoder_.release();
       return;
     }
     for (auto& w : workers_) w->stop();
+    if (decoder_) decoder_->stop();
     retired_->drop();
   }
 
   EventPtr copy_async(void* dst, const void* src, size_t n, const EventPtr& after,
-                      std::unique_ptr<InFlight> keep, bool) override {
+                      std::unique_ptr<InFlight> keep, bool timing) override {
     check_usable();
     if (after) {
       TORCH_CHECK_TYPE(dynamic_cast<CpuEvent*>(after.get()), "copy_async: `after` is not a CPU event");
@@ -265,13 +278,15 @@ class CpuEngine : public CopyEngine {
     retired_->drop();
     auto done = std::make_shared<CpuEvent>();
     done->keepalive = std::move(keep);
+    Job job{dst, src, n, after, done};
+    if (timing) done->start = job.start = std::make_shared<CpuEvent>();
     Worker& w = *workers_[next_.fetch_add(1, std::memory_order_relaxed) % workers_.size()];
-    w.push(Job{dst, src, n, after, done});
+    w.push(std::move(job));
     return done;
   }
 
   EventPtr decode_async(uint8_t* dst, const uint8_t* enc, std::vector<DecodePiece> pieces, const EventPtr& after,
-                        const EventPtr& after2, std::unique_ptr<InFlight> keep, bool) override {
+                        const EventPtr& after2, std::unique_ptr<InFlight> keep, bool timing) override {
     check_usable();
     for (const EventPtr* a : {&after, &after2}) {
       if (!*a) continue;
@@ -286,12 +301,13 @@ class CpuEngine : public CopyEngine {
     job.decode = true;
     job.pieces = std::move(pieces);
     job.after2 = after2;
-    Worker& w = *workers_[next_.fetch_add(1, std::memory_order_relaxed) % workers_.size()];
-    w.push(std::move(job));
+    if (timing) done->start = job.start = std::make_shared<CpuEvent>();
+    decoder().push(std::move(job));
     return done;
   }
 
   uintptr_t stream_handle(int) const override { return 0; }
+  uintptr_t decode_stream_handle() const override { return 0; }
 
   void wait(const EventPtr& ev, uintptr_t) override {
     check_usable();
@@ -312,12 +328,18 @@ class CpuEngine : public CopyEngine {
     if (origin_.forked() || shut_down_.load()) return;
     for (auto& w : workers_)
       if (auto last = w->last()) last->synchronize();
+    if (Worker* d = decoder_if_started())
+      if (auto last = d->last()) last->synchronize();
     retired_->drop();
   }
 
   void shutdown() override {
     if (shut_down_.exchange(true) || origin_.forked()) return;
     for (auto& w : workers_) w->stop();
+    {
+      std::lock_guard<std::mutex> l(decoder_mu_);
+      if (decoder_) decoder_->stop();
+    }
     retired_->drop();
   }
 
@@ -330,10 +352,25 @@ class CpuEngine : public CopyEngine {
     if (origin_.forked()) origin_.throw_forked("this copy engine");
     if (shut_down_.load()) throw_shut_down();
   }
+  // The decode lane, started at the first decode (a group without encoded layers
+  // never starts it). Once started it lives as long as the engine.
+  Worker& decoder() {
+    std::lock_guard<std::mutex> l(decoder_mu_);
+    if (shut_down_.load()) throw_shut_down();
+    if (!decoder_) decoder_ = std::make_unique<Worker>(delay_us_, retired_);
+    return *decoder_;
+  }
+  Worker* decoder_if_started() {
+    std::lock_guard<std::mutex> l(decoder_mu_);
+    return decoder_.get();
+  }
 
   const Origin origin_;
+  const int64_t delay_us_;
   std::shared_ptr<Retired> retired_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  std::mutex decoder_mu_;
+  std::unique_ptr<Worker> decoder_;
   std::atomic<size_t> next_{0};
   std::atomic<bool> shut_down_{false};
 };

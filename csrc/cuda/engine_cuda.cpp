@@ -64,7 +64,7 @@ struct QuietDeviceGuard {  // for destructors: never throws
 struct PendingCopies {
   struct Copy {
     int device;
-    cudaEvent_t ev, start;
+    cudaEvent_t ev;
     std::unique_ptr<InFlight> keep;
   };
   std::mutex mu;
@@ -92,7 +92,6 @@ struct PendingCopies {
     for (Copy& c : done) {
       QuietDeviceGuard g(c.device);
       cudaEventDestroy(c.ev);
-      if (c.start) cudaEventDestroy(c.start);
     }
     // `done` goes here, outside the lock: the storages, maybe a host block (cudaHostUnregister).
   }
@@ -100,10 +99,10 @@ struct PendingCopies {
 
 struct CudaEvent : Event {
   cudaEvent_t ev = nullptr;
-  cudaEvent_t start = nullptr;  // the copy's start, when issued with timing
   int device;
+  bool timing;  // made with timing (cudaEventDefault): elapsed times can end or start here
   std::shared_ptr<PendingCopies> pending;  // a copy's event: where its storages go if dropped early
-  CudaEvent(int device, bool timing) : device(device) {
+  CudaEvent(int device, bool timing) : device(device), timing(timing) {
     DeviceGuard g(device);
     LW_CUDA(cudaEventCreateWithFlags(&ev, timing ? cudaEventDefault : cudaEventDisableTiming));
   }
@@ -113,12 +112,13 @@ struct CudaEvent : Event {
     QuietDeviceGuard g(device);
     if (ev && keepalive && pending && cudaEventQuery(ev) == cudaErrorNotReady) {
       cudaGetLastError();
-      pending->add({device, ev, start, std::move(keepalive)});  // the copy still reads its storages
+      pending->add({device, ev, std::move(keepalive)});  // the copy still reads its storages
       return;
     }
     cudaGetLastError();
+    // (`start` goes with this event: destroying a recorded event that has not completed
+    // yet is allowed, its resources are released once it has)
     if (ev) cudaEventDestroy(ev);
-    if (start) cudaEventDestroy(start);
   }
   bool query() override {
     check_here();
@@ -161,14 +161,26 @@ struct CudaEvent : Event {
   }
   double copy_ms() override {
     if (!start || origin.forked()) return -1.0;
+    auto* s = static_cast<CudaEvent*>(start.get());  // (set_start checked it)
     DeviceGuard g(device);
-    if (cudaEventQuery(ev) != cudaSuccess) {
+    if (cudaEventQuery(ev) != cudaSuccess || cudaEventQuery(s->ev) != cudaSuccess) {
       cudaGetLastError();
       return -1.0;
     }
     float ms = 0.f;
-    LW_CUDA(cudaEventElapsedTime(&ms, start, ev));
+    LW_CUDA(cudaEventElapsedTime(&ms, s->ev, ev));
     return ms;
+  }
+  void set_start(EventPtr st) override {
+    if (st) {
+      auto* s = dynamic_cast<CudaEvent*>(st.get());
+      TORCH_CHECK_TYPE(s != nullptr, "Event.start: the start must be an event of the same backend (a CUDA event)");
+      TORCH_CHECK_VALUE(s->device == device, "Event.start: the start is an event of cuda:", s->device,
+                        ", this one of cuda:", device);
+      TORCH_CHECK_VALUE(timing && s->timing, "Event.start: both events must be made with timing (copy_async or "
+                        "record with timing=True); ", timing ? "the start" : "this event", " was not");
+    }
+    start = std::move(st);
   }
   // The copy is done: its storages may be resized again.
   bool completed() {
@@ -188,11 +200,14 @@ class CudaEngine : public CopyEngine {
     TORCH_CHECK_VALUE(device >= 0 && device < count, "CopyEngine: CUDA device ", device, " does not exist (",
                       count, " visible)");
     DeviceGuard g(device_);
-    for (int i = 0; i < num_streams; ++i) {
+    // streams_[num_streams] is the decode stream (decode_stream_handle), a stream of its
+    // own: a decode waits on its slot, which must not hold up the next copy behind it.
+    for (int i = 0; i <= num_streams; ++i) {
       cudaStream_t s;
       LW_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
       streams_.push_back(s);
     }
+    copy_streams_ = static_cast<size_t>(num_streams);
   }
   ~CudaEngine() override {
     if (origin_.forked()) return;  // the parent's CUDA context: not this process's to touch
@@ -211,7 +226,7 @@ class CudaEngine : public CopyEngine {
     check_usable();
     pending_->drain();
     DeviceGuard g(device_);
-    cudaStream_t s = streams_[next_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
+    cudaStream_t s = streams_[next_.fetch_add(1, std::memory_order_relaxed) % copy_streams_];
     if (after) {
       auto* a = dynamic_cast<CudaEvent*>(after.get());
       TORCH_CHECK_TYPE(a != nullptr, "copy_async: `after` is not a CUDA event");
@@ -221,9 +236,10 @@ class CudaEngine : public CopyEngine {
     auto ev = std::make_shared<CudaEvent>(device_, timing);
     ev->keepalive = std::move(keep);
     ev->pending = pending_;
-    if (timing) {
-      LW_CUDA(cudaEventCreateWithFlags(&ev->start, cudaEventDefault));
-      LW_CUDA(cudaEventRecord(ev->start, s));
+    if (timing) {  // recorded after the wait for `after`: it completes when the copy starts
+      auto start = std::make_shared<CudaEvent>(device_, true);
+      LW_CUDA(cudaEventRecord(start->ev, s));
+      ev->start = std::move(start);
     }
     if (n) LW_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
     LW_CUDA(cudaEventRecord(ev->ev, s));
@@ -233,15 +249,16 @@ class CudaEngine : public CopyEngine {
 
   EventPtr decode_async(uint8_t*, const uint8_t*, std::vector<DecodePiece>, const EventPtr&, const EventPtr&,
                         std::unique_ptr<InFlight>, bool) override {
-    TORCH_CHECK(false, "decode_async is the CPU backend's decoder; on CUDA the Triton decode kernel runs on the copy "
-                       "stream (stream_handle(0)), see layerwise/stages/decode.py");
+    TORCH_CHECK(false, "decode_async is the CPU backend's decoder; on CUDA the Triton decode kernel runs on the "
+                       "decode stream (decode_stream_handle()), see layerwise/stages/decode.py");
   }
 
   uintptr_t stream_handle(int k) const override {
-    TORCH_CHECK_VALUE(k >= 0 && k < static_cast<int>(streams_.size()), "stream_handle: this engine has ",
-                      streams_.size(), " copy stream(s), got k=", k);
+    TORCH_CHECK_VALUE(k >= 0 && k < static_cast<int>(copy_streams_), "stream_handle: this engine has ",
+                      copy_streams_, " copy stream(s), got k=", k);
     return reinterpret_cast<uintptr_t>(streams_[k]);
   }
+  uintptr_t decode_stream_handle() const override { return reinterpret_cast<uintptr_t>(streams_[copy_streams_]); }
 
   void wait(const EventPtr& ev, uintptr_t stream) override {
     check_usable();
@@ -285,7 +302,7 @@ class CudaEngine : public CopyEngine {
 
   bool is_cuda() const override { return true; }
   int device_index() const override { return device_; }
-  int num_streams() const override { return static_cast<int>(streams_.size()); }
+  int num_streams() const override { return static_cast<int>(copy_streams_); }
 
  private:
   void check_usable() const {
@@ -314,7 +331,8 @@ class CudaEngine : public CopyEngine {
 
   const Origin origin_;
   int device_;
-  std::vector<cudaStream_t> streams_;
+  std::vector<cudaStream_t> streams_;  // the copy streams, then the decode stream
+  size_t copy_streams_ = 0;
   std::atomic<size_t> next_{0};
   std::atomic<bool> shut_down_{false};
   std::mutex mu_;

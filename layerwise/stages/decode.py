@@ -18,20 +18,28 @@ model about once, plus one scratch layer while packing.
 Fetch of an encoded layer (``CodecSource.fetch``), one of ``STAGING_BUFFERS``
 device staging buffers in turn:
 
-    copy    host block -> staging k, after the last decode out of staging k (where
-            that fetch failed or was forgotten: after nothing of it is in flight;
-            its error is its own layer's)
-    decode  staging k -> the layer's slot, after the copy and after `after`
-            (the slot is free); the returned event completes with the decode
+    copy    host block -> staging k on a copy stream, after the last decode out of
+            staging k (where that fetch failed or was forgotten: after nothing of
+            it is in flight; its error is its own layer's)
+    decode  staging k -> the layer's slot on the decode lane, after the copy's
+            event and after `after` (the slot is free); the returned event
+            completes with the decode
 
-CPU backend: the decode is a job of the copy engine's worker
-(``CopyEngine.decode_async``, C++ ``codec::decode_into``), queued right after
-the copy and ordered after it by its event, so it runs off the Python thread
-and the event the compute waits on covers it. CUDA backend: the Triton decoder
-(layerwise.triton_kernels.decode) is launched on the copy engine's stream 0
-(``CopyEngine.stream_handle``, wrapped in ``torch.cuda.ExternalStream``),
-which first waits on the copy and on `after`; the event recorded there after
-the launches is the one returned. Not run on a GPU yet.
+The decode never shares a queue with the copies: a decode waiting for its slot
+(the compute still using it) would hold up the copy queued behind it, and the
+bus would idle through every decode. On its own lane, ordered by events only,
+the copy of layer i+1 (into the other staging buffer) overlaps the decode of
+layer i. CPU backend: the decode is a job of the copy engine's decode worker
+(``CopyEngine.decode_async``, C++ ``codec::decode_into``), off the Python
+thread. CUDA backend: the Triton decoder (layerwise.triton_kernels.decode) is
+launched on the engine's decode stream (``CopyEngine.decode_stream_handle``,
+wrapped in ``torch.cuda.ExternalStream``), which first waits on the copy and
+on `after`; the event recorded there after the launches is the one returned.
+
+Timing (a timed step): the copy is issued with timing, and the decode's event is
+given the copy's start (``Event.start``), so that the fetch's copy_ms spans copy
+and decode, as the meter and tune read it; the decode's own time (copy_ms of
+its own start, ``decode_s``) is kept apart.
 
 The truth of an encoded layer is its encoded block: ``host`` is None,
 ``read()`` decodes a copy, ``write(block)`` re-encodes (a layer that stops
@@ -327,7 +335,7 @@ class CodecTier:
         self._fresh = [compute_ready] * n  # what a copy into staging k waits on when nothing of it is in flight
         self._stream = None
         if engine.is_cuda:
-            self._stream = torch.cuda.ExternalStream(engine.stream_handle(0), device=self.device)
+            self._stream = torch.cuda.ExternalStream(engine.decode_stream_handle(), device=self.device)
         self.log_summary()
 
     def forget(self) -> None:
@@ -392,14 +400,14 @@ class CodecTier:
                 a, b = pieces[0].enc_off, pieces[-1].enc_off + pieces[-1].enc_n
                 staging, ready = self._staging_for(k, b, prev)
                 if windowed:
-                    copied = src.inner.fetch_window(i, staging, ready, timing=False)  # (read ahead: a file)
+                    copied = src.inner.fetch_window(i, staging, ready, timing)  # (read ahead: a file)
                 else:
-                    copied = src.inner.copy_range(staging, a, b, ready, timing=False)
+                    copied = src.inner.copy_range(staging, a, b, ready, timing)
                 return then(copied, lambda copy_ev: self._decode(staging, dst, pieces, spans, copy_ev, after,
                                                                  timing), self.pending)
             staging, ready = self._staging_for(k, need, prev)
             staging = staging[:need]
-            copied = src.inner.fetch(i, staging, ready, timing=False)
+            copied = src.inner.fetch(i, staging, ready, timing)
             return then(copied, lambda copy_ev: self._decode(staging, dst, pieces, spans, copy_ev, after, timing),
                         self.pending)
 
@@ -414,16 +422,19 @@ class CodecTier:
         if engine.is_cuda:
             ev, start = self._decode_cuda(staging, dst, pieces, copy_ev, after, timing)
         else:
-            ev, start = engine.decode_async(dst, staging, spans, copy_ev, after, timing), None
+            ev = engine.decode_async(dst, staging, spans, copy_ev, after, timing)
+            start = ev.start
         if timing:
             if len(self._timed) >= _PENDING_MAX:
                 self._resolve()
             self._timed.append((start, ev))
+            # The fetch is timed from its copy's start (the meter, tune): copy and decode.
+            ev.start = copy_ev.start if copy_ev is not None else None
         return ev
 
     def _decode_cuda(self, staging, dst, pieces, copy_ev, after, timing):
-        """Triton decode on copy stream 0, after the copy and after `after`; the
-        event recorded there after the launches covers copy and decode."""
+        """Triton decode on the decode stream, after the copy and after `after`;
+        (the event recorded there after the launches, the decode's own start)."""
         from ..triton_kernels.decode import decode_segment
 
         engine, h = self.engine, self._stream.cuda_stream
@@ -444,7 +455,7 @@ class CodecTier:
             if not ev.query():
                 pending.append((start, ev))
                 continue
-            ms = ev.copy_ms if start is None else start.elapsed_ms(ev)
+            ms = start.elapsed_ms(ev) if start is not None else -1.0
             if ms >= 0:
                 self.decode_s += ms / 1e3
                 self.decodes_timed += 1

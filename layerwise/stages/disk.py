@@ -235,7 +235,8 @@ class SpillFile:
 class ReadCopy:
     """The copy of a read layer out of staging into its slot, issued once the read
     has completed: a stage result (stages/result.py: ready, resolve, query,
-    synchronize, copy_ms); `resolve()` returns the copy's real Event."""
+    synchronize, copy_ms, start); `resolve()` returns the last copy's real Event,
+    timed (a timed fetch) from the first copy's start."""
 
     __slots__ = ("tier", "src", "slot", "dst", "after", "timing", "ev", "error", "copies")
 
@@ -272,10 +273,11 @@ class ReadCopy:
 
     @property
     def copy_ms(self) -> float:
-        if self.ev is None:
-            return -1.0
-        ms = [c.copy_ms for c in self.copies]
-        return -1.0 if any(m < 0 for m in ms) else sum(ms)
+        return -1.0 if self.ev is None else self.ev.copy_ms
+
+    @property
+    def start(self):
+        return None if self.ev is None else self.ev.start
 
 
 class _Slot:
@@ -462,6 +464,8 @@ class DiskTier:
             ev = self.transfer.copy(d.dst[poff:poff + length], s.buf[soff:soff + length], after, d.timing, cuts)
             d.copies.append(ev)
             after = ev
+        if d.timing and len(d.copies) > 1:
+            ev.start = d.copies[0].start  # the fetch is timed from its first copy's start
         s.last = ev
         if s.pending is d:
             s.pending = None
@@ -504,9 +508,10 @@ class DiskTier:
         """Bytes [lo, hi) of `src`'s payload into the same bytes of `dst` (a slot): read
         from the file now (the host waits: they are needed now), in chunks of
         `range_chunk`, each then copied after `after` (and the chunk before); returns
-        the last copy's event. A failed read is read again once the file is back
-        (DiskSource.recover: the layer's CRC-32), once."""
+        the last copy's event (timed: from the first copy's start). A failed read is
+        read again once the file is back (DiskSource.recover: the layer's CRC-32), once."""
         ev = after
+        first = None
         for a in range(lo, hi, self.range_chunk):
             b = min(a + self.range_chunk, hi)
             for attempt in range(2):
@@ -534,7 +539,10 @@ class DiskTier:
             for soff, poff, n in copies:
                 cs = tuple(c - soff for c in cuts if soff < c < soff + n)
                 ev = self.transfer.copy(dst[poff:poff + n], buf[soff:soff + n], ev, timing, cs)
+                first = ev if first is None else first
             self._ranges[k] = (buf, arena, ev)
+        if timing and first is not None and first is not ev:
+            ev.start = first.start
         return ev
 
     def _wait_reads(self, s: _Slot) -> None:

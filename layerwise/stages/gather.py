@@ -750,6 +750,7 @@ class _LocalFailed:
 
     __slots__ = ("error",)
     copy_ms = -1.0
+    start = None
 
     def __init__(self, error: Exception):
         self.error = error
@@ -847,24 +848,34 @@ class ShareSource:
         # The gather is a collective: issued where every rank issues it in the same order
         # (Pending.settle: after the forward of the layer that prefetched it, or where the
         # layer is needed), never while the user's collectives of that layer may queue behind it.
-        res = st.last_gather[key] = then(copied, lambda ev: self._gather(engine, i, full, part, ev, tag, timing),
-                                         st.pending, collective=True)
+        res = st.last_gather[key] = then(copied, lambda ev: self._gather(engine, i, full, part, ev, tag, timing,
+                                                                         local=n > 0), st.pending, collective=True)
         return res
 
-    def _gather(self, engine, i, full, part, copied, tag, timing):
+    def _gather(self, engine, i, full, part, copied, tag, timing, local):
+        """`copied`: this rank's part in the slot (`local`: its copy, else what it waited on)."""
         st, group = self.store, self.group
         if engine.is_cuda:  # the lockstep check first, on the host: nothing is issued if it fails
             if isinstance(copied, _LocalFailed):
                 self._local_failed(i, copied.error)
             group.agree(*tag)
-            return self._gather_cuda(engine, full, part, copied, timing)
+            return self._gather_cuda(engine, full, part, copied, timing, local)
         done = _native._C.host_event()
+        # A timed fetch is timed from its local copy's start; a rank with no local
+        # copy (an empty share) from the gather's own start.
+        begun = None
+        if timing:
+            own = getattr(copied, "start", None) if local else None
+            begun = None if own is not None else _native._C.host_event()
+            done.start = own if own is not None else begun
 
         def failed(e):
             done.fail(str(e) if isinstance(e, SplitError) else
                       f"layerwise split fetch of layer {st.layer_name}[{i}] failed: {e}")
 
         def job(later):
+            if begun is not None:
+                begun.set()
             try:
                 t0 = time.perf_counter()
                 local = None
@@ -914,17 +925,24 @@ class ShareSource:
         self.group.surfaced()
         return err if isinstance(err, SplitError) else SplitError(str(err))
 
-    def _gather_cuda(self, engine, full, part, copied, timing):
+    def _gather_cuda(self, engine, full, part, copied, timing, local):
         # Written for NCCL, not run in CI (no GPU): the gather stream waits on the
         # local copy's event on the device; a blocking NCCL collective enqueues on its
         # own stream after the current one (the gather stream) and makes the current
         # stream wait for it, so the event recorded after it completes with the layer.
+        # Timed (a timed step): from the local copy's start, or where this rank copied
+        # nothing, from the gather's own start on its stream.
         g = self.group.stream
         if copied is not None:
             engine.wait(copied, g.cuda_stream)
+        own = getattr(copied, "start", None) if timing and local else None
+        begun = engine.record(g.cuda_stream, True) if timing and own is None else None
         with torch.cuda.stream(g):
             _gather(full, part, self.group.gather_pg, async_op=False)
-        return engine.record(g.cuda_stream, timing)
+        ev = engine.record(g.cuda_stream, timing)
+        if timing:
+            ev.start = own if own is not None else begun
+        return ev
 
     # -- the truth on the host (collective)
     def _gather_host(self) -> torch.Tensor:

@@ -12,6 +12,8 @@ reaches in the same order (a split-fetch gather). Both answer the same calls:
     query()        True once the work has completed (a Deferred not issued: False)
     synchronize()  resolve(), then wait for it
     copy_ms        the timed work's milliseconds once completed, else -1
+    start          where a timed fetch's time starts: its first copy's start (an
+                   event), or None (not issued yet, not timed)
 
 Stages compose with ``then(prev, fn)``: ``fn(event)`` queues the next stage
 after ``prev``'s event and returns its result. Where ``prev`` is an event (or
@@ -109,6 +111,10 @@ class Deferred:
     @property
     def copy_ms(self) -> float:
         return self.ev.copy_ms if self.done and self.ev is not None else -1.0
+
+    @property
+    def start(self):
+        return self.ev.start if self.done and self.ev is not None else None
 
 
 class Recovered:

@@ -29,6 +29,12 @@ class Transfer:
         if not cuts:
             return copy_async(dst, src, after, timing)
         bounds = [0, *[c for c in cuts if 0 < c < src.numel()], src.numel()]
+        first = None
         for a, b in zip(bounds[:-2], bounds[1:-1]):
-            after = copy_async(dst[a:b], src[a:b], after)
-        return copy_async(dst[bounds[-2]:], src[bounds[-2]:], after, timing)
+            after = copy_async(dst[a:b], src[a:b], after, timing and first is None)
+            if first is None:
+                first = after
+        last = copy_async(dst[bounds[-2]:], src[bounds[-2]:], after, timing)
+        if timing and first is not None:
+            last.start = first.start  # timed from the first piece's start: the whole copy
+        return last
