@@ -210,7 +210,7 @@ def run_fresh(code, timeout=600):
     return proc.stdout
 
 
-def test_configure_forward_and_remove_never_import_dynamo():
+def test_configure_forward_tune_and_remove_never_import_dynamo():
     out = run_fresh("""
         import copy
         assert "torch._dynamo" not in sys.modules, "torch itself imported it"
@@ -227,6 +227,8 @@ def test_configure_forward_and_remove_never_import_dynamo():
         with torch.no_grad():
             assert torch.equal(model(x), resident(x))
         assert "torch._dynamo" not in sys.modules, "a forward did"
+        layerwise.tune(model, lambda m: m(x), device_budget=1 << 30, repeats=1, apply=False)
+        assert "torch._dynamo" not in sys.modules, "tune did"
         layerwise.remove_layerwise_offload(model)
         with torch.no_grad():
             assert torch.equal(model(x), resident(x))
