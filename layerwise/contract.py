@@ -46,7 +46,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import drift, packing, stages
+from . import drift, dynamo_guard, packing, stages
 from .formats import quantized
 from .plan import Wrapped, local_tensor
 
@@ -260,8 +260,8 @@ def attach(model: nn.Module, managers) -> None:
     model.__dict__.setdefault(_MANAGERS, []).extend(managers)
     if _HANDLES not in model.__dict__:
         model.__dict__[_FORWARDS] = {"threads": {}, "removing": False, "cond": model_lock(model)}
-        handles = [model.register_forward_pre_hook(torch.compiler.disable(_root_pre_hook), prepend=True),
-                   model.register_forward_hook(torch.compiler.disable(_root_post_hook), always_call=True)]
+        handles = [dynamo_guard.register_hook(model.register_forward_pre_hook, _root_pre_hook, prepend=True),
+                   dynamo_guard.register_hook(model.register_forward_hook, _root_post_hook, always_call=True)]
         model.__dict__[_HANDLES] = handles
     _install_cast_guards(model)
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import dynamo_guard
 from .formats import quantized
 
 log = logging.getLogger("layerwise")
@@ -299,8 +300,9 @@ def install_hooks(manager) -> list:
     nxt = {i: order[(k + 1) % len(order)] for k, i in enumerate(order)}
     for i, mods in plan.layers.items():
         for k, xm in enumerate(mods):
-            hook = torch.compiler.disable(functools.partial(_pre_hook, manager, xm, k, nxt[i]))
-            handles.append(xm.module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+            hook = functools.partial(_pre_hook, manager, xm, k, nxt[i])
+            handles.append(dynamo_guard.register_hook(xm.module.register_forward_pre_hook, hook, with_kwargs=True,
+                                                      prepend=True))
     return handles
 
 

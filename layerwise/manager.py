@@ -31,7 +31,7 @@ from numbers import Integral
 import torch
 from torch import nn
 
-from . import _native, contract, drift, experts, gpu_checks, stages
+from . import _native, contract, drift, dynamo_guard, experts, gpu_checks, stages
 from .options import (OffloadOptions, manager_options, named_options, resident_arg, resolve_resident,
                       validate_depth, validate_residency)
 from .meter import Meter
@@ -435,19 +435,23 @@ class LayerwiseOffloadManager:
             for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
-            # tracing into the copy engine (one graph per block, no recompiles).
+            # tracing into the copy engine (one graph per block, no recompiles), and
+            # each block takes its streamed class, so that no graph traced without
+            # the hooks runs it (layerwise/dynamo_guard.py).
             # The pre-hook goes first, so that a user's pre-hook registered earlier
             # (weight_norm computes `weight` in one) reads the layer's own weights.
             # Registered with Ctrl-C held back: a hook whose handle was never recorded
             # could not be removed by a rollback.
             with contract.defer_interrupts():
                 for lp in layers:
-                    pre = torch.compiler.disable(functools.partial(self._pre_hook, lp.index))
-                    post = torch.compiler.disable(functools.partial(self._post_hook, lp.index))
-                    self._hooks.append(lp.module.register_forward_pre_hook(pre, prepend=True))
-                    self._hooks.append(lp.module.register_forward_hook(post, always_call=True))
+                    dynamo_guard.mark_streamed(lp.module)
+                    self._hooks.append(dynamo_guard.register_hook(
+                        lp.module.register_forward_pre_hook, functools.partial(self._pre_hook, lp.index), prepend=True))
+                    self._hooks.append(dynamo_guard.register_hook(
+                        lp.module.register_forward_hook, functools.partial(self._post_hook, lp.index), always_call=True))
                 self._hooks.extend(experts.install_hooks(self))  # routed experts: the expert modules' pre-hooks
                 self._guard_hooks = contract.install_layer_hooks(self)
+            dynamo_guard.drop_instance_graphs()
         self.state = Lifecycle.STREAMING
         self._reset_stats()
 
@@ -786,6 +790,8 @@ class LayerwiseOffloadManager:
         for h in self._hooks + self._guard_hooks:
             h.remove()
         self._hooks, self._guard_hooks = [], []
+        for lp in self.plan.layers:
+            dynamo_guard.unmark_streamed(lp.module)
         for _, ctx in self._grad_hooks:
             try:
                 ctx.__exit__(None, None, None)
@@ -805,6 +811,7 @@ class LayerwiseOffloadManager:
         self.state = Lifecycle.PLANNED
         if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
             del self.plan.module_list._layerwise_manager
+        dynamo_guard.drop_instance_graphs()
 
     def _restore_parameters(self, original_devices: bool = False) -> None:
         """Give every packed parameter an ordinary tensor again with its true bytes

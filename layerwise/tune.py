@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from . import contract, placement as pm
+from . import contract, dynamo_guard, placement as pm
 from .budget import fmt_bytes, non_layer_bytes, resolve_budget
 from .configure import managers_of
 from .manager import Lifecycle
@@ -101,11 +101,12 @@ class Probe:
                 m.meter.listen(True)
                 for lp in m.plan.layers:
                     mod, key = lp.module, (gi, lp.index)
-                    self._handles += [
-                        mod.register_forward_pre_hook(self._pre_in(key), prepend=True),
-                        mod.register_forward_pre_hook(self._pre_out(key)),
-                        mod.register_forward_hook(self._post_in(key), prepend=True, always_call=True),
-                        mod.register_forward_hook(self._post_out(key), always_call=True),
+                    self._handles += [  # (run eagerly under torch.compile, as the manager's)
+                        dynamo_guard.register_hook(mod.register_forward_pre_hook, self._pre_in(key), prepend=True),
+                        dynamo_guard.register_hook(mod.register_forward_pre_hook, self._pre_out(key)),
+                        dynamo_guard.register_hook(mod.register_forward_hook, self._post_in(key), prepend=True,
+                                                   always_call=True),
+                        dynamo_guard.register_hook(mod.register_forward_hook, self._post_out(key), always_call=True),
                     ]
         except BaseException:
             self.close()
@@ -119,25 +120,25 @@ class Probe:
             rec = [key[0], key[1], self.clock.mark(), None, None, None]
             self.calls.append(rec)
             self._open.append(rec)
-        return torch.compiler.disable(hook)
+        return hook
 
     def _pre_out(self, key):
         def hook(module, args):
             if self._open and threading.get_ident() == self.thread:
                 self._open[-1][3] = self.clock.mark()
-        return torch.compiler.disable(hook)
+        return hook
 
     def _post_in(self, key):
         def hook(module, args, output):
             if self._open and threading.get_ident() == self.thread:
                 self._open[-1][4] = self.clock.mark()
-        return torch.compiler.disable(hook)
+        return hook
 
     def _post_out(self, key):
         def hook(module, args, output):
             if self._open and threading.get_ident() == self.thread:
                 self._open.pop()[5] = self.clock.mark()
-        return torch.compiler.disable(hook)
+        return hook
 
     def copies(self) -> list:
         """Per group: [(layer, bytes, seconds)] of the fetches timed so far (waits for them)."""
