@@ -181,7 +181,7 @@ def _summary(r: dict) -> str:
             text += f"; cache {fmt_bytes(x['cache_bytes'])} ({x['cached']} of {x['cache_entries']} entries held)"
         if x.get("cache_asked_bytes", 0) > x["cache_bytes"]:
             text += (f"; cache capped at {fmt_bytes(x['cache_bytes'])} of the {fmt_bytes(x['cache_asked_bytes'])} "
-                     "asked: one entry per expert of the layers streamed when it was made")
+                     "asked (whole experts, at most one entry per expert of the layers streamed when it was made)")
         if x["speculative_bytes"]:
             text += (f"; speculative {fmt_bytes(x['speculative_bytes'])}, "
                      f"{fmt_bytes(x['speculative_wasted_bytes'])} of it not used (yet)")

@@ -233,18 +233,20 @@ def layer_experts(plan) -> dict:
     return {i: sum(m.num_experts for m in mods) for i, mods in plan.layers.items()}
 
 
-def cache_size(spec, plan, streamed, device: torch.device, group: str = "", room: int | None = None) -> tuple[int, int]:
-    """(bytes the cache holds, bytes asked) for expert_cache=`spec` with the layers
-    `streamed`. Asked: bytes as given; "auto": a quarter of the streamed layers'
-    expert bytes, and at most a quarter of `room` (the device budget's planner:
-    what the budget leaves after the non-layer weights and the rings; default, on
-    CUDA, the free device memory). Held: in
-    whole entries, at most one per expert of the streamed layers (all it can ever
-    use: a bigger ask is capped), so 0 where no expert streams or where "auto"
-    comes to less than one entry. A size given below one entry, where experts
+def cache_size(spec, plan, streamed, device: torch.device, group: str = "",
+               room: int | None = None) -> tuple[int, int, int]:
+    """(bytes the cache holds, bytes asked, bytes it can ever use) for
+    expert_cache=`spec` with the layers `streamed`, each in whole entries.
+
+    Asked: bytes as given; "auto": a quarter of the streamed layers' expert bytes,
+    and at most a quarter of `room` (the device budget's planner: what the budget
+    leaves after the non-layer weights and the rings; default, on CUDA, the free
+    device memory). It can use one entry per expert of the streamed layers: a
+    bigger ask is capped, and where no expert streams (or "auto" comes to less
+    than one entry) it holds nothing. A size given below one entry, where experts
     stream, is refused (ValueError): it could hold nothing."""
     if spec is None:
-        return 0, 0
+        return 0, 0, 0
     entry = entry_bytes(plan)
     per = layer_experts(plan)
     limit = entry * sum(per.get(i, 0) for i in streamed)
@@ -254,12 +256,13 @@ def cache_size(spec, plan, streamed, device: torch.device, group: str = "", room
             room, _ = torch.cuda.mem_get_info(device)
         if room is not None:
             asked = min(asked, max(room, 0) // 4)
+        asked = asked // entry * entry
     else:
         asked = int(spec)
         if limit and asked < entry:
             raise ValueError(f"layerwise: expert_cache={spec!r} holds no expert of group {group!r}: one expert "
                              f"takes {entry} bytes; give at least that, or None")
-    return min(asked, limit) // entry * entry, asked
+    return min(asked, limit) // entry * entry, asked, limit
 
 
 class ExpertTier:
@@ -278,19 +281,17 @@ class ExpertTier:
     def start(self, engine, sources: list, ring) -> None:
         self.engine, self.sources = engine, sources
         self.restream(ring)
-        n, self.cache_asked = cache_size(self.cache_spec, self.plan, ring.streamed, self.device, self.group)
+        n, self.cache_asked, limit = cache_size(self.cache_spec, self.plan, ring.streamed, self.device, self.group)
         if self.cache_spec is None:
             return
         if n == 0:
-            streams = any(i in self.plan.layers for i in ring.streamed)
             log.info("layerwise: %s: expert_cache=%r holds nothing: %s", self.group, self.cache_spec,
-                     "a quarter of the streamed experts is less than one expert" if streams else
+                     "a quarter of the streamed experts is less than one expert" if limit else
                      "no layer with experts streams (every one is resident)")
             return
-        if n < self.cache_asked:
-            log.info("layerwise: %s: expert_cache=%r capped at %d bytes: one entry for each expert of the layers "
-                     "streamed (%d bytes asked could never be used)", self.group, self.cache_spec, n,
-                     self.cache_asked)
+        if self.cache_asked > limit:
+            log.info("layerwise: %s: expert_cache=%r capped at %d bytes, one entry for each expert of the layers "
+                     "streamed: more could never be used", self.group, self.cache_spec, n)
         self.cache = ExpertCache(n, entry_bytes(self.plan), self.device,
                                  [i for i in ring.streamed if i in self.plan.layers], layer_experts(self.plan))
 
