@@ -161,6 +161,10 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     streamed = {m: [lp.index for lp in m.plan.layers if lp.index not in set(m.resident)] for m in enabled}
     fixed = max((lp.nbytes for m in enabled for lp in m.plan.layers), default=0)  # the packing scratch
     fixed += cache_bytes
+    # A resident layer's host block stays (its truth while it is resident: set_residency
+    # takes it back from there), besides its copy on the device.
+    kept = sum(mem[m][i] for m in enabled for i in m.resident)
+    fixed += kept
     on_host_device = device.type == "cpu"
     if on_host_device:  # (`model`: a module, or the modules of a pipeline)
         models = model if isinstance(model, (list, tuple)) else [model]
@@ -191,8 +195,9 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
             f"in-memory model has no file to stream the others from: host memory needs {fmt_bytes(fixed + every)} "
             f"({fixed + every} bytes: {fmt_bytes(every)} of layers, each counted at the size its tiers keep it (its "
             "encoded size under compress='lossless', this rank's share under split_fetch), and "
-            f"{fmt_bytes(fixed)} for the packing scratch" + (" and, on a CPU device, the non-layer weights, slot "
-                                                              "rings and resident layers" if on_host_device else "")
+            f"{fmt_bytes(fixed)} for the packing scratch" + (", the host blocks of resident layers" if kept else "")
+            + (" and, on a CPU device, the non-layer weights, slot rings and resident layers" if on_host_device
+               else "")
             + "). Pass spill_dir=<a directory on a local disk> (the disk tier: the layers that do not fit are "
             "written there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
         )
@@ -218,9 +223,10 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: even with every streamed layer on disk, host "
             f"memory needs {fmt_bytes(need)} ({need} bytes: {fmt_bytes(staging(worst))} of staging slots, "
-            f"{fmt_bytes(fixed)} for the packing scratch" + (" and the page cache of the reads" if cache_bytes
-                                                             else "") + (" and, on a CPU device, the non-layer weights, slot "
-                                                             "rings and resident layers" if on_host_device else "")
+            f"{fmt_bytes(fixed)} for the packing scratch" + (", the host blocks of resident layers" if kept else "")
+            + (" and the page cache of the reads" if cache_bytes else "")
+            + (" and, on a CPU device, the non-layer weights, slot rings and resident layers" if on_host_device
+               else "")
             + (f", {fmt_bytes(forced_bytes)} of layers that cannot stay on disk" if forced_bytes else "")
             + "). Raise host_budget, or lower disk_prefetch_depth / prefetch_depth."
             + (f" {len(reasons)} layer(s) cannot stay on disk as stored ({next(iter(reasons.values()))}): give "

@@ -9,6 +9,7 @@
   load_state_dict that re-encodes layers larger, set_residency and tune on a
   CPU device (refused before anything changes, naming the budget)."""
 import copy
+import re
 
 import pytest
 import torch
@@ -213,6 +214,16 @@ def _configured_at_its_need(model, slack: int, **kw):
     budget = need + slack
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget, **kw)
     return m, budget
+
+
+def test_the_host_planner_counts_the_blocks_resident_layers_keep():
+    model = _net()
+    with pytest.raises(ValueError, match="host memory needs") as err:
+        layerwise.configure_layerwise_offload(copy.deepcopy(model), "blocks", device="cpu", host_budget=1,
+                                              resident_layers=2)
+    need = int(re.search(r"host memory needs [^(]*\((\d+) bytes", str(err.value))[1])
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=need, resident_layers=2)
+    assert _host_used(model) <= need  # (a resident layer's host block stays, besides its device copy)
 
 
 def test_a_load_that_re_encodes_layers_larger_is_refused_within_the_host_budget():
