@@ -1,6 +1,6 @@
 """Device-memory planner: choose resident layers (and, if it must, a smaller
-prefetch depth) so that non-layer weights + slot rings + resident layers fit a
-device budget.
+prefetch depth) so that non-layer weights + slot rings + resident layers (+ the
+routed experts' caches, expert_cache) fit a device budget.
 
 The plan is a single fraction of resident layers shared by every group (the
 largest that fits), spread by the residency policy. It is computed from the
@@ -46,10 +46,15 @@ def non_layer_bytes(model, managers) -> int:
 
 def record_host_budget(managers, host_budget, budget_bytes: int) -> None:
     """Keep the host budget in force on each manager (`host_budget`: what was given,
-    `budget_bytes`: what it resolved to), for layerwise.report."""
+    `budget_bytes`: what it resolved to), for layerwise.report, and in each group's
+    tier plan (layerwise.hostplan.HostBudget: checked wherever the bytes held change)."""
+    from .hostplan import HostBudget
+
     source = "auto" if isinstance(host_budget, str) else "given"
+    ledger = HostBudget(budget_bytes, source, managers)
     for m in managers:
         m.host_budget = {"bytes": int(budget_bytes), "source": source, "groups": [g.layer_name for g in managers]}
+        m.tiers.host_budget = ledger
 
 
 def _ring_bytes(manager, streamed: int, depth: int) -> tuple[int, int]:
@@ -182,43 +187,63 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
     budget = resolve_budget(device, device_budget, budget_margin)
     fixed = non_layer_bytes(model, managers)
 
-    def cost(fraction: float, depth: int):
+    def placed(fraction: float) -> list:
         plans = []
         for m in enabled:
             n = m.num_layers
             resident = list(range(n)) if fraction >= 1.0 else resolve_resident(fraction, n, policy)
             plans.append((m, resident))
-        return fixed + sum(m._device_bytes(r, depth) for m, r in plans), plans
+        return plans
 
     # Ring bytes (nothing resident) at each depth from the one asked down to 0.
-    rings = {d: cost(0.0, d)[0] - fixed for d in range(asked_depth, -1, -1)}
+    rings = {d: sum(m._device_bytes(r, d) for m, r in placed(0.0)) for d in range(asked_depth, -1, -1)}
+    # The routed experts' caches (expert_cache) hold device memory too: each group's is
+    # counted at the size it will have for the residency planned (an "auto" one takes at
+    # most a quarter of what the budget leaves after the non-layer weights and the rings).
+    auto = max(1, sum(1 for m in enabled if m.options.expert_cache == "auto"))
+
+    def caches(plans, depth: int) -> dict:
+        room = (budget - fixed - rings[depth]) // auto
+        return {m: m.expert_cache_bytes(r, room=room) for m, r in plans}
+
+    def cost(fraction: float, depth: int):
+        plans = placed(fraction)
+        return fixed + sum(m._device_bytes(r, depth) for m, r in plans) + sum(caches(plans, depth).values()), plans
+
     ring_text = ", ".join(f"{fmt_bytes(r)} at depth {d}" for d, r in rings.items())
+    cache0 = {d: sum(caches(placed(0.0), d).values()) for d in rings}
     head = (f"layerwise: device_budget {fmt_bytes(budget)} ({budget} bytes): non-layer weights and buffers "
-            f"{fmt_bytes(fixed)}; slot rings with nothing resident: {ring_text}")
+            f"{fmt_bytes(fixed)}; slot rings with nothing resident: {ring_text}"
+            + (f"; expert cache {fmt_bytes(cache0[asked_depth])}" if cache0[asked_depth] else ""))
 
     # Deepest prefetch that fits with nothing resident, then the most residency at that depth.
-    fitting = [d for d, r in rings.items() if fixed + r <= budget]
+    fitting = [d for d, r in rings.items() if fixed + r + cache0[d] <= budget]
     if not fitting:
         raise RuntimeError(
             f"device_budget of {budget} bytes is too small: even streaming every layer at prefetch depth 0 "
-            f"needs {fixed + rings[0]} bytes ({fixed} for non-layer weights and buffers, {rings[0]} for the "
-            f"slot rings)"
+            f"needs {fixed + rings[0] + cache0[0]} bytes ({fixed} for non-layer weights and buffers, {rings[0]} for "
+            "the slot rings" + (f", {cache0[0]} for the expert cache (expert_cache: give fewer bytes, or None)"
+                                if cache0[0] else "") + ")"
         )
     depth = fitting[0]
     need, plans = cost(largest_share(lambda f: cost(f, depth)[0] <= budget), depth)
+    held = caches(plans, depth)
     for m, resident in plans:
-        m._set_residency(resident, depth)
+        m._set_residency(resident, depth, expert_cache=held[m])
     plan = {
         "budget": budget, "needed": need, "non_layer_bytes": fixed, "prefetch_depth": depth,
         "ring_bytes": rings, "resident": {m.layer_name: len(r) for m, r in plans},
+        "expert_cache_bytes": sum(held.values()),
     }
 
     if depth < asked_depth:
-        msg = (f"{head}. prefetch_depth={asked_depth} does not fit ({fmt_bytes(fixed + rings[asked_depth])} needed): "
+        msg = (f"{head}. prefetch_depth={asked_depth} does not fit "
+               f"({fmt_bytes(fixed + rings[asked_depth] + cache0[asked_depth])} needed): "
                f"lowered to {depth}")
         if depth == 0:
             msg += (". At prefetch depth 0 every layer loads synchronously when it is called, with no overlap of "
-                    f"copies and compute; a budget of {fixed + rings[1]} bytes would allow prefetch depth 1")
+                    f"copies and compute; a budget of {fixed + rings[1] + cache0[1]} bytes would allow prefetch "
+                    "depth 1")
         log.warning(msg)
     n_res = sum(len(r) for _, r in plans)
     res_bytes = sum(m.plan.layers[i].nbytes for m, r in plans for i in r)

@@ -907,10 +907,14 @@ def _state_dict_hook(manager, owned):
 
 def check_handed_out(manager) -> None:
     """state_dict() tensors alias the arena; one written in place since it was
-    handed out makes its layer reload. O(tensors still alive), usually none."""
+    handed out makes its layer reload. O(tensors still alive), usually none.
+    The alias's version counter is its own (the arena block's does not move), so
+    the layer's source is told (host_written): its version grows, and whatever is
+    keyed on it (the slot ring, the routed experts' device cache) sees the write."""
     live = []
     for ref, raw, version, i in manager.guard.handed_out:
         if raw._version != version:
+            manager._src[i].host_written()
             if manager.ring.slot_of[i] < 0:  # handed out while streamed, resident since (set_residency)
                 manager._refresh_resident(i)
             else:

@@ -18,6 +18,12 @@ Resident layers never go to disk.
 `host_budget="auto"`: the tightest of the cgroup limit and the host's available
 memory, less a reserve (layerwise.hostmem), with the weights about to be packed
 counted as free.
+
+After configure the budget stays in force (`HostBudget`, shared by the groups it
+was planned for): wherever the bytes held change, the change is checked first and
+refused, naming the budget, before anything changes - a write that makes an
+encoded layer larger (stages/decode.CodecSource.write), and on a CPU device
+set_residency and layerwise.tune (rings and resident layers are host memory there).
 """
 from __future__ import annotations
 
@@ -33,6 +39,47 @@ log = logging.getLogger("layerwise")
 
 PAGE = 4096
 CODEC_SEGMENT_EXTRA = 128 + 16  # a codec header and a 16-byte alignment (layerwise/codec.py)
+
+
+class HostBudget:
+    """The host budget in force once configured: the groups it covers (a model's,
+    or every streamed component's of a pipeline), what they hold now, and the
+    check each change of that makes (module doc)."""
+
+    def __init__(self, budget: int, source: str, managers):
+        self.bytes = int(budget)  # what host_budget resolved to
+        self.source = source  # "given" or "auto"
+        self.managers = list(managers)
+
+    def held(self) -> int:
+        """Host bytes the groups hold now, as layerwise.report counts them: their arenas
+        (and the blocks their stages keep), the disk tier's staging and, on a CPU
+        device, their models' non-layer weights, rings, resident layers and expert caches."""
+        models: dict = {}
+        total = 0
+        for m in self.managers:
+            if m.ring is None:  # (not streaming: removed, or never configured)
+                continue
+            total += m.host_bytes()
+            if m.device.type == "cpu":
+                models.setdefault(id(m.model), (m.model, []))[1].append(m)
+        return total + sum(non_layer_bytes(model, ms) for model, ms in models.values())
+
+    def room(self) -> int:
+        """Bytes the groups may still take on top of what they hold (0 where none)."""
+        return max(0, self.bytes - self.held())
+
+    def check(self, extra: int, what: str, fix: str) -> None:
+        """Refuse (RuntimeError) `what`, which would hold `extra` more host bytes, where
+        that goes over the budget; `fix`: what to do instead."""
+        if extra <= 0:
+            return
+        held = self.held()
+        if held + extra > self.bytes:
+            raise RuntimeError(
+                f"layerwise: {what} would take {fmt_bytes(extra)} more host memory, {fmt_bytes(held + extra)} in "
+                f"all ({held + extra} bytes) against host_budget {fmt_bytes(self.bytes)} ({self.bytes} bytes, "
+                f"{self.source}); {fmt_bytes(held)} is held now. {fix}. Nothing was changed.")
 
 
 def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
@@ -114,10 +161,15 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     streamed = {m: [lp.index for lp in m.plan.layers if lp.index not in set(m.resident)] for m in enabled}
     fixed = max((lp.nbytes for m in enabled for lp in m.plan.layers), default=0)  # the packing scratch
     fixed += cache_bytes
+    # A resident layer's host block stays (its truth while it is resident: set_residency
+    # takes it back from there), besides its copy on the device.
+    kept = sum(mem[m][i] for m in enabled for i in m.resident)
+    fixed += kept
     on_host_device = device.type == "cpu"
     if on_host_device:  # (`model`: a module, or the modules of a pipeline)
         models = model if isinstance(model, (list, tuple)) else [model]
-        fixed += sum(non_layer_bytes(mm, managers) for mm in models) + sum(m._device_bytes() for m in enabled)
+        fixed += sum(non_layer_bytes(mm, managers) for mm in models) + sum(m._device_bytes() + m.expert_cache_bytes()
+                                                                          for m in enabled)
     reasons = {}
     if why_not_disk is not None:
         for m in enabled:
@@ -143,8 +195,9 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
             f"in-memory model has no file to stream the others from: host memory needs {fmt_bytes(fixed + every)} "
             f"({fixed + every} bytes: {fmt_bytes(every)} of layers, each counted at the size its tiers keep it (its "
             "encoded size under compress='lossless', this rank's share under split_fetch), and "
-            f"{fmt_bytes(fixed)} for the packing scratch" + (" and, on a CPU device, the non-layer weights, slot "
-                                                              "rings and resident layers" if on_host_device else "")
+            f"{fmt_bytes(fixed)} for the packing scratch" + (", the host blocks of resident layers" if kept else "")
+            + (" and, on a CPU device, the non-layer weights, slot rings and resident layers" if on_host_device
+               else "")
             + "). Pass spill_dir=<a directory on a local disk> (the disk tier: the layers that do not fit are "
             "written there while packing, and deleted by remove_layerwise_offload and at exit), or raise host_budget"
         )
@@ -170,9 +223,10 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
         raise ValueError(
             f"host_budget {fmt_bytes(budget)} ({how}) is too small: even with every streamed layer on disk, host "
             f"memory needs {fmt_bytes(need)} ({need} bytes: {fmt_bytes(staging(worst))} of staging slots, "
-            f"{fmt_bytes(fixed)} for the packing scratch" + (" and the page cache of the reads" if cache_bytes
-                                                             else "") + (" and, on a CPU device, the non-layer weights, slot "
-                                                             "rings and resident layers" if on_host_device else "")
+            f"{fmt_bytes(fixed)} for the packing scratch" + (", the host blocks of resident layers" if kept else "")
+            + (" and the page cache of the reads" if cache_bytes else "")
+            + (" and, on a CPU device, the non-layer weights, slot rings and resident layers" if on_host_device
+               else "")
             + (f", {fmt_bytes(forced_bytes)} of layers that cannot stay on disk" if forced_bytes else "")
             + "). Raise host_budget, or lower disk_prefetch_depth / prefetch_depth."
             + (f" {len(reasons)} layer(s) cannot stay on disk as stored ({next(iter(reasons.values()))}): give "

@@ -125,12 +125,17 @@ class LayerwiseOffloadManager:
             self.initialize()
 
     # ------------------------------------------------------------------ plan
-    def _set_residency(self, resident: list[int], prefetch_depth: int) -> None:
+    def _set_residency(self, resident: list[int], prefetch_depth: int, expert_cache=None) -> None:
+        """The device-budget planner's choice (from validated options). `expert_cache`:
+        the expert cache's bytes it counted, kept so ("auto" on CUDA reads the free
+        device memory, which is less once the ring is allocated)."""
         if self._finalized:
             raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
         self.resident = sorted(resident)
-        self.prefetch_depth = prefetch_depth  # (the device-budget planner's choice, from validated options)
+        self.prefetch_depth = prefetch_depth
         self.options = dataclasses.replace(self.options, prefetch_depth=prefetch_depth)
+        if expert_cache is not None and self.options.expert_cache == "auto":
+            self.options = dataclasses.replace(self.options, expert_cache=expert_cache or None)
 
     def set_residency(self, resident, prefetch_depth: int | None = None, *, note=None) -> None:
         """Change which layers stay on the device, and the prefetch depth, while the
@@ -192,6 +197,7 @@ class LayerwiseOffloadManager:
             if new == old and depth == self.prefetch_depth:
                 self.placement = note
                 return
+            self._check_host_budget(new, depth)
             self._adopt_replaced(sorted(set(old) - set(new)))
             # Phase one builds everything and changes nothing the model computes with.
             # A layer leaving the device writes its device bytes back to its source
@@ -225,6 +231,19 @@ class LayerwiseOffloadManager:
             self._commit_residency(ring, binding, bound, new, depth, note)
         log.info("layerwise: %s: placement changed: %d of %d layers resident (%s), prefetch depth %d",
                  self.layer_name, len(new), self.num_layers, new[:16], depth)
+
+    def _check_host_budget(self, resident: list[int], prefetch_depth: int) -> None:
+        """On a CPU device the rings and resident layers are host memory: a placement
+        that takes more of it must fit the host budget in force (refused before
+        anything changes, naming it)."""
+        budget = self.tiers.host_budget
+        if budget is None or self.device.type != "cpu":
+            return
+        budget.check(self._device_bytes(resident, prefetch_depth) - self._device_bytes(),
+                     f"{self.layer_name}: set_residency({resident[:16]}, prefetch_depth={prefetch_depth}) on a CPU "
+                     "device (its rings and resident layers are host memory)",
+                     "Keep fewer layers resident (or a lower prefetch_depth), or configure again with a larger "
+                     "host_budget")
 
     def _commit_residency(self, ring, binding, bound, new, depth, note) -> None:
         """set_residency's phase two, with Ctrl-C held back: the state contract's hooks
@@ -348,6 +367,38 @@ class LayerwiseOffloadManager:
         """Device bytes of ring + resident layers for a residency plan (default: the current one)."""
         return device_bytes(self.plan, self.resident if resident is None else resident,
                             self.prefetch_depth if prefetch_depth is None else prefetch_depth)
+
+    def expert_cache_bytes(self, resident: list[int] | None = None, room: int | None = None) -> int:
+        """Bytes of the routed experts' cache on the group's device (experts="routed"
+        with expert_cache; else 0): once streaming, the cache held (its size is fixed
+        then: set_residency shares its entries out again); before, the one the
+        residency plan `resident` (default: the one in force) would give, an "auto"
+        one at most a quarter of `room` (stages/experts.cache_size)."""
+        if self.experts is None or self.options.expert_cache is None or not self.enabled:
+            return 0
+        if self._finalized:
+            return self._chain.experts.cache_bytes
+        keep = set(self.resident if resident is None else resident)
+        streamed = [i for i in range(self.num_layers) if i not in keep]
+        return stages.experts.cache_size(self.options.expert_cache, self.experts, streamed, self.device,
+                                         self.layer_name, room)[0]
+
+    def host_bytes(self) -> int:
+        """Host memory the group holds now, as a host budget in force counts it
+        (layerwise.hostplan.HostBudget; stats()' arena figure and the rest): its arena
+        and the blocks its stages keep, the disk tier's staging and, on a CPU device
+        (whose memory is the host's), its ring, resident layers and expert cache. Its
+        model's non-layer weights are not the group's (HostBudget adds them)."""
+        if not self.enabled or not self._packed:
+            return 0
+        host = self._host
+        total = (host.arena.capacity if host.arena is not None else 0) + sum(
+            src.stored_bytes for src, block in zip(host.src, host.blocks) if block is None)
+        disk = self._chain.disk if self._chain is not None else None
+        total += disk.staging_bytes if disk is not None else 0
+        if self._finalized and self.device.type == "cpu":
+            total += sum(t.numel() for t in self.ring.slots) + self._resident_bytes + self.expert_cache_bytes()
+        return total
 
     def fetch_bytes(self) -> list[int]:
         """Per layer, the bytes its fetch moves over the bus (encoded, a split share)."""

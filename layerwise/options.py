@@ -345,8 +345,7 @@ def validate_experts(v: dict) -> tuple:
     encoded layer in a spill file: the encoded prefix read ahead, each expert's
     encoded rows read on demand, then decoded). Refused here, naming what to
     do: split_fetch (each rank keeps a share of the layer's bytes, not whole
-    experts), and expert_cache with device_budget (the planner does not count
-    the cache)."""
+    experts). The device budget's planner counts expert_cache (layerwise.budget)."""
     experts, modules, cache, prefetch = v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"]
     if not (isinstance(experts, str) and experts in ("all", "routed")):
         raise ValueError(f"experts must be 'all' (every expert streams with its layer) or 'routed' (only the "
@@ -378,11 +377,6 @@ def validate_experts(v: dict) -> tuple:
         k, why = clash[0]
         raise ValueError(f"experts='routed' does not compose with {k}={v[k]!r} yet ({why}): drop {k}, or use "
                          "experts='all'. The model is unchanged.")
-    if cache is not None and v.get("device_budget") is not None:
-        raise ValueError(f"expert_cache={cache!r} with device_budget={v['device_budget']!r}: the device budget's "
-                         "planner does not count the expert cache yet, so the two together could exceed the budget. "
-                         "Pass one of them (with device_budget, leave expert_cache out; or size expert_cache and "
-                         "resident_layers yourself). The model is unchanged.")
     return experts, modules, cache, prefetch
 
 

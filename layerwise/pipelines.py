@@ -324,7 +324,9 @@ def _plan_device_budget(parts: list[Component], options: OffloadOptions) -> None
 
     def minimum(c: Component) -> int:
         depth = max((m.prefetch_depth for m in c.managers), default=0)
-        return non_layer_bytes(c.module, c.managers) + sum(m._device_bytes([], depth) for m in c.managers if m.enabled)
+        # (an expert_cache="auto" takes a share of what is left: room=0 gives the least it holds, none)
+        return non_layer_bytes(c.module, c.managers) + sum(m._device_bytes([], depth) + m.expert_cache_bytes([], room=0)
+                                                           for m in c.managers if m.enabled)
 
     need = {c.name: minimum(c) for c in streamed}
     left = total - whole
@@ -761,6 +763,7 @@ def _host_budget_use(state: PipelineState) -> dict | None:
     if state.device.type == "cpu":
         used += sum(non_layer_bytes(c.module, c.managers) for c in state.components if c.managers)
         used += sum(s["ring_bytes"] + s["resident_bytes"] for s in stats)
+        used += sum(m.expert_cache_bytes() for m in managers)
     share = f" ({100 * used / hb['bytes']:.0f}%)" if hb["bytes"] else ""
     return {"bytes": hb["bytes"], "source": hb["source"], "used_bytes": used,
             "text": f"host budget {fmt_bytes(hb['bytes'])} ({hb['source']}): {fmt_bytes(used)} used by the streamed "

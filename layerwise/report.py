@@ -179,6 +179,9 @@ def _summary(r: dict) -> str:
                 f"misses ({fmt_bytes(x['demand_bytes'])} copied on demand)")
         if x["cache_bytes"]:
             text += f"; cache {fmt_bytes(x['cache_bytes'])} ({x['cached']} of {x['cache_entries']} entries held)"
+        if x.get("cache_asked_bytes", 0) > x["cache_bytes"]:
+            text += (f"; cache capped at {fmt_bytes(x['cache_bytes'])} of the {fmt_bytes(x['cache_asked_bytes'])} "
+                     "asked (whole experts, at most one entry per expert of the layers streamed when it was made)")
         if x["speculative_bytes"]:
             text += (f"; speculative {fmt_bytes(x['speculative_bytes'])}, "
                      f"{fmt_bytes(x['speculative_wasted_bytes'])} of it not used (yet)")
@@ -220,7 +223,7 @@ def _recent(steps: list) -> dict:
 def _host_budget(model, managers, groups: list) -> dict | None:
     """The host budget in force (recorded at configure by layerwise.budget.record_host_budget)
     and what the streamed weights use of it now: the arenas, the disk tier's staging slots
-    and, on a CPU device, the non-layer weights, rings and resident layers."""
+    and, on a CPU device, the non-layer weights, rings, resident layers and expert caches."""
     hb = next((m.host_budget for m in managers if getattr(m, "host_budget", None)), None)
     if hb is None:
         return None
@@ -229,8 +232,10 @@ def _host_budget(model, managers, groups: list) -> dict | None:
     used, parts = arena + staging, [f"arenas {fmt_bytes(arena)}", f"staging {fmt_bytes(staging)}"]
     if all(g["device"] == "cpu" for g in groups):
         device = non_layer_bytes(model, managers) + sum(g["ring_bytes"] + g["resident_bytes"] for g in groups)
+        device += sum(m.expert_cache_bytes() for m in managers)
         used += device
-        parts.append(f"non-layer weights, rings and resident layers {fmt_bytes(device)} (the device is host memory)")
+        parts.append(f"non-layer weights, rings, resident layers and expert caches {fmt_bytes(device)} (the device "
+                     "is host memory)")
     shared = set(hb["groups"]) - {m.layer_name for m in managers}
     text = (f"host budget {fmt_bytes(hb['bytes'])} ({hb['source']}"
             + (", shared with the other components of the pipeline" if shared else "") + f"): {fmt_bytes(used)} "

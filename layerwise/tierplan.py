@@ -177,6 +177,7 @@ class TierChoice:
         self.disk_where = "spill"  # "spill" or "checkpoint"
         self.make_store = None  # make_store(files) -> the file store (stages/chain.py) of the disk layers
         self.experts = None  # the group's routed experts (layerwise/experts.ExpertPlan), or None
+        self.host_budget = None  # the host budget in force (layerwise.hostplan.HostBudget), or None
         self.fixed = False
 
     def _check(self) -> None:

@@ -17,7 +17,9 @@ pipeline call). `tune`
    makes resident the layers whose transfer is least hidden (by gain, and by gain
    per device byte), each at the prefetch depths asked;
 3. applies the fastest that fits the device budget (counted as `device_budget`
-   counts at configure: non-layer weights + rings + resident layers) with
+   counts at configure: non-layer weights + rings + resident layers + the routed
+   experts' caches, whose size set_residency does not change) and, on a CPU device
+   (whose memory is the host's), the host budget in force, with
    LayerwiseOffloadManager.set_residency: the ring changes, the host side does
    not (the host and pin budgets stay as planned);
 4. measures the step again and returns a `TunePlan`. The prediction must hold:
@@ -167,7 +169,7 @@ class TunePlan:
     before_s: float  # measured with the placement in force before
     before_predicted_s: float  # the model's prediction of that placement (its own check)
     alternatives: dict  # {name: predicted seconds} of the candidates it compared
-    device_bytes: int  # non-layer weights + rings + resident layers of the chosen placement
+    device_bytes: int  # non-layer weights + rings + resident layers (+ expert caches) of the chosen placement
     budget: int
     bus_gbps: float | None
     applied: bool
@@ -331,6 +333,17 @@ def _budget(device, device_budget, fixed: int, current: int) -> int:
     return int(device_budget)
 
 
+def _host_rooms(managers) -> list:
+    """On a CPU device, per host budget in force (layerwise.hostplan.HostBudget):
+    (bytes it leaves, the indices of its groups in `managers`, their device bytes now)."""
+    out: dict = {}
+    for k, m in enumerate(managers):
+        b = m.tiers.host_budget
+        if b is not None and m.device.type == "cpu":
+            out.setdefault(id(b), (b, []))[1].append(k)
+    return [(b.room(), idx, {k: managers[k]._device_bytes() for k in idx}) for b, idx in out.values()]
+
+
 def _why(plan: TunePlan, before: pm.Step, after: pm.Step | None, predicted: pm.Prediction, stall_s) -> str:
     """Why the measured step is off the prediction by more than HONEST."""
     parts = [f"measured {plan.measured_s * 1e3:.2f} ms is {plan.error * 100:+.1f}% off the predicted "
@@ -381,6 +394,8 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
     device = managers[0].device
     clock = _Clock(device)
     fixed = sum(non_layer_bytes(model, managers_of(model)) for model in models) + _whole_bytes(model_or_pipe)
+    caches = sum(m.expert_cache_bytes() for m in managers)  # (routed experts: fixed in size while streaming)
+    fixed += caches
     old = [(list(m.resident), m.prefetch_depth) for m in managers]
     notes = [m.placement for m in managers]
     with torch.no_grad():
@@ -390,15 +405,25 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
     current = pm.Placement(tuple(tuple(r) for r, _ in old), tuple(d for _, d in old))
     budget = _budget(device, device_budget, fixed, fixed + current.device_bytes(step))
 
+    hosts = _host_rooms(managers)
+
     def fits(p: pm.Placement) -> bool:
-        return fixed + p.device_bytes(step) <= budget
+        if fixed + p.device_bytes(step) > budget:
+            return False
+        # On a CPU device the rings and resident layers are host memory: within the host budget too.
+        return all(sum(managers[k]._device_bytes(p.resident[k], p.depth[k]) - now[k] for k in idx) <= room
+                   for room, idx, now in hosts)
 
     cands = pm.candidates(step, current, depths, fits)
     if not cands:
         raise RuntimeError(
             f"layerwise.tune: no placement fits a device budget of {fmt_bytes(budget)} ({budget} bytes): the "
-            f"non-layer weights take {fmt_bytes(fixed)} and the rings at depth {min(depths)} with nothing resident "
-            f"{fmt_bytes(pm.Placement(tuple(() for _ in managers), tuple(min(depths) for _ in managers)).device_bytes(step))}")
+            f"non-layer weights take {fmt_bytes(fixed - caches)}"
+            + (f", the expert caches {fmt_bytes(caches)}" if caches else "")
+            + f" and the rings at depth {min(depths)} with nothing resident "
+            f"{fmt_bytes(pm.Placement(tuple(() for _ in managers), tuple(min(depths) for _ in managers)).device_bytes(step))}"
+            + (f"; on this CPU device the host budget leaves {fmt_bytes(sum(r for r, _, _ in hosts))} for more rings "
+               "and resident layers than it holds now" if hosts else ""))
     best, preds = pm.choose(step, cands, fits)
     chosen, pred = cands[best], preds[best]
     plan = TunePlan(

@@ -70,6 +70,8 @@ class Chain:
         chain = cls(group, device, pin_memory, options.compress, tiers.split_store,
                     disk_prefetch_depth=options.disk_prefetch_depth, debug_read_delay_us=options.debug_read_delay_us,
                     experts=tiers.experts, expert_cache=options.expert_cache)
+        if chain.codec is not None:  # (a write that re-encodes a layer larger is checked against it)
+            chain.codec.host_budget = tiers.host_budget
         if tiers.disk_layers:
             try:
                 chain.file_store = tiers.make_store(chain.files)

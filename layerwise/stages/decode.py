@@ -211,6 +211,7 @@ class CodecSource:
                              f"got a block of {block.numel()}")
         was = self.pieces
         payload, pieces = self.tier.keep(self.segments, block)
+        self.tier.check_growth(self, payload.numel())
         # (the callers hold Ctrl-C back: payload and pieces change together)
         inner_undo = self.inner.write(payload, undo)
         self._set_pieces(pieces)
@@ -291,8 +292,22 @@ class CodecTier:
         self._timed: list = []  # (start event or None, decode event) of timed fetches
         self.decode_s = 0.0
         self.decodes_timed = 0
+        self.host_budget = None  # the host budget in force (layerwise.hostplan.HostBudget), or None
 
     select = staticmethod(select_layers)
+
+    def check_growth(self, src: CodecSource, n: int) -> None:
+        """A write is about to keep `n` payload bytes for `src`: in host memory, more
+        than it keeps now must fit the host budget (it was planned on the encoded
+        sizes at configure), or the write is refused before anything changes."""
+        if self.host_budget is None or src.inner.host is None:  # (a file: host memory does not change)
+            return
+        old = src.inner.stored_bytes
+        self.host_budget.check(
+            n - old, f"the write into layer {self.group}[{src.index}] (its new weights encode to {n} bytes, "
+            f"where it keeps {old} now: the budget was planned on its old weights)",
+            "Configure (or load_offloaded) with the weights the model will hold, so that the budget is planned on "
+            "their encoded size, or raise host_budget")
 
     # ------------------------------------------------------------ pack time
     def host_block(self, n: int):

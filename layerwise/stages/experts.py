@@ -29,8 +29,13 @@ group gets an ExpertSource (one without experts copies all of itself).
 The expert cache (``ExpertCache``): fixed-size device entries, one expert
 (its rows of every expert parameter) each, least recently used out first,
 keyed by (layer, module, expert) and the version of the layer's true bytes
-(a load_state_dict makes its entries stale). A miss is inserted once it has
-arrived; a hit costs a copy on the device and no bus bytes.
+(a load_state_dict, or a write through a state_dict() tensor, makes its
+entries stale). A miss is inserted once it has arrived; a hit costs a copy on
+the device and no bus bytes. Its size is fixed when the group starts
+(``cache_size``): at most one entry per expert of the layers streamed then,
+since more could never be used (a bigger ask is capped, and stats() says so);
+set_residency and layerwise.tune share its entries out again, never resize it,
+so the device budget's planner and tune count it as a constant.
 """
 from __future__ import annotations
 
@@ -76,6 +81,9 @@ class ExpertSource:
 
     def version(self) -> int:
         return self.inner.version()
+
+    def host_written(self) -> None:
+        self.inner.host_written()
 
     def read(self) -> torch.Tensor:
         return self.inner.read()
@@ -134,10 +142,11 @@ class ExpertCache:
     layers would evict every entry before its next use: a step visits the layers
     in a cycle, and a cycle longer than the cache defeats LRU.)"""
 
-    def __init__(self, capacity: int, entry_bytes: int, device: torch.device, layers):
+    def __init__(self, capacity: int, entry_bytes: int, device: torch.device, layers, experts: dict):
         self.entry_bytes = entry_bytes
         self.entries = capacity // entry_bytes
         self.pool = torch.empty(self.entries * entry_bytes, dtype=torch.uint8, device=device)
+        self.experts = experts  # {layer: its experts}: the most entries a layer can use
         self.layers = sorted(layers)
         self.clear()
 
@@ -145,14 +154,31 @@ class ExpertCache:
     def nbytes(self) -> int:
         return self.pool.numel()
 
+    def shares(self) -> dict:
+        """{layer: entries}: the entries shared out evenly among the layers, none given
+        a layer beyond one per expert it has (what one layer cannot use goes to the
+        others); an uneven remainder goes to the first layers."""
+        got = {i: 0 for i in self.layers}
+        left = self.entries
+        open_ = [i for i in self.layers if self.experts.get(i, 0) > 0]
+        while left > 0 and open_:
+            q = left // len(open_)
+            if q == 0:
+                for i in open_[:left]:
+                    got[i] += 1
+                break
+            for i in open_:
+                add = min(q, self.experts[i] - got[i])
+                got[i] += add
+                left -= add
+            open_ = [i for i in open_ if got[i] < self.experts[i]]
+        return got
+
     def clear(self) -> None:
-        n, q = len(self.layers), self.entries // max(len(self.layers), 1)
-        extra = self.entries - q * n
         self.lru: dict = {i: collections.OrderedDict() for i in self.layers}  # key -> (entry, version)
         self.free: dict = {}
         j = 0
-        for k, i in enumerate(self.layers):
-            m = q + (1 if k < extra else 0)
+        for i, m in self.shares().items():
             self.free[i] = list(range(j + m - 1, j - 1, -1))
             j += m
 
@@ -197,25 +223,53 @@ class ExpertCache:
         return self.pool[j * self.entry_bytes: (j + 1) * self.entry_bytes]
 
 
-def cache_bytes(spec, plan, streamed, device: torch.device) -> int:
-    """The cache's size: bytes as given; "auto": a quarter of the streamed layers'
-    expert bytes, on CUDA at most a quarter of the free device memory."""
+def entry_bytes(plan) -> int:
+    """One cache entry: the rows of the largest expert, in whole ENTRY_ALIGN units."""
+    return max(-(-m.unit_bytes // ENTRY_ALIGN) * ENTRY_ALIGN for m in plan.modules())
+
+
+def layer_experts(plan) -> dict:
+    """{layer: the experts of its expert modules}: the most cache entries it can use."""
+    return {i: sum(m.num_experts for m in mods) for i, mods in plan.layers.items()}
+
+
+def cache_size(spec, plan, streamed, device: torch.device, group: str = "",
+               room: int | None = None) -> tuple[int, int, int]:
+    """(bytes the cache holds, bytes asked, bytes it can ever use) for
+    expert_cache=`spec` with the layers `streamed`, each in whole entries.
+
+    Asked: bytes as given; "auto": a quarter of the streamed layers' expert bytes,
+    and at most a quarter of `room` (the device budget's planner: what the budget
+    leaves after the non-layer weights and the rings; default, on CUDA, the free
+    device memory). It can use one entry per expert of the streamed layers: a
+    bigger ask is capped, and where no expert streams (or "auto" comes to less
+    than one entry) it holds nothing. A size given below one entry, where experts
+    stream, is refused (ValueError): it could hold nothing."""
     if spec is None:
-        return 0
-    if spec != "auto":
-        return int(spec)
-    total = plan.expert_bytes(streamed)
-    n = total // 4
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        n = min(n, free // 4)
-    return n
+        return 0, 0, 0
+    entry = entry_bytes(plan)
+    per = layer_experts(plan)
+    limit = entry * sum(per.get(i, 0) for i in streamed)
+    if spec == "auto":
+        asked = plan.expert_bytes(streamed) // 4
+        if room is None and device.type == "cuda":
+            room, _ = torch.cuda.mem_get_info(device)
+        if room is not None:
+            asked = min(asked, max(room, 0) // 4)
+        asked = asked // entry * entry
+    else:
+        asked = int(spec)
+        if limit and asked < entry:
+            raise ValueError(f"layerwise: expert_cache={spec!r} holds no expert of group {group!r}: one expert "
+                             f"takes {entry} bytes; give at least that, or None")
+    return min(asked, limit) // entry * entry, asked, limit
 
 
 class ExpertTier:
     def __init__(self, group: str, plan, device: torch.device, cache=None):
         self.group, self.plan, self.device, self.cache_spec = group, plan, device, cache
         self.engine = self.ring = self.cache = None
+        self.cache_asked = 0  # the bytes expert_cache asked for (cache_size): held, at most what can be used
         self.sources: list = []
         self.rows: list[_SlotRows] = []
         self.alias: list = []
@@ -227,13 +281,24 @@ class ExpertTier:
     def start(self, engine, sources: list, ring) -> None:
         self.engine, self.sources = engine, sources
         self.restream(ring)
-        n = cache_bytes(self.cache_spec, self.plan, ring.streamed, self.device)
-        if self.cache_spec is not None:
-            entry = max(-(-m.unit_bytes // ENTRY_ALIGN) * ENTRY_ALIGN for m in self.plan.modules())
-            if n < entry:
-                raise ValueError(f"layerwise: expert_cache={self.cache_spec!r} holds no expert of group "
-                                 f"{self.group!r}: one expert takes {entry} bytes; give at least that, or None")
-            self.cache = ExpertCache(n, entry, self.device, [i for i in ring.streamed if i in self.plan.layers])
+        n, self.cache_asked, limit = cache_size(self.cache_spec, self.plan, ring.streamed, self.device, self.group)
+        if self.cache_spec is None:
+            return
+        if n == 0:
+            log.info("layerwise: %s: expert_cache=%r holds nothing: %s", self.group, self.cache_spec,
+                     "a quarter of the streamed experts is less than one expert" if limit else
+                     "no layer with experts streams (every one is resident)")
+            return
+        if self.cache_asked > limit:
+            log.info("layerwise: %s: expert_cache=%r capped at %d bytes, one entry for each expert of the layers "
+                     "streamed: more could never be used", self.group, self.cache_spec, n)
+        self.cache = ExpertCache(n, entry_bytes(self.plan), self.device,
+                                 [i for i in ring.streamed if i in self.plan.layers], layer_experts(self.plan))
+
+    @property
+    def cache_bytes(self) -> int:
+        """The bytes the expert cache holds (on the group's device)."""
+        return self.cache.nbytes if self.cache is not None else 0
 
     def restream(self, ring) -> None:
         """A new ring (start, or set_residency): nothing is known of its slots."""
@@ -432,6 +497,7 @@ class ExpertTier:
             "speculative_used_bytes": self.spec_used_bytes,
             "speculative_wasted_bytes": self.spec_bytes - self.spec_used_bytes,
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            "cache_asked_bytes": self.cache_asked,  # what expert_cache asked ("auto": a quarter of the experts)
             "cache_entries": self.cache.entries if self.cache is not None else 0,
             "cached": len(self.cache) if self.cache is not None else 0,
         }

@@ -90,6 +90,13 @@ class ArenaSource:
     def read(self) -> torch.Tensor:
         return self.block
 
+    def host_written(self) -> None:
+        """`host` was written in place through a tensor with a version counter of its
+        own (a state_dict() alias of the block: contract.check_handed_out): the
+        version grows, so that what is keyed on it (the slot ring, the expert cache)
+        takes the new bytes."""
+        self._version += 1
+
     def _replace(self, block: torch.Tensor, arena) -> None:
         was = self.version()
         self._set(block, arena)  # a copy still reading the old block keeps it alive
