@@ -117,8 +117,6 @@ void check_codec_bytes(const at::Tensor& t, const char* fn, const char* name) {
 
 void bind_codec(py::module_& m) {
   auto c = m.def_submodule("codec", "Lossless codec of float segments (format: layerwise/codec.py)");
-  c.attr("HEADER_BYTES") = codec::kHeaderBytes;
-  c.attr("VERSION") = codec::kVersion;
   c.attr("LOG2_CHUNK") = codec::kLog2Chunk;
   c.attr("LOG2_SUB") = codec::kLog2Sub;
   c.def(

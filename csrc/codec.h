@@ -19,8 +19,6 @@
 
 namespace layerwise::codec {
 
-constexpr size_t kHeaderBytes = 128;
-constexpr uint8_t kVersion = 2;
 constexpr int kLog2Chunk = 16;  // the encoder's default values per chunk (each chunk has codes of its own)
 constexpr int kLog2Sub = 10;    // and per sub-block (each decodes without the ones before it)
 

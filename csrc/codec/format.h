@@ -21,7 +21,9 @@ static_assert(std::endian::native == std::endian::little, "the codec writes its 
 namespace layerwise::codec {
 
 constexpr char kMagic[4] = {'L', 'W', 'C', 'S'};
-// Header byte offsets (kHeaderBytes in all; the rest reserved, zero).
+constexpr uint8_t kVersion = 2;  // the one format: nothing older is read (codec.h)
+constexpr size_t kHeaderBytes = 128;
+// Header byte offsets (the bytes not named here are reserved, zero).
 enum : size_t {
   kOffVersion = 4, kOffDtype = 5, kOffMode = 6, kOffLog2Chunk = 7, kOffLog2Sub = 8, kOffMaxLen = 9,
   kOffNBytes = 16, kOffNChunks = 24, kOffTotal = 32, kOffIndex = 40, kOffData = 48,
