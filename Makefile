@@ -3,7 +3,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.layerwise-setup
 EXT    := layerwise/.built
-SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cpp) setup.py pyproject.toml
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h) setup.py pyproject.toml
 
 .PHONY: setup build test bench check-cuda clean
 

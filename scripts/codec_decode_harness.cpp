@@ -1,7 +1,7 @@
 // The C++ decoder alone, timed (scripts/codec_decode_cpp.py builds and runs this): decodes
 // DIR/NAME.enc into a buffer allocated and touched once, REPEATS times, checks the bytes
 // against DIR/NAME.raw, and prints the best and the median wall time. No torch, no Python:
-// csrc/codec*.cpp built with -DLAYERWISE_CODEC_STANDALONE.
+// the sources under csrc/codec/ alone.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -1,10 +1,9 @@
-"""Tests of the codec's format version 2 (layerwise/codec.py, "Format (version 2)"):
-per-chunk canonical Huffman codes of bf16, fp16, fp32 and fp8 fields, decoded by
-the C++ decoder (csrc/codec_v2.cpp), the pure-torch reference and the Triton
-kernel (triton_kernels/decode.py: under the interpreter on CPU, so the inputs it
-gets are kept small, or small chunks are asked for). Version-1 encodings (the
-old encoder, and golden bytes written by it before version 2 existed) still
-decode. Helpers and the kernel module under test: tests/test_codec.py.
+"""Tests of the codec's format (layerwise/codec.py, "Format"): per-chunk canonical
+Huffman codes of bf16, fp16, fp32 and fp8 fields, decoded by the C++ decoder
+(csrc/codec/decode.cpp), the pure-torch reference and the Triton kernel
+(triton_kernels/decode.py: under the interpreter on CPU, so the inputs it gets
+are kept small, or small chunks are asked for). Helpers and the kernel module
+under test: tests/test_codec.py.
 """
 import os
 import random
@@ -24,7 +23,6 @@ IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", tor
        torch.float8_e5m2: "e5m2"}
 SMALL = dict(log2_chunk=10, log2_sub=5)  # 1024-value chunks of 32 sub-blocks: many chunks in few values
 TINY = dict(log2_chunk=8, log2_sub=4)  # the smallest: 256-value chunks of 16 sub-blocks
-GOLDEN = Path(__file__).resolve().parent / "data" / "codec_v1_golden.safetensors"
 
 # layerwise.codec.decode_segment imports the kernels as layerwise.triton_kernels.decode: this checkout's
 # (test_codec registered it in sys.modules; an editable install made elsewhere may own the package)
@@ -178,7 +176,7 @@ def _field_choices():
     enc = roundtrip(x, **SMALL)
     masks = chunk_masks(enc)
     assert masks[3] == 0 and masks[0] == 1 and masks[5] & 1, masks
-    views = D.check_chunks(enc, D.parse_header(enc, enc.numel()))
+    views = D.check_chunks(enc, codec.parse_header(enc, enc.numel()))
     assert views[5].counts[0] == ((0, 1) + (0,) * 14,)  # one symbol, one context: one 1-bit code
     return enc, x
 
@@ -214,7 +212,7 @@ def test_codes_longer_than_a_pair_window_round_trip():
     hold two codes, in every lane and in the sub-blocks after the last whole group of lanes."""
     x = _long_codes()
     enc = roundtrip(x)
-    views = D.check_chunks(enc, D.parse_header(enc, enc.numel()))
+    views = D.check_chunks(enc, codec.parse_header(enc, enc.numel()))
     lengths = {l for v in views if v.mask & 1 for cnt in v.counts[0] for l in range(16) if cnt[l]}
     assert 12 in lengths and 1 in lengths, lengths  # codes that fill a window, and short ones that pair up
     for kw in (SMALL, TINY, dict(log2_chunk=12, log2_sub=7)):  # (smaller chunks: shorter codes)
@@ -227,7 +225,7 @@ def test_codes_longer_than_a_pair_window_round_trip():
 def _pair_path_segment():
     x = _long_codes(1 << 14)
     enc = codec.encode(x, **SMALL)
-    views = D.check_chunks(enc, D.parse_header(enc, enc.numel()))
+    views = D.check_chunks(enc, codec.parse_header(enc, enc.numel()))
     return x, enc, views
 
 
@@ -475,37 +473,6 @@ def test_real_layers_say_why_they_are_missing(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------
-# version 1 still decodes
-# --------------------------------------------------------------------------
-def test_golden_version_1_bytes_decode(device):
-    """Bytes written by the version-1 encoder before version 2 existed (commit 375f1b0)."""
-    from safetensors.torch import load_file
-
-    blobs = load_file(str(GOLDEN))
-    for tag in ("bf16", "fp16", "fp32"):
-        enc, raw = blobs[f"{tag}_v1"].clone(), blobs[f"{tag}_raw"]  # (clone: 16-byte aligned)
-        assert codec.read_header(enc)["version"] == 1
-        assert torch.equal(codec.decode(enc), raw), tag
-        ref = torch.empty_like(raw)
-        D.decode_segment_ref(enc, ref)
-        assert torch.equal(ref, raw), tag
-        if D.triton_available_for(device):
-            out = torch.zeros_like(raw).to(device)
-            D.decode_segment(enc.to(device), out)
-            assert torch.equal(out.cpu(), raw), tag
-    assert codec.read_header(blobs["bf16_v1"])["mode"] == "coded"
-
-
-def test_version_1_encoder_still_available():
-    x = weights(5000, torch.bfloat16)
-    enc1 = codec.encode(x, version=1)
-    assert codec.read_header(enc1)["version"] == 1 and codec.read_header(codec.encode(x))["version"] == 2
-    assert_bitwise(codec.decode(enc1), x)
-    with pytest.raises(ValueError, match="version must be 1 or 2"):
-        codec.encode(x, version=3)
-
-
-# --------------------------------------------------------------------------
 # malformed input: a clear error, no read outside the buffer
 # --------------------------------------------------------------------------
 def _coded(dtype=torch.bfloat16, n=3000, **kw):
@@ -626,7 +593,7 @@ def test_random_corruption_never_crashes():
 
 
 # --------------------------------------------------------------------------
-# the AVX-512 decode (csrc/codec_v2_avx512.cpp) against the scalar one
+# the AVX-512 decode (csrc/codec/decode_avx512.cpp) against the scalar one
 # --------------------------------------------------------------------------
 need_simd = pytest.mark.skipif(not native.simd_supported(), reason="this CPU has no AVX-512F/BW/VL/VBMI2 or BMI2")
 
@@ -745,13 +712,13 @@ def test_kernel_stays_inside_the_buffer_on_corrupt_chunks(device):
     writes inside its buffers: no crash, the rest of the destination untouched."""
     need_triton(device)
     enc = _coded(torch.bfloat16, 2100, **SMALL)
-    h = D.parse_header(enc, enc.numel())
+    h = codec.parse_header(enc, enc.numel())
     e = 128 + 64
     table = _entry(enc, 1)[3][1]
     for bad in (_set(enc, e + 16, 2**40), _set(enc, e + 40, 2**62), _set(enc, e + 8, 2**63 - 8),
                 _set(enc, e + 1, 200, 1), _set(enc, table, 0xFFFF, 2), _set(enc, table + 8, 0xFFFF, 2)):
         out = torch.full((4200 + 64,), 0xA5, dtype=torch.uint8).to(device)
-        D._launch_v2(bad.to(device), out[:4200], h)
+        D._launch(bad.to(device), out[:4200], h)
         assert torch.equal(out[4200:].cpu(), torch.full((64,), 0xA5, dtype=torch.uint8))
 
 
@@ -769,14 +736,14 @@ def test_launcher_checks(device):
     need_triton(device)
     x = weights(1000, torch.float32)
     enc = codec.encode(x).to(device)
-    h = D.parse_header(enc.cpu(), enc.numel())
+    h = codec.parse_header(enc.cpu(), enc.numel())
     out = torch.empty(1000, dtype=torch.float32, device=device).view(torch.uint8)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        D._launch_v2(torch.cat([enc[:1], enc])[1:], out, h)
+        D._launch(torch.cat([enc[:1], enc])[1:], out, h)
     with pytest.raises(ValueError, match="header is for"):
-        D._launch_v2(enc, out[:-4], h)
+        D._launch(enc, out[:-4], h)
     with pytest.raises(ValueError, match="multiple of 4 bytes"):
-        D._launch_v2(enc, torch.empty(4001, dtype=torch.uint8, device=device)[1:], h)
+        D._launch(enc, torch.empty(4001, dtype=torch.uint8, device=device)[1:], h)
 
 
 def test_one_launch_per_segment(device, monkeypatch):
@@ -793,7 +760,7 @@ def test_one_launch_per_segment(device, monkeypatch):
                 return self.k[grid](*a, **kw)
             return go
 
-    monkeypatch.setattr(D, "_decode_v2_kernel", Counting(D._decode_v2_kernel))
+    monkeypatch.setattr(D, "_decode_kernel", Counting(D._decode_kernel))
     x = weights(2100, torch.bfloat16)
     enc = codec.encode(x, **SMALL)
     assert codec.read_header(enc)["mode"] == "coded"
@@ -812,8 +779,9 @@ def test_dispatch_on_cpu():
         assert_bitwise(out, x, backend)
 
 
-_COMPILE_V2 = r"""
+_COMPILE = r"""
 import importlib.util, sys
+sys.path.insert(0, sys.argv[2])  # this checkout's layerwise (the kernels import layerwise.codec)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -823,34 +791,35 @@ spec.loader.exec_module(mod)
 assert not mod._INTERPRET
 sig = {"enc_ptr": "*u8", "enc_len": "i64", "dst_ptr": "*u8", "n_values": "i64", "VB": "constexpr", "W0": "constexpr",
        "W1": "constexpr", "W2": "constexpr", "LOG2_CHUNK": "constexpr", "LANES": "constexpr", "SUB": "constexpr",
-       "HEADER": "constexpr", "ENTRY": "constexpr"}
+       "OFF_INDEX": "constexpr", "ENTRY": "constexpr"}
 attrs = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
-for code, (vb, widths) in sorted(mod.V2_LAYOUT.items()):
+for code, (vb, widths) in sorted(mod.LAYOUT.items()):
     w = tuple(widths) + (0,) * (3 - len(widths))
     const = {"VB": vb, "W0": w[0], "W1": w[1], "W2": w[2], "LOG2_CHUNK": 16, "LANES": 64, "SUB": 1024,
-             "HEADER": mod.HEADER_BYTES, "ENTRY": mod.ENTRY_BYTES}
-    src = ASTSource(fn=mod._decode_v2_kernel, signature=sig, constexprs=const, attrs=attrs)
+             "OFF_INDEX": 128, "ENTRY": mod.ENTRY_BYTES}
+    src = ASTSource(fn=mod._decode_kernel, signature=sig, constexprs=const, attrs=attrs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 sig = {"enc_ptr": "*u8", "enc_len": "i64", "dst_ptr": "*u8", "n_bytes": "i64", "BLOCK": "constexpr",
-       "HEADER": "constexpr"}
-src = ASTSource(fn=mod._copy_v2_kernel, signature=sig, constexprs={"BLOCK": mod.STORED_BLOCK, "HEADER": 128},
+       "OFF_DATA": "constexpr"}
+src = ASTSource(fn=mod._copy_kernel, signature=sig, constexprs={"BLOCK": mod.STORED_BLOCK, "OFF_DATA": 128},
                 attrs=attrs)
 triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("compiled", triton.__version__)
 """
 
 
-def test_v2_kernels_compile_for_sm90_without_a_gpu():
+def test_kernels_compile_for_sm90_without_a_gpu():
     """What the interpreter misses (types across branches, pointer casts, scans): every
-    dtype's specialisation of the version-2 kernel compiled for an H100/H200 target."""
+    dtype's specialisation of the kernel, and the stored copy, compiled for an H100/H200 target."""
     import subprocess
     import sys
 
     if D.triton is None:
         pytest.skip("triton is not importable")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_V2, str(Path(D.__file__))], env=env, capture_output=True,
-                          text=True, timeout=600)
+    checkout = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(D.__file__)), checkout], env=env,
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode and ("GPUTarget" in proc.stderr or "ptxas" in proc.stderr) and "ImportError" in proc.stderr:
         pytest.skip(f"triton cannot compile for CUDA here: {proc.stderr[-500:]}")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]

@@ -1,49 +1,42 @@
 """Decode one losslessly encoded segment straight into its destination, in one launch.
 
-The encoded formats (written by the C++ encoder, ``layerwise._C.codec.encode``)
-are specified in ``layerwise/codec.py``; byte 4 of every segment says which.
+The format (written by the C++ encoder, ``layerwise._C.codec.encode``) is
+specified in ``layerwise/codec.py``, whose :func:`~layerwise.codec.parse_header`
+is the one Python parser of a header: the launcher and the reference decoder
+take the header's offsets and sizes from it.
 
-Version 2 (what the encoder writes): per chunk of 2**16 values, canonical
-Huffman codes (<= 12 bits) of the value's top field (the exponent; fp16 and
-fp32 also top mantissa bits, fp32 its low byte too, fp8 the whole byte), up to
-4 codes per field chosen by the previous value's symbol (its *context*), and a
-raw stream of the rest; every sub-block of 2**10 values (the encoder's
-default; the header says) of a code stream records its bit length. The
-kernel (``_decode_v2_kernel``) runs one program per chunk with one lane per
-sub-block: each lane decodes its sub-block's
-values one after the other, each value from a 12-bit window of its code
-stream compared with its context's 12 length limits (no table to build, no
-per-bit loop), a symbol gathered from the table, and its raw bits.
+Per chunk of 2**16 values, canonical Huffman codes (<= 12 bits) of the value's
+top field (the exponent; fp16 and fp32 also top mantissa bits, fp32 its low
+byte too, fp8 the whole byte), up to 4 codes per field chosen by the previous
+value's symbol (its *context*), and a raw stream of the rest; every sub-block
+of 2**10 values (the encoder's default; the header says) of a code stream
+records its bit length. The kernel (``_decode_kernel``) runs one program per
+chunk with one lane per sub-block: each lane decodes its sub-block's values
+one after the other, each value from a 12-bit window of its code stream
+compared with its context's 12 length limits (no table to build, no per-bit
+loop), a symbol gathered from the table, and its raw bits. A segment that did
+not shrink is *stored*: header, then the bytes as they are (``_copy_kernel``).
 
-Version 1 (older encodings, still decoded): a 128-byte header (with a table of
-up to 31 exponent symbols), an index of exceptions before each block of 1024
-values, a field stream (value ``i``'s W-bit code, plus fp16's 3 raw high bits,
-at bit ``i * F``), a raw-byte stream and an exception stream. A segment that
-did not shrink is *stored*: header, then the bytes as they are (both versions).
-
-Layout of this file: the header parsers, the chunk checks of version 2 and the
-pure-torch references (:func:`parse_header`, :func:`check_chunks`,
-:func:`decode_segment_ref`), the Triton kernels (``_decode_kernel``: version 1;
-``_decode_v2_kernel``, ``_copy_v2_kernel``: version 2), the launchers
-(``_launch``, ``_launch_v2``), then the public entry points
-(:func:`decode_segment`, :func:`triton_available_for`).
+Layout of this file: the chunk checks and the pure-torch reference
+(:func:`check_chunks`, :func:`decode_segment_ref`), the Triton kernels, the
+launcher (``_launch``), then the public entry points (:func:`decode_segment`,
+:func:`triton_available_for`).
 
 The kernels never trust the encoded bytes for memory safety: every load is
-masked or clamped to the buffer, every store to the destination. The version-1
-kernel reads its header on the device and writes nothing when the header does
-not fit; the version-2 kernel takes the header parsed on the host (its
-launcher needs it: the dtype picks the kernel's specialisation, the chunk count
-its grid) and decodes whatever the chunk index says, inside the buffer. Neither
-reports *why* bytes are corrupt (a kernel cannot raise): validate encoded bytes
-on the host once, where they are produced (``layerwise.codec.decode`` or
-:func:`check_chunks`). Values are handled as integers throughout, so the same
-kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors)
-and compiled on a GPU, and the result is bitwise whatever the bits (NaN
-payloads, infinities, signed zeros, subnormals).
+masked or clamped to the buffer, every store to the destination. The kernel
+takes the header parsed on the host (its launcher needs it: the dtype picks
+the kernel's specialisation, the chunk count its grid) and decodes whatever
+the chunk index says, inside the buffer. It cannot report *why* bytes are
+corrupt (a kernel cannot raise): validate encoded bytes on the host once,
+where they are produced (``layerwise.codec.decode`` or :func:`check_chunks`).
+Values are handled as integers throughout, so the same kernels run under the
+Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) and compiled on a
+GPU, and the result is bitwise whatever the bits (NaN payloads, infinities,
+signed zeros, subnormals).
 
 Performance: no GPU was available when this was written, so nothing here is
 measured (``python -m layerwise.bench compress --device cuda`` measures it).
-Version 2 by design: a 64 MB bf16 segment is 512 programs of 128 lanes; per
+By design: a 64 MB bf16 segment is 512 programs of 128 lanes; per
 value a lane reads 3 code bytes and its raw bits (gathered: lanes are 512
 values apart, L1/L2 hits after the first), selects its context's 16 limits,
 compares one window with them, gathers one table symbol, and writes its value
@@ -65,6 +58,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from layerwise.codec import ENTRY_BYTES, LAYOUT, MAX_CODE_BITS, MAX_CONTEXTS, MAX_SYMBOL_BITS, Header, parse_header
+
 try:  # Triton is optional: the reference path must work without it.
     import triton
     import triton.language as tl
@@ -78,198 +73,19 @@ except Exception as _exc:  # noqa: BLE001 - ImportError or a broken install
 # Read once, like Triton itself does when it decorates the kernel.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Format constants (layerwise/codec.py has the table).
-MAGIC = b"LWCS"
-MAGIC_INT = int.from_bytes(MAGIC, "little")
-VERSION = 1  # the version-1 kernel's
-VERSION2 = 2
-HEADER_BYTES = 128
-TABLE_OFFSET = 96
-MAX_TABLE = 32
-LOG2_BLOCK = 10
-BLOCK_VALUES = 1 << LOG2_BLOCK
-ALIGN = 16
-DTYPE_NAMES = {0: "bytes", 1: "bfloat16", 2: "float16"}
-_EXTRA_BITS = {1: 0, 2: 3}  # raw bits riding with the code: bf16 none, fp16 sign + 2 mantissa bits
-_MAX_WIDTH = {1: 5, 2: 4}
-_SYMBOLS = {1: 256, 2: 32}
-
-DEFAULT_BLOCK = 1024  # values per program: a multiple of BLOCK_VALUES
-
-# Version 2 (layerwise/codec.py, "Format (version 2)")
-ENTRY_BYTES = 64
-MAX_LEN = 12
-MAX_CONTEXTS = 4
-V2_DTYPES = {0: "bytes", 1: "bfloat16", 2: "float16", 3: "float32", 4: "float8_e4m3fn", 5: "float8_e5m2"}
-# dtype code -> (value bytes, field widths from the top of the rotated value)
-V2_LAYOUT = {1: (2, (8, 8)), 2: (2, (8, 8)), 3: (4, (9, 15, 8)), 4: (1, (8,)), 5: (1, (8,))}
-MAX_SYMBOL_BITS = 9
-LOG2_CHUNK_RANGE = (8, 18)
-LOG2_SUB_RANGE = (4, 12)
-MIN_LOG2_LANES = 4
-
-
-class SegmentHeader(NamedTuple):
-    """The checked header of an encoded segment."""
-
-    dtype: str  # "bfloat16", "float16" or "bytes"
-    coded: bool  # False: stored (raw bytes after the header)
-    width: int  # W, bits of a code; 0 when stored
-    field_bits: int  # F = W + raw bits riding with the code
-    table: tuple  # symbols of codes 0..len-1
-    n_bytes: int  # decoded size
-    n_exceptions: int
-    encoded_bytes: int  # total, header and padding included
-    off_index: int
-    off_fields: int
-    off_raw: int
-    off_exceptions: int
-    version: int = 1
-
-
-class SegmentHeaderV2(NamedTuple):
-    """The checked header of a version-2 encoded segment (its chunks: :func:`check_chunks`)."""
-
-    dtype: str  # "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2" or "bytes"
-    coded: bool  # False: stored (raw bytes after the header)
-    n_bytes: int  # decoded size
-    encoded_bytes: int  # total, header and padding included
-    log2_chunk: int  # values per chunk 2**log2_chunk (0 when stored)
-    log2_sub: int  # values per sub-block (0 when stored)
-    n_chunks: int
-    off_index: int
-    off_data: int
-    version: int = 2
-
-    @property
-    def dtype_code(self) -> int:
-        return {v: k for k, v in V2_DTYPES.items()}[self.dtype]
+ALIGN = 16  # every stream of a segment starts at a multiple of 16 bytes
 
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def coded_layout(n_values: int, field_bits: int, n_exceptions: int) -> tuple:
-    """(off_index, off_fields, off_raw, off_exceptions, total) of a coded segment."""
-    nblocks = -(-n_values // BLOCK_VALUES)
-    off_index = HEADER_BYTES
-    off_fields = _align(off_index + 4 * (nblocks + 1))
-    off_raw = _align(off_fields + -(-(n_values * field_bits) // 8))
-    off_exc = _align(off_raw + n_values)
-    return off_index, off_fields, off_raw, off_exc, _align(off_exc + n_exceptions)
-
-
 def _bad(msg: str) -> ValueError:
     return ValueError(f"layerwise codec: {msg}")
 
 
-def parse_header(head, length: Optional[int] = None) -> SegmentHeader:
-    """Parse and check the first 128 bytes of an encoded segment (``bytes`` or a
-    uint8 tensor holding at least them). With ``length`` (the whole encoded
-    buffer's size) the header must also say exactly that size. Raises
-    ValueError naming the problem, like the C++ decoder."""
-    if isinstance(head, torch.Tensor):
-        if head.dtype != torch.uint8:
-            raise TypeError(f"encoded segment must be a uint8 tensor, got {head.dtype}")
-        head = bytes(head[:HEADER_BYTES].cpu().numpy().tobytes())
-    head = bytes(head[:HEADER_BYTES])
-    if len(head) < HEADER_BYTES:
-        raise _bad(f"encoded segment has {len(head)} bytes, fewer than its {HEADER_BYTES}-byte header (truncated?)")
-    if head[:4] != MAGIC:
-        raise _bad("encoded segment does not start with the magic 'LWCS' (not an encoded segment, or the wrong offset)")
-    if head[4] == VERSION2:
-        return _parse_header_v2(head, length)
-    version, dt, mode, width, fbits, log2b, tsize = head[4:11]
-    if version != VERSION:
-        raise _bad(f"encoded segment has format version {version}; this build reads versions {VERSION} and "
-                   f"{VERSION2}")
-    if dt not in DTYPE_NAMES:
-        raise _bad(f"unknown dtype code {dt} in the header")
-    if mode not in (0, 1):
-        raise _bad(f"unknown mode {mode} in the header")
-    if any(head[11:16]) or any(head[72:TABLE_OFFSET]):
-        raise _bad("reserved header bytes are not zero")
-    n_bytes, n_exc, total, off_index, off_fields, off_raw, off_exc = struct.unpack_from("<7Q", head, 16)
-    table = head[TABLE_OFFSET : TABLE_OFFSET + MAX_TABLE]
-    if length is not None and total != length:
-        raise _bad(f"header says the encoded segment has {total} bytes, the buffer has {length} "
-                   "(truncated, or not the whole segment)")
-    if mode == 0:
-        if width or fbits or tsize or log2b or n_exc or any(table):
-            raise _bad("stored segment with code fields set in its header")
-        want = (0, 0, HEADER_BYTES, 0, _align(HEADER_BYTES + n_bytes))
-    else:
-        if dt == 0:
-            raise _bad("coded segment of dtype 'bytes' (only bfloat16 and float16 are coded)")
-        if n_bytes % 2:
-            raise _bad(f"coded segment of {n_bytes} bytes, not whole 16-bit values")
-        n_values = n_bytes // 2
-        if n_values >= 1 << 32:
-            raise _bad(f"coded segment of {n_values} values (>= 2^32)")
-        if log2b != LOG2_BLOCK:
-            raise _bad(f"block size 2^{log2b}; this build reads 2^{LOG2_BLOCK}")
-        if not 1 <= width <= _MAX_WIDTH[dt]:
-            raise _bad(f"code width {width} out of range 1..{_MAX_WIDTH[dt]} for {DTYPE_NAMES[dt]}")
-        if fbits != width + _EXTRA_BITS[dt]:
-            raise _bad(f"field of {fbits} bits for {width}-bit codes of {DTYPE_NAMES[dt]}")
-        if tsize > (1 << width) - 1:
-            raise _bad(f"table of {tsize} symbols for {width}-bit codes")
-        if n_exc > n_values:
-            raise _bad(f"{n_exc} exceptions in {n_values} values")
-        if any(table[tsize:]):
-            raise _bad("table entries past the table are set")
-        if any(s >= _SYMBOLS[dt] for s in table):
-            raise _bad(f"table holds a symbol that is not a {DTYPE_NAMES[dt]} exponent")
-        want = coded_layout(n_values, fbits, n_exc)
-    have = (off_index, off_fields, off_raw, off_exc, total)
-    if have != want:
-        raise _bad(f"stream offsets (index, fields, raw, exceptions, total) {have} differ from the layout the "
-                   f"header's sizes imply {want}")
-    return SegmentHeader(DTYPE_NAMES[dt], mode == 1, width, fbits, tuple(table[:tsize]), n_bytes, n_exc, total,
-                         off_index, off_fields, off_raw, off_exc)
-
-
-def _parse_header_v2(head: bytes, length: Optional[int]) -> SegmentHeaderV2:
-    dt, mode, log2c, log2s, max_len = head[5:10]
-    if any(head[10:16]) or any(head[56:HEADER_BYTES]):
-        raise _bad("reserved header bytes are not zero")
-    if dt not in V2_DTYPES:
-        raise _bad(f"unknown dtype code {dt} in the header")
-    if mode not in (0, 1):
-        raise _bad(f"unknown mode {mode} in the header")
-    n_bytes, n_chunks, total, off_index, off_data = struct.unpack_from("<5Q", head, 16)
-    if length is not None and total != length:
-        raise _bad(f"header says the encoded segment has {total} bytes, the buffer has {length} "
-                   "(truncated, or not the whole segment)")
-    if mode == 0:
-        if log2c or log2s or max_len or n_chunks or off_index:
-            raise _bad("stored segment with code fields set in its header")
-        if off_data != HEADER_BYTES or total != _align(HEADER_BYTES + n_bytes):
-            raise _bad(f"stored segment of {n_bytes} bytes in a buffer of {total} (data at {off_data})")
-    else:
-        if dt not in V2_LAYOUT:
-            raise _bad(f"coded segment of dtype '{V2_DTYPES[dt]}' (that dtype is only stored)")
-        vb = V2_LAYOUT[dt][0]
-        if n_bytes == 0 or n_bytes % vb:
-            raise _bad(f"coded segment of {n_bytes} bytes, not whole {V2_DTYPES[dt]} values")
-        if (not LOG2_CHUNK_RANGE[0] <= log2c <= LOG2_CHUNK_RANGE[1]
-                or not LOG2_SUB_RANGE[0] <= log2s <= LOG2_SUB_RANGE[1] or log2c - log2s < MIN_LOG2_LANES):
-            raise _bad(f"chunk 2^{log2c} / sub-block 2^{log2s} values out of range")
-        if max_len != MAX_LEN:
-            raise _bad(f"longest code {max_len} bits; this build reads {MAX_LEN}")
-        nv = n_bytes // vb
-        if n_chunks != -(-nv // (1 << log2c)):
-            raise _bad(f"{n_chunks} chunks for {nv} values of 2^{log2c} per chunk")
-        if off_index != HEADER_BYTES or off_data != _align(HEADER_BYTES + ENTRY_BYTES * n_chunks) or off_data > total:
-            raise _bad(f"chunk index at {off_index}, data at {off_data}: not where {n_chunks} chunks put them (or "
-                       "past the end of the buffer)")
-    return SegmentHeaderV2(V2_DTYPES[dt], mode == 1, n_bytes, total, log2c if mode else 0, log2s if mode else 0,
-                           n_chunks, off_index, off_data)
-
-
 class ChunkView(NamedTuple):
-    """One checked chunk of a version-2 segment: its values and, per field, the
+    """One checked chunk of a segment: its values and, per field, the
     table (counts by length, symbols in code order, sub-block bit counts) and the
     stream offsets; tables and code offsets are None for fields not coded."""
 
@@ -289,15 +105,15 @@ def _stream_bytes(bits: int) -> int:
     return _align(-(-bits // 8) + 8)
 
 
-def check_chunks(encoded, h: SegmentHeaderV2) -> list:
-    """Every chunk of a coded version-2 segment checked as the C++ decoder checks
+def check_chunks(encoded, h: Header) -> list:
+    """Every chunk of a coded segment checked as the C++ decoder checks
     it (each stream where the previous one ended, tables that make a prefix code,
     symbols in range and distinct, sub-block bit counts possible); ValueError
     naming the chunk otherwise. ``encoded``: bytes or a uint8 tensor (copied to
     the host once)."""
     buf = bytes(encoded.cpu().numpy().tobytes()) if isinstance(encoded, torch.Tensor) else bytes(encoded)
     n_total = h.encoded_bytes
-    vb, widths = V2_LAYOUT[h.dtype_code]
+    vb, widths = LAYOUT[h.dtype_code]
     nv = h.n_bytes // vb
     C, S = 1 << h.log2_chunk, 1 << h.log2_sub
     at = h.off_data
@@ -348,12 +164,12 @@ def check_chunks(encoded, h: SegmentHeaderV2) -> list:
                 if q + 32 > n_total:
                     raise _bad(fw + "table past the end of the buffer")
                 cnt = struct.unpack_from("<16H", buf, q)
-                if cnt[0] or any(cnt[MAX_LEN + 1 :]):
-                    raise _bad(fw + f"codes of length 0 or > {MAX_LEN}")
+                if cnt[0] or any(cnt[MAX_CODE_BITS + 1 :]):
+                    raise _bad(fw + f"codes of length 0 or > {MAX_CODE_BITS}")
                 n_sym = sum(cnt)
                 if not 1 <= n_sym <= alphabet:
                     raise _bad(fw + f"{n_sym} symbols in the table of context {ctx}")
-                if sum(cnt[l] << (MAX_LEN - l) for l in range(1, MAX_LEN + 1)) > 1 << MAX_LEN:
+                if sum(cnt[l] << (MAX_CODE_BITS - l) for l in range(1, MAX_CODE_BITS + 1)) > 1 << MAX_CODE_BITS:
                     raise _bad(fw + "code lengths over-subscribe the code space (not a prefix code)")
                 q += 32
                 if q + sb * n_sym > n_total:
@@ -362,7 +178,7 @@ def check_chunks(encoded, h: SegmentHeaderV2) -> list:
                 if len(set(syms)) != n_sym or max(syms) >= alphabet:
                     raise _bad(fw + "table symbols out of range or repeated")
                 q += sb * n_sym
-                lens |= {l for l in range(1, MAX_LEN + 1) if cnt[l]}
+                lens |= {l for l in range(1, MAX_CODE_BITS + 1) if cnt[l]}
                 cnts.append(cnt)
                 syms_c.append(syms)
             tb = _align(8 + 32 * nctx + sb * sum(len(x) for x in syms_c) + 2 * n_sub)
@@ -400,10 +216,10 @@ def canonical_limits(counts) -> tuple:
     12-bit window x starts a code of length L = 1 + #{l in 1..12: x >= limit[l]},
     the code of index base[L] + (x >> (12 - L)) in code order (the kernel's rule)."""
     first, limit, base, f, off = [0] * 16, [1 << 20] * 16, [0] * 16, 0, 0
-    for l in range(1, MAX_LEN + 1):
+    for l in range(1, MAX_CODE_BITS + 1):
         f = (f + counts[l - 1]) << 1 if l > 1 else 0
         first[l] = f
-        limit[l] = (f + counts[l]) << (MAX_LEN - l)
+        limit[l] = (f + counts[l]) << (MAX_CODE_BITS - l)
         base[l] = off - f
         off += counts[l]
     return limit, base
@@ -431,8 +247,8 @@ def _check_encoded(encoded: torch.Tensor) -> None:
 def decode_segment_ref(encoded: torch.Tensor, dst: torch.Tensor) -> None:
     """Reference decoder: whole-tensor torch integer ops on ``encoded``'s device.
 
-    Checks everything the C++ decoder checks (header, block index, exception
-    counts, codes past the table) and raises ValueError before writing ``dst``.
+    Checks everything the C++ decoder checks (header, chunk index, tables,
+    code streams) and raises ValueError before writing ``dst``.
     """
     _check_encoded(encoded)
     h = parse_header(encoded, encoded.numel())
@@ -441,64 +257,18 @@ def decode_segment_ref(encoded: torch.Tensor, dst: torch.Tensor) -> None:
         raise ValueError(f"dst has {out.numel()} bytes but the segment decodes to {h.n_bytes}")
     if out.device != encoded.device:
         raise ValueError(f"dst is on {out.device} but the encoded segment on {encoded.device}")
-    if h.version == VERSION2:
-        _decode_v2_ref(encoded, out, h)
-        return
-    if not h.coded:
-        out.copy_(encoded[h.off_raw : h.off_raw + h.n_bytes])
-        return
-    dev = encoded.device
-    n = h.n_bytes // 2
-    f_bits, width = h.field_bits, h.width
-    esc = (1 << width) - 1
-    i = torch.arange(n, device=dev, dtype=torch.int64)
-    bitpos = i * f_bits
-    byte = bitpos >> 3
-    n_field_bytes = -(-(n * f_bits) // 8)
-    fields = torch.cat([encoded[h.off_fields : h.off_fields + n_field_bytes].to(torch.int32),
-                        torch.zeros(1, dtype=torch.int32, device=dev)])
-    field = ((fields[byte] | (fields[byte + 1] << 8)) >> (bitpos & 7)) & ((1 << f_bits) - 1)
-    code = field & esc
-    extra = field >> width
-    if bool(((code >= len(h.table)) & (code != esc)).any()):
-        raise _bad(f"a code past the table's {len(h.table)} entries: corrupt encoded segment")
-    table = torch.zeros(1 << width, dtype=torch.int32, device=dev)
-    if h.table:
-        table[: len(h.table)] = torch.tensor(h.table, dtype=torch.int32, device=dev)
-    sym = table[code]
-    is_exc = code == esc
-    if int(is_exc.sum()) != h.n_exceptions:
-        raise _bad(f"{int(is_exc.sum())} exception codes but the header counts {h.n_exceptions} exceptions: "
-                   "corrupt encoded segment")
-    # the block index: exceptions before each block
-    nblocks = -(-n // BLOCK_VALUES)
-    index = encoded[h.off_index : h.off_index + 4 * (nblocks + 1)].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    per_block = torch.bincount(i[is_exc] // BLOCK_VALUES, minlength=nblocks)
-    want = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), per_block.cumsum(0)])
-    if not torch.equal(index, want):
-        raise _bad("the block index does not match the exception codes: corrupt encoded segment")
-    exc = encoded[h.off_exceptions : h.off_exceptions + h.n_exceptions].to(torch.int32)
-    if bool((exc >= _SYMBOLS[1 if h.dtype == "bfloat16" else 2]).any()):
-        raise _bad(f"an exception that is not a {h.dtype} exponent: corrupt encoded segment")
-    sym[is_exc] = exc  # in value order: the k-th escape takes the k-th exception
-    raw = encoded[h.off_raw : h.off_raw + n].to(torch.int32)
-    if h.dtype == "bfloat16":  # s eeeeeeee mmmmmmm; raw byte = s mmmmmmm
-        v = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
-    else:  # s eeeee mm mmmmmmmm; extra = s m9 m8, raw byte = m7..m0
-        v = ((extra & 4) << 13) | (sym << 10) | ((extra & 3) << 8) | raw
-    v = v - ((v >> 15) << 16)  # into int16's range, same bits
-    out.copy_(v.to(torch.int16).view(torch.uint8))
+    _decode_ref(encoded, out, h)
 
 
-def _decode_v2_ref(encoded: torch.Tensor, out: torch.Tensor, h: SegmentHeaderV2) -> None:
-    """Version 2 in whole-tensor torch ops: every sub-block of every chunk is a lane,
+def _decode_ref(encoded: torch.Tensor, out: torch.Tensor, h: Header) -> None:
+    """Whole-tensor torch ops: every sub-block of every chunk is a lane,
     decoded one value per step as the kernel does (checks first: check_chunks)."""
     if not h.coded:
         out.copy_(encoded[h.off_data : h.off_data + h.n_bytes])
         return
     views = check_chunks(encoded, h)
     dev = encoded.device
-    vb, widths = V2_LAYOUT[h.dtype_code]
+    vb, widths = LAYOUT[h.dtype_code]
     nv = h.n_bytes // vb
     S = 1 << h.log2_sub
     enc = torch.cat([encoded.to(torch.int64), torch.zeros(8, dtype=torch.int64, device=dev)])
@@ -577,11 +347,11 @@ def _huffman_ref(enc: torch.Tensor, views, f: int, S: int, nv: int, dev) -> torc
         w = (enc[byte] << 16) | (enc[byte + 1] << 8) | enc[byte + 2]
         x = (w >> (12 - (pos & 7))) & 0xFFF
         length = 1 + (x[:, None] >= lim[lanes, ctx]).sum(1)
-        if bool((act & (length > MAX_LEN)).any()):
+        if bool((act & (length > MAX_CODE_BITS)).any()):
             raise _bad(f"field {f}: a code stream holds bits that no code of its table starts with "
                        "(corrupt encoded segment)")
-        length = length.clamp(max=MAX_LEN)
-        idx = base[lanes, ctx].gather(1, length[:, None])[:, 0] + (x >> (MAX_LEN - length))
+        length = length.clamp(max=MAX_CODE_BITS)
+        idx = base[lanes, ctx].gather(1, length[:, None])[:, 0] + (x >> (MAX_CODE_BITS - length))
         sym = allsyms[(sym_base[lanes, ctx] + idx).clamp(0, allsyms.numel() - 1)]
         out[(first + j)[act]] = sym[act]
         pos = torch.where(act, pos + length, pos)
@@ -597,129 +367,6 @@ def _huffman_ref(enc: torch.Tensor, views, f: int, S: int, nv: int, dev) -> torc
 # --------------------------------------------------------------------------
 if triton is not None:
 
-    @triton.jit
-    def _copy_stored(enc_ptr, dst_ptr, pid, limit, BLOCK: tl.constexpr, HEADER: tl.constexpr, FULL: tl.constexpr):
-        """Bytes [pid * 2 * BLOCK, ...) of a stored segment: they follow the header."""
-        offs = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-        if FULL:  # no mask: 16-byte vector loads and stores (both bases are 16-byte aligned)
-            tl.store(dst_ptr + offs, tl.load(enc_ptr + HEADER + offs))
-        else:
-            m = offs < limit
-            tl.store(dst_ptr + offs, tl.load(enc_ptr + HEADER + offs, mask=m, other=0), mask=m)
-
-    @triton.jit
-    def _decode_values(enc_ptr, dst_ptr, pid, limit, dtype, width, fbits, n_exc, n_field_bytes, nblocks,
-                       off_index, off_fields, off_raw, off_exc,
-                       BLOCK: tl.constexpr, TABLE: tl.constexpr, BLOCK_VALUES: tl.constexpr, FULL: tl.constexpr):
-        """Values [pid * BLOCK, (pid + 1) * BLOCK) of a coded segment, those below `limit`.
-
-        FULL: the whole range is below `limit` and the header was checked (streams
-        inside the buffer, the raw stream 16-byte aligned): no masks, so the raw
-        bytes and the stores become vector accesses.
-        """
-        i = pid * BLOCK + tl.arange(0, BLOCK)
-        # value i's field: bits [i * F, i * F + F) of the field stream, F <= 8: within two bytes
-        bitpos = i * fbits
-        byte = bitpos >> 3
-        fields = enc_ptr + off_fields
-        if FULL:
-            m = i >= 0
-            # byte + 1 may be one past the field stream (the last value): the raw stream follows, in bounds
-            b0 = tl.load(fields + byte).to(tl.int32)
-            b1 = tl.load(fields + byte + 1).to(tl.int32)
-            raw = tl.load(tl.multiple_of(enc_ptr + off_raw, 16) + i).to(tl.int32)
-        else:
-            m = i < limit
-            b0 = tl.load(fields + byte, mask=m, other=0).to(tl.int32)
-            b1 = tl.load(fields + byte + 1, mask=m & (byte + 1 < n_field_bytes), other=0).to(tl.int32)
-            raw = tl.load(enc_ptr + off_raw + i, mask=m, other=0).to(tl.int32)
-        field = ((b0 | (b1 << 8)) >> (bitpos & 7).to(tl.int32)) & ((1 << fbits) - 1)
-        esc = (1 << width) - 1
-        code = field & esc
-        hi = field >> width
-        sym = tl.load(enc_ptr + TABLE + code).to(tl.int32)  # code < 32: inside the header
-        is_exc = (code == esc) & m
-        # exceptions before this program's first block, and before the next program's
-        idx = (enc_ptr + off_index).to(tl.pointer_type(tl.uint32))
-        blk = pid * (BLOCK // BLOCK_VALUES)
-        blk_end = tl.minimum(blk + BLOCK // BLOCK_VALUES, nblocks)
-        e0 = tl.load(idx + blk, mask=(limit > 0) & (blk <= nblocks), other=0).to(tl.int64)
-        e1 = tl.load(idx + blk_end, mask=(limit > 0) & (blk <= nblocks), other=0).to(tl.int64)
-        if e1 > e0:
-            # the k-th escape of the program takes exception e0 + k: a prefix count, no positions stored
-            rank = tl.cumsum(is_exc.to(tl.int32), axis=0) - 1
-            ei = e0 + rank
-            xm = is_exc & (ei >= 0) & (ei < n_exc)
-            xs = tl.load(enc_ptr + off_exc + ei, mask=xm, other=0).to(tl.int32)
-            sym = tl.where(is_exc, xs, sym)
-        v_bf16 = ((raw & 0x80) << 8) | ((sym & 0xFF) << 7) | (raw & 0x7F)
-        v_fp16 = ((hi & 4) << 13) | ((sym & 0x1F) << 10) | ((hi & 3) << 8) | raw
-        v = tl.where(dtype == 1, v_bf16, v_fp16)
-        v = (v - ((v >> 15) << 16)).to(tl.int16)  # into int16's range, same bits
-        out = dst_ptr.to(tl.pointer_type(tl.int16)) + i
-        if FULL:
-            tl.store(out, v)
-        else:
-            tl.store(out, v, mask=m)
-
-    @triton.jit
-    def _decode_kernel(enc_ptr, enc_len, dst_ptr, dst_len, BLOCK: tl.constexpr, HEADER: tl.constexpr,
-                       TABLE: tl.constexpr, BLOCK_VALUES: tl.constexpr, MAGIC_INT: tl.constexpr):
-        """One program decodes values [pid * BLOCK, (pid + 1) * BLOCK) of a coded
-        segment, or copies bytes [pid * 2 * BLOCK, ...) of a stored one."""
-        pid = tl.program_id(0).to(tl.int64)
-        # The header, read by every program (cached): 16-byte aligned base (checked by the launcher).
-        h32 = enc_ptr.to(tl.pointer_type(tl.int32))
-        h64 = enc_ptr.to(tl.pointer_type(tl.int64))
-        magic = tl.load(h32)
-        info = tl.load(h32 + 1)  # version, dtype, mode, width
-        info2 = tl.load(h32 + 2)  # field bits, log2 block, table size, reserved
-        version = info & 0xFF
-        dtype = (info >> 8) & 0xFF
-        mode = (info >> 16) & 0xFF
-        width = (info >> 24) & 0xFF
-        fbits = info2 & 0xFF
-        log2b = (info2 >> 8) & 0xFF
-        n_bytes = tl.load(h64 + 2)
-        n_exc = tl.load(h64 + 3)
-        total = tl.load(h64 + 4)
-        off_index = tl.load(h64 + 5)
-        off_fields = tl.load(h64 + 6)
-        off_raw = tl.load(h64 + 7)
-        off_exc = tl.load(h64 + 8)
-        ok = (magic == MAGIC_INT) & (version == 1) & (n_bytes == dst_len) & (total == enc_len)
-        # A condition that fails folds into a bound of 0: nothing is read or written.
-        # (Scalar conditions become bounds because `vector & scalar` is int32 in the interpreter.)
-        if mode == 0:
-            ok_stored = ok & (off_raw == HEADER) & (n_bytes >= 0) & (n_bytes <= enc_len - HEADER)
-            s_limit = tl.where(ok_stored, n_bytes, 0)
-            if (pid + 1) * (2 * BLOCK) <= s_limit:
-                _copy_stored(enc_ptr, dst_ptr, pid, s_limit, BLOCK, HEADER, True)
-            else:
-                _copy_stored(enc_ptr, dst_ptr, pid, s_limit, BLOCK, HEADER, False)
-        else:
-            nv = n_bytes // 2
-            nblocks = (nv + BLOCK_VALUES - 1) // BLOCK_VALUES
-            n_field_bytes = (nv * fbits + 7) // 8
-            extra = tl.where(dtype == 2, 3, 0)
-            # Every stream must lie inside the buffer (the loads are masked to them or, FULL, proven
-            # inside). Upper bounds are written `off <= enc_len - size`: nv, n_field_bytes and enc_len
-            # are small (nv is the destination's size), so nothing overflows whatever the header says.
-            ok_coded = (ok & (mode == 1) & ((dtype == 1) | (dtype == 2)) & (width >= 1) & (width <= 5)
-                        & (fbits == width + extra) & (log2b == 10) & (nv >= 1) & (n_bytes % 2 == 0)
-                        & (n_exc >= 0) & (n_exc <= nv) & (off_index == HEADER)
-                        & (off_fields >= HEADER + 4 * (nblocks + 1)) & (off_fields <= enc_len - n_field_bytes)
-                        & (off_raw >= off_fields + n_field_bytes) & (off_raw <= enc_len - nv) & (off_raw % 16 == 0)
-                        & (off_exc >= off_raw + nv) & (off_exc <= enc_len - n_exc))
-            limit = tl.where(ok_coded, nv, 0)
-            if (pid + 1) * BLOCK <= limit:
-                _decode_values(enc_ptr, dst_ptr, pid, limit, dtype, width, fbits, n_exc, n_field_bytes, nblocks,
-                               off_index, off_fields, off_raw, off_exc, BLOCK, TABLE, BLOCK_VALUES, True)
-            else:
-                _decode_values(enc_ptr, dst_ptr, pid, limit, dtype, width, fbits, n_exc, n_field_bytes, nblocks,
-                               off_index, off_fields, off_raw, off_exc, BLOCK, TABLE, BLOCK_VALUES, False)
-
-    # ------------------------------------------------------------------ version 2
     @triton.jit
     def _bytes_at(enc_ptr, off, enc_len, m, N: tl.constexpr):
         """N bytes at `off` (any alignment), little-endian, as int64; loads clamped inside the buffer."""
@@ -791,12 +438,13 @@ if triton is not None:
         return sym, length, nxt
 
     @triton.jit
-    def _decode_v2_kernel(enc_ptr, enc_len, dst_ptr, n_values, VB: tl.constexpr, W0: tl.constexpr,
-                          W1: tl.constexpr, W2: tl.constexpr, LOG2_CHUNK: tl.constexpr, LANES: tl.constexpr,
-                          SUB: tl.constexpr, HEADER: tl.constexpr, ENTRY: tl.constexpr):
-        """Program `pid` decodes chunk `pid`: lane k its sub-block k, one value per step."""
+    def _decode_kernel(enc_ptr, enc_len, dst_ptr, n_values, VB: tl.constexpr, W0: tl.constexpr,
+                       W1: tl.constexpr, W2: tl.constexpr, LOG2_CHUNK: tl.constexpr, LANES: tl.constexpr,
+                       SUB: tl.constexpr, OFF_INDEX: tl.constexpr, ENTRY: tl.constexpr):
+        """Program `pid` decodes chunk `pid` (its entry at OFF_INDEX + ENTRY * pid): lane k its
+        sub-block k, one value per step."""
         pid = tl.program_id(0).to(tl.int64)
-        e = HEADER + ENTRY * pid
+        e = OFF_INDEX + ENTRY * pid
         e64 = (enc_ptr + e).to(tl.pointer_type(tl.int64))  # 8-byte aligned: the base is 16-byte aligned
         mask = tl.load(enc_ptr + e).to(tl.int32)
         rbits = tl.minimum(tl.load(enc_ptr + e + 1).to(tl.int64), 32)
@@ -871,16 +519,15 @@ if triton is not None:
                 tl.store(dst_ptr + gi, v.to(tl.uint8), mask=act)
 
     @triton.jit
-    def _copy_v2_kernel(enc_ptr, enc_len, dst_ptr, n_bytes, BLOCK: tl.constexpr, HEADER: tl.constexpr):
-        """Bytes [pid * BLOCK, ...) of a stored version-2 segment: they follow the header."""
+    def _copy_kernel(enc_ptr, enc_len, dst_ptr, n_bytes, BLOCK: tl.constexpr, OFF_DATA: tl.constexpr):
+        """Bytes [pid * BLOCK, ...) of a stored segment: they follow the header (at OFF_DATA)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = (offs < n_bytes) & (offs < enc_len - HEADER)
-        tl.store(dst_ptr + offs, tl.load(enc_ptr + HEADER + offs, mask=m, other=0), mask=m)
+        m = (offs < n_bytes) & (offs < enc_len - OFF_DATA)
+        tl.store(dst_ptr + offs, tl.load(enc_ptr + OFF_DATA + offs, mask=m, other=0), mask=m)
 
 else:  # pragma: no cover - without triton
     _decode_kernel = None
-    _decode_v2_kernel = None
-    _copy_v2_kernel = None
+    _copy_kernel = None
 
 
 # --------------------------------------------------------------------------
@@ -894,48 +541,12 @@ def _require_triton() -> None:
         )
 
 
-def _launch(encoded: torch.Tensor, out: torch.Tensor, block: int) -> None:
-    """Check what can be checked without reading device memory, then launch once."""
-    _require_triton()
-    if not isinstance(block, int) or block < BLOCK_VALUES or block % BLOCK_VALUES or block & (block - 1):
-        raise ValueError(f"block must be a power of two multiple of {BLOCK_VALUES}, got {block!r}")
-    if out.device != encoded.device:
-        raise ValueError(f"dst is on {out.device} but the encoded segment on {encoded.device}")
-    if _INTERPRET:
-        if encoded.device.type != "cpu":
-            raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreted decode kernel only supports CPU tensors")
-    elif encoded.device.type != "cuda":
-        raise RuntimeError(
-            f"the Triton decode kernel needs CUDA tensors (got {encoded.device}); set TRITON_INTERPRET=1 before "
-            "importing to run it on CPU, or decode on the host with layerwise.codec.decode"
-        )
-    if encoded.numel() < HEADER_BYTES:
-        raise ValueError(f"layerwise codec: encoded segment has {encoded.numel()} bytes, fewer than its "
-                         f"{HEADER_BYTES}-byte header (truncated?)")
-    if encoded.data_ptr() % ALIGN:
-        raise ValueError(f"the encoded segment must start at a {ALIGN}-byte aligned address (the kernel reads its "
-                         f"header as 8-byte words); got one at {encoded.data_ptr():#x}")
-    if out.data_ptr() % 2:
-        raise ValueError("dst must start at an even address (values are stored as 16-bit words)")
-    grid = -(-out.numel() // (2 * block))
-    if grid == 0:
-        return  # nothing to write
-    kernel = _decode_kernel  # module global looked up per call (tests wrap it to count launches)
-    args = (encoded, encoded.numel(), out, out.numel())
-    meta = dict(BLOCK=block, HEADER=HEADER_BYTES, TABLE=TABLE_OFFSET, BLOCK_VALUES=BLOCK_VALUES,
-                MAGIC_INT=MAGIC_INT, num_warps=4)
-    if encoded.device.type == "cuda":
-        with torch.cuda.device(encoded.device):
-            kernel[(grid,)](*args, **meta)
-    else:
-        kernel[(grid,)](*args, **meta)
+STORED_BLOCK = 4096  # bytes per program of a stored segment
 
 
-STORED_BLOCK = 4096  # bytes per program of a stored version-2 segment
-
-
-def _launch_v2(encoded: torch.Tensor, out: torch.Tensor, h: SegmentHeaderV2) -> None:
-    """One launch for a version-2 segment whose header was parsed on the host."""
+def _launch(encoded: torch.Tensor, out: torch.Tensor, h: Header) -> None:
+    """One launch for a segment whose header was parsed on the host (its offsets and sizes
+    come from it)."""
     _require_triton()
     _check_device(encoded, out)
     if encoded.numel() != h.encoded_bytes or out.numel() != h.n_bytes:
@@ -947,17 +558,17 @@ def _launch_v2(encoded: torch.Tensor, out: torch.Tensor, h: SegmentHeaderV2) -> 
     if not h.coded:
         grid = (-(-h.n_bytes // STORED_BLOCK),)
         if grid[0]:
-            _run(encoded, _copy_v2_kernel, grid, (encoded, encoded.numel(), out, h.n_bytes),
-                 dict(BLOCK=STORED_BLOCK, HEADER=HEADER_BYTES, num_warps=4))
+            _run(encoded, _copy_kernel, grid, (encoded, encoded.numel(), out, h.n_bytes),
+                 dict(BLOCK=STORED_BLOCK, OFF_DATA=h.off_data, num_warps=4))
         return
-    vb, widths = V2_LAYOUT[h.dtype_code]
+    vb, widths = LAYOUT[h.dtype_code]
     if out.data_ptr() % vb:
         raise ValueError(f"dst must start at a multiple of {vb} bytes (values are stored as {8 * vb}-bit words)")
     w = tuple(widths) + (0,) * (3 - len(widths))
     lanes = 1 << (h.log2_chunk - h.log2_sub)
     meta = dict(VB=vb, W0=w[0], W1=w[1], W2=w[2], LOG2_CHUNK=h.log2_chunk, LANES=lanes, SUB=1 << h.log2_sub,
-                HEADER=HEADER_BYTES, ENTRY=ENTRY_BYTES, num_warps=4 if lanes >= 128 else 1)
-    _run(encoded, _decode_v2_kernel, (h.n_chunks,), (encoded, encoded.numel(), out, h.n_bytes // vb), meta)
+                OFF_INDEX=h.off_index, ENTRY=ENTRY_BYTES, num_warps=4 if lanes >= 128 else 1)
+    _run(encoded, _decode_kernel, (h.n_chunks,), (encoded, encoded.numel(), out, h.n_bytes // vb), meta)
 
 
 def _check_device(encoded: torch.Tensor, out: torch.Tensor) -> None:
@@ -984,37 +595,24 @@ def _run(encoded: torch.Tensor, kernel, grid, args, meta) -> None:
 # --------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------
-def decode_segment(encoded: torch.Tensor, dst: torch.Tensor, header=None, block: int = DEFAULT_BLOCK) -> None:
-    """Decode the encoded segment ``encoded`` (1-D uint8, 16-byte aligned; either
-    format version) into ``dst`` (contiguous, any dtype, exactly the decoded size
-    in bytes) with one kernel launch on the current stream; nothing is synchronised.
+def decode_segment(encoded: torch.Tensor, dst: torch.Tensor, header: Optional[Header] = None) -> None:
+    """Decode the encoded segment ``encoded`` (1-D uint8, 16-byte aligned) into ``dst``
+    (contiguous, any dtype, exactly the decoded size in bytes) with one kernel launch on
+    the current stream; nothing is synchronised.
 
-    ``header`` (from :func:`parse_header` on the host copy, once) is checked
-    against the sizes without touching device memory. Without it, a CPU segment
-    (interpreter) is parsed and checked here, chunks included; a CUDA segment's
-    128-byte header is copied to the host and parsed (one small synchronising
-    copy: pass ``header`` on a stream that must not wait). ``block``: values per
-    program of a version-1 segment.
+    ``header`` (from :func:`layerwise.codec.parse_header` on the host copy, once) is
+    checked against the sizes without touching device memory. Without it, a CPU segment
+    (interpreter) is parsed and checked here, chunks included; a CUDA segment's 128-byte
+    header is copied to the host and parsed (one small synchronising copy: pass
+    ``header`` on a stream that must not wait).
     """
     _check_encoded(encoded)
     out = _dst_bytes(dst)
     if header is None:
-        if encoded.device.type == "cpu":
-            header = parse_header(encoded, encoded.numel())
-            if header.version == VERSION2 and header.coded:
-                check_chunks(encoded, header)
-        elif encoded.numel() >= HEADER_BYTES:
-            header = parse_header(encoded[:HEADER_BYTES].cpu(), encoded.numel())
-    if header is not None and header.version == VERSION2:
-        _launch_v2(encoded, out, header)
-        return
-    if header is not None:
-        if header.encoded_bytes != encoded.numel():
-            raise ValueError(f"layerwise codec: header says the encoded segment has {header.encoded_bytes} bytes, "
-                             f"the buffer has {encoded.numel()} (truncated, or not the whole segment)")
-        if header.n_bytes != out.numel():
-            raise ValueError(f"dst has {out.numel()} bytes but the segment decodes to {header.n_bytes}")
-    _launch(encoded, out, block)
+        header = parse_header(encoded, encoded.numel())
+        if encoded.device.type == "cpu" and header.coded:
+            check_chunks(encoded, header)
+    _launch(encoded, out, header)
 
 
 def triton_available_for(device) -> bool:

@@ -387,11 +387,12 @@ def _layer_ratio_rows(ctx: Context, result: SuiteResult) -> None:
 
 
 def _triton_rows(ctx: Context, result: SuiteResult, tensors: dict, encoded: dict, repeats: int, bar) -> None:
+    from .. import codec
     from ..triton_kernels import decode as kernels
 
     for tag, x in tensors.items():
         enc_host = encoded[tag]
-        header = kernels.parse_header(enc_host, enc_host.numel())
+        header = codec.parse_header(enc_host, enc_host.numel())
         enc = enc_host.to(ctx.device)
         want = x.to(ctx.device).view(-1)
         slot = torch.empty_like(want)
@@ -425,7 +426,7 @@ def _stream_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
     layers, layer_mb = ctx.pick(STREAM)
     xs = [weight_like(layer_mb * MB, torch.bfloat16, seed=100 + i) for i in range(layers)]
     encs = [codec.encode(x) for x in xs]
-    headers = [kernels.parse_header(e, e.numel()) for e in encs]
+    headers = [codec.parse_header(e, e.numel()) for e in encs]
     raw_bytes = sum(x.numel() * 2 for x in xs)
     enc_bytes = sum(e.numel() for e in encs)
     arena = layerwise.HostArena(raw_bytes + enc_bytes + 512 * layers, pinned=True, cuda=True)

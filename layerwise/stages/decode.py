@@ -97,7 +97,7 @@ class Piece:
     dst_off: int
     dst_n: int
     dtype: torch.dtype
-    header: object = None  # SegmentHeader for the Triton launcher (CUDA), parsed on the host once
+    header: object = None  # codec.Header for the Triton launcher (CUDA), parsed on the host once
 
 
 def _round16(n: int) -> int:
@@ -331,10 +331,8 @@ class CodecTier:
         if enc.numel() > MIN_SAVING * block.numel():
             return block, None
         if self.device.type == "cuda":
-            from ..triton_kernels.decode import parse_header
-
             pieces = [Piece(p.enc_off, p.enc_n, p.dst_off, p.dst_n, p.dtype,
-                            parse_header(enc[p.enc_off : p.enc_off + p.enc_n], p.enc_n)) for p in pieces]
+                            _codec.parse_header(enc[p.enc_off : p.enc_off + p.enc_n], p.enc_n)) for p in pieces]
         return enc, pieces
 
     # ------------------------------------------------------------ run time

