@@ -148,25 +148,27 @@ def resolve_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def validate_residency(resident_layers, policy):
+def validate_residency(resident_layers, policy, name: str = "resident_layers"):
     """resident_layers: an int >= 0 (layers) or a fraction >= 0 (a fraction above 1,
     like an int above a group's size, is every layer: resolve_resident warns);
-    policy: "leading" or "strided". Returns resident_layers as an int or a float."""
+    policy: "leading" or "strided". Returns resident_layers as an int or a float.
+    `name`: the caller's name for the argument, in the errors (set_residency's `resident`)."""
     if policy not in ("leading", "strided"):
         raise ValueError(f"residency_policy must be 'leading' or 'strided', got {policy!r}")
     if isinstance(resident_layers, bool) or not isinstance(resident_layers, Real):
-        raise TypeError(f"resident_layers must be an int (layers) or a fraction in [0, 1], got {resident_layers!r}")
+        raise TypeError(f"{name} must be an int (layers) or a fraction in [0, 1], got {resident_layers!r}")
     if isinstance(resident_layers, Integral):
         if resident_layers < 0:
-            raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
+            raise ValueError(f"{name} must be >= 0, got {resident_layers}")
         return int(resident_layers)
     if not (math.isfinite(resident_layers) and resident_layers >= 0.0):
-        raise ValueError(f"a fractional resident_layers must lie in [0, 1] (1.0: every layer resident), "
+        raise ValueError(f"a fractional {name} must lie in [0, 1] (1.0: every layer resident), "
                          f"got {resident_layers}")
     return float(resident_layers)
 
 
-def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None) -> list[int]:
+def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None,
+                     name: str = "resident_layers") -> list[int]:
     """Indices of the layers that stay on the device (`resident_layers` and
     `policy` as validate_residency accepts them).
 
@@ -175,7 +177,8 @@ def resolve_resident(resident_layers, num_layers: int, policy: str, group: str |
     layer (then nothing streams: configure warns that streaming saves nothing),
     and more than the group holds (an int above its size, a fraction above 1)
     is every layer too, with a WARNING naming the group's size when `group` is
-    given (configure's check; one setting may serve groups of several sizes)."""
+    given (configure's check, and set_residency's; one setting may serve groups of
+    several sizes). `name`: the caller's name for the argument, in the warning."""
     if isinstance(resident_layers, Integral):
         over = resident_layers > num_layers
         r = min(int(resident_layers), num_layers)
@@ -186,8 +189,8 @@ def resolve_resident(resident_layers, num_layers: int, policy: str, group: str |
         import logging
 
         logging.getLogger("layerwise").warning(
-            "layerwise: resident_layers=%r is more than layer group %r holds (%d layers): every layer of it is "
-            "resident", resident_layers, group, num_layers)
+            "layerwise: %s=%r is more than layer group %r holds (%d layers): every layer of it is "
+            "resident", name, resident_layers, group, num_layers)
     if r == 0:
         return []
     if policy == "leading":
