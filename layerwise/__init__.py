@@ -4,6 +4,7 @@ from ._native import CopyEngine, Event, HostArena, build_info
 from .configure import configure_layerwise_offload, remove_layerwise_offload
 from .detect import detect_layer_groups
 from .empty import empty_model
+from .lifecycle import is_offloaded, managers_of
 from .loading import load_offloaded
 from .manager import LayerwiseOffloadManager
 from .options import OffloadOptions
@@ -23,7 +24,9 @@ __all__ = [
     "configure_layerwise_offload",
     "detect_layer_groups",
     "empty_model",
+    "is_offloaded",
     "load_offloaded",
+    "managers_of",
     "offload_pipeline",
     "remove_layerwise_offload",
     "remove_pipeline_offload",

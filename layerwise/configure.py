@@ -162,7 +162,7 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
     with contract.rollback_on_failure([(model, managers)], undo, finish=lambda: _log_summary(model, managers, dev)):
         # Largest group first: weights that arrived on the device are copied back
         # to the host group by group, so the biggest share of memory frees first.
-        for m in sorted(enabled, key=lambda m: -m.plan.managed_bytes):
+        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
             m._initialize_layer_weights(fill)
         if place_non_layer is not None:
             place_non_layer()
@@ -194,7 +194,7 @@ def configure_models(parts, dev, finish=None, warn_saves_nothing: bool = True) -
 
     with contract.rollback_on_failure(parts, finish=log_all):
         enabled = [m for _, managers in parts for m in managers if m.enabled]
-        for m in sorted(enabled, key=lambda m: -m.plan.managed_bytes):
+        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
             m._initialize_layer_weights()
         for model, _ in parts:
             move_non_layer_weights(model, dev)
@@ -230,11 +230,19 @@ def remove_layerwise_offload(model: nn.Module) -> nn.Module:
     """Undo configure_layerwise_offload: ordinary parameters on the device, no hooks,
     ring and arena freed. Returns the model.
 
+    A model that is not offloaded (never configured, or removed already) is left
+    as it is and returned: a no-op, so a server may call it whatever the model's
+    state (layerwise.is_offloaded says which). A pipeline is a TypeError: its
+    offload is undone by layerwise.remove_pipeline_offload.
+
     Transactional: every weight is read back first, and only then is anything
     changed. If that fails (a checkpoint or spill file gone: the error names it) or
     is interrupted, the model still streams exactly; call it again to finish."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remove_layerwise_offload takes a model (an nn.Module), got {type(model).__name__}; "
+                        "a pipeline's offload is undone by layerwise.remove_pipeline_offload(pipe)")
     managers = managers_of(model)
     if not managers:
-        raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
+        return model
     contract.remove_models([(model, managers)])
     return model

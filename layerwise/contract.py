@@ -54,6 +54,7 @@ _MANAGERS = "_layerwise_managers"
 _LOCK = "_layerwise_lock"
 _HANDLES = "_layerwise_contract_handles"
 _FORWARDS = "_layerwise_forwards"  # forwards in progress per thread, for removal
+_CONFIGURING = "_layerwise_configuring"  # front doors under way on the model (rollback_on_failure)
 
 COPY_REFUSED = (
     "an offloaded model cannot be deep-copied or pickled: its streamed weights live in layerwise's host arena. "
@@ -385,9 +386,11 @@ def rollback_on_failure(parts, undo=None, finish=None):
     snaps = [_snapshot_devices(model) for model, _ in parts]
     held = defer_interrupts()
     try:
+        _front_door(parts, 1)  # (the groups finalised inside are completed here, not by register_outside_front_door)
         yield
         held.__enter__()  # nothing below this point in the try can fail
     except BaseException:
+        _front_door(parts, -1)
         with defer_interrupts():
             for (model, managers), snap in zip(parts, snaps):
                 for m in managers:
@@ -408,7 +411,35 @@ def rollback_on_failure(parts, undo=None, finish=None):
         if finish is not None:
             finish()
     finally:
+        _front_door(parts, -1)
         held.__exit__(None, None, None)
+
+
+def _front_door(parts, step: int) -> None:
+    """Count the front doors under way on each model of `parts` (+1 entering, -1 leaving)."""
+    for model, _ in parts:
+        n = model.__dict__.get(_CONFIGURING, 0) + step
+        if n > 0:
+            model.__dict__[_CONFIGURING] = n
+        else:
+            model.__dict__.pop(_CONFIGURING, None)
+
+
+def register_outside_front_door(manager) -> None:
+    """A group finalised by its caller's own sequence, not inside a front door
+    (LayerwiseOffloadManager(..., initialize=False), then _initialize_layer_weights(),
+    one model.to, _finalize_initialization(): the seed's multi-group flow) is
+    completed as a front door completes its groups: rollback data dropped, recorded
+    on the model (managers_of, removal, report, the model-level guards), and linked
+    to the model's other groups for cross-group prefetch (in the order finalised).
+    Inside a front door (rollback_on_failure) it does nothing: the front door does it
+    once every group is whole."""
+    model = manager.model
+    if model.__dict__.get(_CONFIGURING) or any(m is manager for m in managers_of(model)):
+        return
+    manager._commit()
+    attach(model, [manager])
+    link([m for m in managers_of(model) if m.enabled])
 
 
 # ---------------------------------------------------------- forward guard

@@ -24,6 +24,27 @@ def _version(text: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def cuda_unusable() -> str | None:
+    """Why layerwise cannot stream to a CUDA device in this process, or None. The
+    causes are checked in the order a user fixes them: torch itself first (a
+    rebuilt extension would not help a CPU-only torch or a machine with no GPU
+    visible), then layerwise's own build."""
+    from . import _native
+
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build: it cannot use a GPU. Install a CUDA "
+                "build of torch (https://pytorch.org/get-started/locally/), then build layerwise with "
+                "LAYERWISE_BUILD=cuda; or pass device='cpu'")
+    if not torch.cuda.is_available():
+        return (f"torch (built with CUDA {torch.version.cuda}) sees no GPU: torch.cuda.is_available() is False "
+                "(no device visible: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES); or pass "
+                "device='cpu'")
+    if not _native.build_info()["with_cuda"]:
+        return ("torch can use the GPU, but this build of layerwise has no CUDA backend: rebuild it with "
+                "LAYERWISE_BUILD=cuda (`LAYERWISE_BUILD=cuda pip install --no-build-isolation -e .`)")
+    return None
+
+
 def check_decode_path(device) -> None:
     """Raise RuntimeError unless compress="lossless" can decode on `device`: on a
     CUDA device the Triton decode kernel must be compiled for the GPU, which needs

@@ -125,6 +125,13 @@ class LayerwiseOffloadManager:
             self.initialize()
 
     # ------------------------------------------------------------------ plan
+    def _managed_parameter_bytes(self) -> int:
+        """Local bytes of the parameters this group streams: those whose layer index
+        matches and is below num_layers (a DTensor's local shard; a quantized
+        weight's stored tensors). The size the multi-group initialisation packs the
+        largest group first by (configure_layerwise_offload, offload_pipeline)."""
+        return self.plan.managed_bytes
+
     def _set_residency(self, resident: list[int], prefetch_depth: int, expert_cache=None) -> None:
         """The device-budget planner's choice (from validated options). `expert_cache`:
         the expert cache's bytes it counted, kept so ("auto" on CUDA reads the free
@@ -332,11 +339,12 @@ class LayerwiseOffloadManager:
             out = sorted(set(resident))
             bad = [i for i in out if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < n]
             if bad:
-                raise ValueError(f"layerwise: {self.layer_name}: resident layers must be indices in [0, {n}), "
-                                 f"got {bad[:8]}")
+                raise ValueError(f"layerwise: {self.layer_name}: set_residency: resident= must be layer indices "
+                                 f"in [0, {n}), got {bad[:8]}")
             return [int(i) for i in out]
-        return resolve_resident(validate_residency(resident, self.options.residency_policy), n,
-                                self.options.residency_policy)
+        policy = self.options.residency_policy  # (a count or fraction: checked and warned about as at configure)
+        return resolve_resident(validate_residency(resident, policy, name="resident"), n, policy, self.layer_name,
+                                name="resident")
 
     def _resident_block(self, i: int, source: torch.Tensor) -> torch.Tensor:
         """Resident layer i's bytes as its device tensors hold them, in plan layout (host);
@@ -453,8 +461,18 @@ class LayerwiseOffloadManager:
 
     # -------------------------------------------------------------- finalise
     def _finalize_initialization(self) -> None:
-        """Ring, resident layers, parameter views, first prefetches and hooks."""
-        if self._finalized or not self.enabled:
+        """Ring, resident layers, parameter views, first prefetches and hooks.
+
+        Called by the caller's own sequence rather than a front door (managers built
+        with initialize=False, each _initialize_layer_weights(), one model.to, each
+        _finalize_initialization(): the multi-group order of DESIGN.md), the group is
+        also recorded on the model as configure records it: layerwise.managers_of,
+        remove_layerwise_offload, report and the state contract's guards see it, and
+        the groups finalised so far prefetch across into each other."""
+        if self._finalized:
+            return
+        if not self.enabled:
+            contract.register_outside_front_door(self)
             return
         if not self._packed:
             raise RuntimeError(f"{self.layer_name}: _initialize_layer_weights() must run before finalisation")
@@ -505,6 +523,7 @@ class LayerwiseOffloadManager:
             dynamo_guard.drop_instance_graphs()
         self.state = Lifecycle.STREAMING
         self._reset_stats()
+        contract.register_outside_front_door(self)
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""

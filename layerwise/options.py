@@ -72,6 +72,7 @@ class OffloadOptions:
         check_explicit_residency(v["device_budget"], v["resident_layers"])
         v["num_copy_streams"], v["debug_copy_delay_us"], v["debug_read_delay_us"] = validate_engine_options(
             v["num_copy_streams"], v["debug_copy_delay_us"], v["debug_read_delay_us"])
+        check_debug_delay_device(v["device"], v["debug_copy_delay_us"])
         v["measure_stalls"] = validate_flag("measure_stalls", v["measure_stalls"])
         v["compress"] = validate_compress(v["compress"])
         if v["compress"] is not None:  # the decode path of this device, checked now (CUDA: Triton on the GPU)
@@ -138,10 +139,11 @@ def resolve_device(device) -> torch.device:
         return dev
     if dev.type != "cuda":
         raise ValueError(f"device {device!r}: layerwise streams to 'cpu' or 'cuda[:N]', not {dev.type!r}")
-    if not _native.build_info()["with_cuda"]:
-        raise RuntimeError(
-            f"device {device!r}: this build of layerwise has no CUDA backend; rebuild with LAYERWISE_BUILD=cuda"
-        )
+    from .gpu_checks import cuda_unusable
+
+    why = cuda_unusable()
+    if why is not None:
+        raise RuntimeError(f"device {device!r}: {why}")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = dev.index if dev.index is not None else (torch.cuda.current_device() if count else 0)
     if index >= count:
@@ -149,25 +151,27 @@ def resolve_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def validate_residency(resident_layers, policy):
+def validate_residency(resident_layers, policy, name: str = "resident_layers"):
     """resident_layers: an int >= 0 (layers) or a fraction >= 0 (a fraction above 1,
     like an int above a group's size, is every layer: resolve_resident warns);
-    policy: "leading" or "strided". Returns resident_layers as an int or a float."""
+    policy: "leading" or "strided". Returns resident_layers as an int or a float.
+    `name`: the caller's name for the argument, in the errors (set_residency's `resident`)."""
     if policy not in ("leading", "strided"):
         raise ValueError(f"residency_policy must be 'leading' or 'strided', got {policy!r}")
     if isinstance(resident_layers, bool) or not isinstance(resident_layers, Real):
-        raise TypeError(f"resident_layers must be an int (layers) or a fraction in [0, 1], got {resident_layers!r}")
+        raise TypeError(f"{name} must be an int (layers) or a fraction in [0, 1], got {resident_layers!r}")
     if isinstance(resident_layers, Integral):
         if resident_layers < 0:
-            raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
+            raise ValueError(f"{name} must be >= 0, got {resident_layers}")
         return int(resident_layers)
     if not (math.isfinite(resident_layers) and resident_layers >= 0.0):
-        raise ValueError(f"a fractional resident_layers must lie in [0, 1] (1.0: every layer resident), "
+        raise ValueError(f"a fractional {name} must lie in [0, 1] (1.0: every layer resident), "
                          f"got {resident_layers}")
     return float(resident_layers)
 
 
-def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None) -> list[int]:
+def resolve_resident(resident_layers, num_layers: int, policy: str, group: str | None = None,
+                     name: str = "resident_layers") -> list[int]:
     """Indices of the layers that stay on the device (`resident_layers` and
     `policy` as validate_residency accepts them).
 
@@ -176,7 +180,8 @@ def resolve_resident(resident_layers, num_layers: int, policy: str, group: str |
     layer (then nothing streams: configure warns that streaming saves nothing),
     and more than the group holds (an int above its size, a fraction above 1)
     is every layer too, with a WARNING naming the group's size when `group` is
-    given (configure's check; one setting may serve groups of several sizes)."""
+    given (configure's check, and set_residency's; one setting may serve groups of
+    several sizes). `name`: the caller's name for the argument, in the warning."""
     if isinstance(resident_layers, Integral):
         over = resident_layers > num_layers
         r = min(int(resident_layers), num_layers)
@@ -187,8 +192,8 @@ def resolve_resident(resident_layers, num_layers: int, policy: str, group: str |
         import logging
 
         logging.getLogger("layerwise").warning(
-            "layerwise: resident_layers=%r is more than layer group %r holds (%d layers): every layer of it is "
-            "resident", resident_layers, group, num_layers)
+            "layerwise: %s=%r is more than layer group %r holds (%d layers): every layer of it is "
+            "resident", name, resident_layers, group, num_layers)
     if r == 0:
         return []
     if policy == "leading":
@@ -273,11 +278,39 @@ def validate_count(name: str, value, minimum: int = 0, allow_none: bool = True, 
     return n
 
 
+# Each copy stream is a worker thread per group on the CPU backend (a CUDA stream on a GPU);
+# one bus gains nothing from many more than a few, and thousands of threads exhaust the process.
+MAX_COPY_STREAMS = 16
+# The test-mode delays are per copy / per read, at random up to this; the engine and the
+# reader take no more (kMaxDebugDelayUs, csrc/bindings.cpp): beyond it a test only hangs.
+MAX_DEBUG_DELAY_US = 1_000_000
+
+
+def _check_range(name: str, value, low: int, high: int, unit: str = "") -> None:
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low}, {high}]{unit}, got {value!r}")
+
+
 def validate_engine_options(num_copy_streams, debug_copy_delay_us, debug_read_delay_us) -> tuple:
-    """The copy engine's and the reader's arguments, as ints (the delays: or None)."""
-    return (validate_count("num_copy_streams", num_copy_streams, 1, allow_none=False),
-            validate_count("debug_copy_delay_us", debug_copy_delay_us, 0, unit=" (microseconds)"),
-            validate_count("debug_read_delay_us", debug_read_delay_us, 0, unit=" (microseconds)"))
+    """The copy engine's and the reader's arguments, as ints (the delays: or None),
+    within the ranges the native side takes (MAX_COPY_STREAMS, MAX_DEBUG_DELAY_US)."""
+    streams = validate_count("num_copy_streams", num_copy_streams, 1, allow_none=False)
+    copy_delay = validate_count("debug_copy_delay_us", debug_copy_delay_us, 0, unit=" (microseconds)")
+    read_delay = validate_count("debug_read_delay_us", debug_read_delay_us, 0, unit=" (microseconds)")
+    _check_range("num_copy_streams", streams, 1, MAX_COPY_STREAMS, " (copy streams per layer group)")
+    _check_range("debug_copy_delay_us", copy_delay, 0, MAX_DEBUG_DELAY_US,
+                 " microseconds (a random delay of up to that much per copy; None: none)")
+    _check_range("debug_read_delay_us", read_delay, 0, MAX_DEBUG_DELAY_US,
+                 " microseconds (a random delay of up to that much per read; None: none)")
+    return streams, copy_delay, read_delay
+
+
+def check_debug_delay_device(device: torch.device, debug_copy_delay_us) -> None:
+    """debug_copy_delay_us is a mode of the CPU backend's copy workers: a CUDA copy
+    engine refuses it (csrc/bindings.cpp), so it is refused here, before packing."""
+    if device.type == "cuda" and debug_copy_delay_us:
+        raise ValueError(f"debug_copy_delay_us={debug_copy_delay_us!r} delays the CPU backend's copies (a test "
+                         f"mode): it does not apply on {device}; leave it None there")
 
 
 def validate_budget_margin(budget_margin) -> int | None:

@@ -52,7 +52,7 @@ from .configure import _prepare, configure_models, managers_of
 from .options import OffloadOptions, named_options, validate_bytes
 from .plan import local_tensor
 from .tierplan import planned_host_bytes
-from .report import report as model_report
+from .report import NotOffloaded, report as model_report
 
 log = logging.getLogger("layerwise")
 
@@ -136,6 +136,12 @@ def _components_of(pipe) -> dict[str, nn.Module]:
     if not out:
         raise TypeError(f"{type(pipe).__name__} holds no nn.Module component to offload")
     return out
+
+
+def component_modules(pipe) -> dict[str, nn.Module]:
+    """{name: module} of a pipeline's nn.Module components, as offload_pipeline
+    finds them (a TypeError for a model, or for an object that holds none)."""
+    return _components_of(pipe)
 
 
 def _select(comps: dict[str, nn.Module], components) -> list[Component]:
@@ -590,12 +596,22 @@ def remove_pipeline_offload(pipe):
     tensors, usually on the host), no hooks, arenas and rings freed, the
     pipeline's own methods back. Returns the pipeline.
 
+    A pipeline that offload_pipeline does not stream (never offloaded, or removed
+    already) is left as it is and returned: a no-op, as remove_layerwise_offload is
+    for a model. What offload_pipeline did not configure stays as it is here too
+    (a component streamed on its own, by configure_layerwise_offload or
+    load_offloaded: remove it with layerwise.remove_layerwise_offload(pipe.<name>)).
+    A model is a TypeError: its offload is undone by remove_layerwise_offload.
+
     One transaction over every component: if reading a weight back fails (the
     error names it) or the call is interrupted, every component still streams
     exactly; call it again to finish."""
+    if isinstance(pipe, nn.Module):
+        raise TypeError(f"remove_pipeline_offload takes a pipeline, got the model {type(pipe).__name__}; a "
+                        "model's offload is undone by layerwise.remove_layerwise_offload(model)")
     state: PipelineState | None = getattr(pipe, "__dict__", {}).get(_STATE)
     if state is None:
-        raise RuntimeError(f"{type(pipe).__name__} is not offloaded by layerwise.offload_pipeline")
+        return pipe
     _remove_components(state.components, finish=lambda: _unpatch(pipe, state))
     return pipe
 
@@ -691,10 +707,12 @@ def report_pipeline(pipe) -> PipelineReport:
     """Per component: streamed or whole on the device and why, its weights, its
     host arena, pinned or pageable and why, runs per request; per streamed
     group the same, from each manager's live stats. (layerwise.report(pipe)
-    gives the same.) Per-group streaming figures: layerwise.report(pipe.<name>)."""
+    gives the same.) Per-group streaming figures: layerwise.report(pipe.<name>).
+    A pipeline that offload_pipeline does not stream gives a report.NotOffloaded
+    that says so (and names its components streamed on their own, if any)."""
     state: PipelineState | None = getattr(pipe, "__dict__", {}).get(_STATE)
     if state is None:
-        raise RuntimeError(f"{type(pipe).__name__} is not offloaded by layerwise.offload_pipeline")
+        return _not_offloaded(pipe)
     rows = []
     for c in state.components:
         groups = []
@@ -746,8 +764,19 @@ def report_pipeline(pipe) -> PipelineReport:
     budget = {"bytes": None if b is None else b.bytes, "source": None if b is None else b.source,
               "pinned_bytes": pinned_total, "text": text,
               "limits": [] if b is None else [vars(lim) | {"budget": lim.budget} for lim in b.limits]}
-    return PipelineReport(device=str(state.device), pin_budget=budget, components=rows,
+    return PipelineReport(offloaded=True, device=str(state.device), pin_budget=budget, components=rows,
                           host_budget=_host_budget_use(state))
+
+
+def _not_offloaded(pipe) -> NotOffloaded:
+    own = [name for name, module in component_modules(pipe).items() if managers_of(module)]
+    text = f"{type(pipe).__name__} is not offloaded by layerwise.offload_pipeline"
+    if own:
+        text += (f"; its component(s) {own} stream on their own (configure_layerwise_offload / load_offloaded): "
+                 f"layerwise.report(pipe.{own[0]}) has their figures")
+    else:
+        text += ": nothing in it streams"
+    return NotOffloaded(offloaded=bool(own), components=[], streamed_components=own, text=text)
 
 
 def _host_budget_use(state: PipelineState) -> dict | None:
@@ -773,8 +802,10 @@ def _host_budget_use(state: PipelineState) -> dict | None:
 
 
 def report(obj, *args, **kwargs):
-    """layerwise.report: a pipeline offloaded by offload_pipeline gives
-    report_pipeline(obj); a model, layerwise.report.report(model)."""
-    if is_offloaded_pipeline(obj):
+    """layerwise.report: a pipeline gives report_pipeline(obj); a model,
+    layerwise.report.report(model). One that is not offloaded gives a
+    report.NotOffloaded that says so ({"offloaded": False, ..., "text"}), not an
+    error; every report has the "offloaded" key."""
+    if is_offloaded_pipeline(obj) or not isinstance(obj, nn.Module):
         return report_pipeline(obj)
     return model_report(obj, *args, **kwargs)

@@ -94,6 +94,22 @@ class Report(dict):
         return "\n".join([self.table(), *textwrap.wrap(_LEGEND, WIDTH), "", *self.lines()])
 
 
+class NotOffloaded(dict):
+    """layerwise.report of a model or pipeline that is not offloaded: a dict with
+    "offloaded" (False, or True for a pipeline whose components stream on their own),
+    the report's lists empty ("groups" / "components") and "text", which says so;
+    prints as its text."""
+
+    def table(self) -> str:
+        return self["text"]
+
+    def lines(self) -> list[str]:
+        return textwrap.wrap(self["text"], WIDTH)
+
+    def __str__(self) -> str:
+        return self["text"]
+
+
 def _pin_error(manager, s: dict):
     err = s.get("arena_pin_error", s.get("pin_error"))
     if err is None:
@@ -295,10 +311,13 @@ def report(model, sync: bool = False) -> Report:
     synchronous loads, compute-stream stall, GB/s while copies were in flight
     (where the engine measures that time; never over wall time), arena / ring /
     resident bytes. Printed: a table, then a plain line per group. Never waits for the
-    device unless sync=True."""
+    device unless sync=True. A model that is not offloaded gives a NotOffloaded
+    report that says so, not an error."""
     managers = managers_of(model)
     if not managers:
-        raise RuntimeError(f"{type(model).__name__} is not configured for layerwise offload")
+        return NotOffloaded(offloaded=False, groups=[], total=None, host_budget=None,
+                            text=f"{type(model).__name__} is not offloaded: no layer group streams "
+                                 "(layerwise.configure_layerwise_offload or load_offloaded streams one)")
     # Non-blocking by default: a server can call this per request without draining the
     # device; sync=True waits for every copy first so that every figure is final.
     stats = [m.stats(sync=sync) for m in managers]
@@ -320,4 +339,4 @@ def report(model, sync: bool = False) -> Report:
     total["gbps"] = total["bytes_per_step"] / copy_s / 1e9 if copy_s and total["bytes_per_step"] else None
     steps = [g["step_ms"] for g in groups if g["step_ms"] is not None]
     total["step_ms"] = max(steps) if steps else None  # every group runs inside the same model step
-    return Report(groups=groups, total=total, host_budget=_host_budget(model, managers, groups))
+    return Report(offloaded=True, groups=groups, total=total, host_budget=_host_budget(model, managers, groups))

@@ -160,7 +160,13 @@ class Probe:
 
 @dataclasses.dataclass
 class TunePlan:
-    """What tune chose, what it predicted and what it measured (seconds)."""
+    """What tune chose, what it predicted and what it measured (seconds).
+
+    Read as attributes or as items: plan.predicted_step_s == plan["predicted_step_s"]
+    (the step time predicted for the placement applied), plan["measured_step_s"]
+    (measured after applying it; None with apply=False); `predicted_s` and
+    `measured_s` are the same figures under their short names. plan.keys() lists
+    every name an item access takes."""
 
     groups: list  # [{"group", "layers", "resident", "prefetch_depth"}] in force after tune
     predicted_s: float
@@ -176,9 +182,31 @@ class TunePlan:
     note: str = ""
 
     @property
+    def predicted_step_s(self) -> float:
+        return self.predicted_s
+
+    @property
+    def measured_step_s(self) -> float | None:
+        return self.measured_s
+
+    @property
     def error(self) -> float | None:
         """measured / predicted - 1."""
         return None if self.measured_s is None else self.measured_s / self.predicted_s - 1.0
+
+    def keys(self) -> list[str]:
+        return [*_PLAN_ALIASES, *(f.name for f in dataclasses.fields(self)), "error"]
+
+    def __getitem__(self, key: str):
+        if not isinstance(key, str) or key not in self.keys():
+            raise KeyError(f"layerwise.TunePlan has no item {key!r}; it has {self.keys()}")
+        return getattr(self, key)
+
+    def __contains__(self, key) -> bool:
+        return isinstance(key, str) and key in self.keys()
+
+    def __iter__(self):  # (as a dict iterates: its keys; dict(plan) gives every item)
+        return iter(self.keys())
 
     def summary(self) -> str:
         meas = f"{self.measured_s * 1e3:.2f} ms" if self.measured_s is not None else "not measured (apply=False)"
@@ -206,6 +234,9 @@ class TunePlan:
         if self.note:
             lines.append(f"note: {self.note}")
         return "\n".join(lines)
+
+
+_PLAN_ALIASES = ("predicted_step_s", "measured_step_s")  # DESIGN.md's names of predicted_s / measured_s
 
 
 def _ranges(idx) -> str:

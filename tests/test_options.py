@@ -5,6 +5,7 @@ one built from keywords."""
 import dataclasses
 import inspect
 import pathlib
+import re
 
 import pytest
 import torch
@@ -80,6 +81,17 @@ BAD = [
     (dict(debug_copy_delay_us=-1), ValueError, r"debug_copy_delay_us must be an int >= 0 \(microseconds\)"),
     (dict(debug_copy_delay_us=1.5), TypeError, r"debug_copy_delay_us must be an int >= 0 \(microseconds\)"),
     (dict(debug_read_delay_us=-1), ValueError, r"debug_read_delay_us must be an int >= 0 \(microseconds\)"),
+    # Ranges the native side takes (csrc/bindings.cpp), refused before packing rather than by pybind11 after it;
+    # 10**5 streams would start that many threads per group.
+    (dict(num_copy_streams=2**31), ValueError, (r"num_copy_streams must lie in \[1, 16\] \(copy streams per layer "
+                                                r"group\), got 2147483648")),
+    (dict(num_copy_streams=10**5), ValueError, r"num_copy_streams must lie in \[1, 16\].*got 100000"),
+    (dict(num_copy_streams=17), ValueError, r"num_copy_streams must lie in \[1, 16\].*got 17"),
+    (dict(debug_copy_delay_us=2**31), ValueError, (r"debug_copy_delay_us must lie in \[0, 1000000\] microseconds "
+                                                   r"\(a random delay of up to that much per copy; None: none\)")),
+    (dict(debug_copy_delay_us=10**6 + 1), ValueError, r"debug_copy_delay_us must lie in \[0, 1000000\]"),
+    (dict(debug_read_delay_us=2**31), ValueError, (r"debug_read_delay_us must lie in \[0, 1000000\] microseconds "
+                                                   r"\(a random delay of up to that much per read; None: none\)")),
     (dict(measure_stalls="yes"), TypeError, "measure_stalls must be True or False, got 'yes'"),
     (dict(compress="zstd"), ValueError, "compress must be None or 'lossless'"),
     (dict(compress=True), ValueError, "compress must be None or 'lossless'"),
@@ -115,6 +127,84 @@ def test_a_bad_option_is_refused_at_every_front_door_before_the_model_changes(do
     if door != "LayerwiseOffloadManager" or not other:  # the same error where the options are built
         with pytest.raises(exc, match=match):
             OffloadOptions.build(**{"device": "cpu", **options})
+
+
+def test_the_engine_ranges_end_where_the_native_side_ends():
+    opts = OffloadOptions.build(device="cpu", num_copy_streams=16, debug_copy_delay_us=10**6,
+                                debug_read_delay_us=10**6)
+    assert (opts.num_copy_streams, opts.debug_copy_delay_us, opts.debug_read_delay_us) == (16, 10**6, 10**6)
+    engine = layerwise.CopyEngine("cpu", num_streams=opts.num_copy_streams, debug_delay_us=opts.debug_copy_delay_us)
+    assert engine.num_streams == 16 and engine.debug_delay_us == 10**6
+    with pytest.raises(ValueError, match=r"must lie in \[0, 1000000\]"):  # the engine's own limit, the same
+        layerwise.CopyEngine("cpu", debug_delay_us=10**6 + 1)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_copy_delay_on_a_cuda_device_is_refused_before_the_model_changes(door, monkeypatch, checkpoint):
+    """debug_copy_delay_us is a CPU-backend mode: the CUDA engine refuses it when a
+    group is finalised, after packing; the options refuse it first (the device simulated)."""
+    import layerwise.options as options_mod
+
+    monkeypatch.setattr(options_mod, "resolve_device", lambda device: torch.device("cuda", 0))
+    call, model = door_and_model(door, checkpoint)
+    before = state(model)
+    with pytest.raises(ValueError, match=r"debug_copy_delay_us=300 delays the CPU backend's copies .* does not "
+                                         r"apply on cuda:0; leave it None there"):
+        call(device="cuda", debug_copy_delay_us=300)
+    assert not managers_of(model) and same_state(state(model), before)
+    assert OffloadOptions.build(device="cuda", debug_copy_delay_us=0).debug_copy_delay_us == 0
+
+
+def _cuda_refused(match):
+    with pytest.raises(RuntimeError, match=match) as info:
+        OffloadOptions.build(device="cuda")
+    return str(info.value)
+
+
+def test_device_cuda_says_first_what_stops_it(monkeypatch):
+    """device="cuda" names the first thing the user must fix: a CPU-only torch, then
+    no GPU visible, and only then layerwise's own CPU-only build (torch and the
+    extension simulated where this machine has them otherwise)."""
+    import layerwise._native as native
+
+    if torch.version.cuda is None:  # this machine as it is
+        text = _cuda_refused(r"device 'cuda': this torch \(.*\) is a CPU-only build: it cannot use a GPU")
+        assert "rebuild" not in text
+    monkeypatch.setattr(torch.version, "cuda", None)
+    text = _cuda_refused(rf"device 'cuda': this torch \({re.escape(torch.__version__)}\) is a CPU-only build: it "
+                         "cannot use a GPU. Install a CUDA build of torch")
+    assert text.endswith("or pass device='cpu'")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    text = _cuda_refused(r"device 'cuda': torch \(built with CUDA 12.8\) sees no GPU: torch.cuda.is_available\(\) "
+                         "is False")
+    assert "LAYERWISE_BUILD" not in text and "CUDA_VISIBLE_DEVICES" in text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(native, "build_info", lambda: {"with_cuda": False})
+    _cuda_refused(r"device 'cuda': torch can use the GPU, but this build of layerwise has no CUDA backend: rebuild it "
+                  "with LAYERWISE_BUILD=cuda")
+    monkeypatch.setattr(native, "build_info", lambda: {"with_cuda": True})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert options_device("cuda") == torch.device("cuda", 0)  # nothing in the way: the device itself
+    with pytest.raises(RuntimeError, match=r"device 'cuda:1' does not exist: 1 CUDA device\(s\) visible"):
+        options_device("cuda:1")
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_device_cuda_with_a_cpu_only_torch_is_refused_at_every_front_door(door, monkeypatch, checkpoint):
+    monkeypatch.setattr(torch.version, "cuda", None)  # (this machine's torch; simulated on a CUDA one)
+    call, model = door_and_model(door, checkpoint)
+    before = state(model)
+    with pytest.raises(RuntimeError, match="device 'cuda': this torch .* is a CPU-only build"):
+        call(device="cuda")
+    assert not managers_of(model) and same_state(state(model), before)
+
+
+def options_device(device):
+    from layerwise.options import resolve_device
+
+    return resolve_device(device)
 
 
 @pytest.mark.parametrize("door", DOORS)

@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-import layerwise
+from layerwise.gpu_checks import cuda_unusable
 
 from . import bus, compress, disk, h2d, hooks, moe, pipeline, quant, report, scatter, split, startup, stream, tune
 from .common import Context, Skip, SuiteResult
@@ -49,11 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cuda_usable() -> tuple[bool, str]:
-    if not layerwise.build_info()["with_cuda"]:
-        return False, "this build of layerwise has no CUDA backend (rebuild with LAYERWISE_BUILD=cuda)"
-    if not torch.cuda.is_available():
-        return False, "torch sees no CUDA device"
-    return True, ""
+    why = cuda_unusable()
+    return why is None, why or ""
 
 
 def _run_suite(name: str, ctx: Context) -> SuiteResult:
