@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+import types
 import weakref
 
 import torch
@@ -74,7 +75,9 @@ class GroupGuard:
 
     def __init__(self):
         self.handed_out: list = []  # state_dict() tensors that alias the arena (check_handed_out)
-        self.loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks
+        self.loaded_keys: set[str] = set()  # taken by the load_state_dict pre-hooks and written at once
+        self.loads: list = []  # LoadBatch of each load_state_dict in progress (written at its end)
+        self.loads_lock = threading.Lock()  # around changes of `loads` (never held while anything blocks)
         self.error: str | None = None  # a broken contract found outside a forward
         self.saved = weakref.WeakSet()  # slot weights saved for a backward still to run (saved_slot_hooks)
         self.graphs = weakref.WeakSet()  # layer forwards under grad mode, alive with their graphs (track_backward)
@@ -469,6 +472,7 @@ def _root_pre_hook(model, args):
                 m._reset_entered()
             if m.guard.handed_out:
                 check_handed_out(m)
+            drop_stopped_loads(m)
             m.meter.follow_root()
             m._new_step()
 
@@ -488,8 +492,9 @@ def _root_post_hook(model, args, output):
 
 @contextlib.contextmanager
 def removing(model: nn.Module):
-    """Hold the model for a removal: forwards that other threads are running end
-    first; forwards that start meanwhile wait and then run on the plain model."""
+    """Hold the model for a removal: forwards (and loads into its streamed layers) that
+    other threads are running end first; forwards that start meanwhile wait and then
+    run on the plain model."""
     lock = model_lock(model)
     forwards = model.__dict__.get(_FORWARDS)
     with lock:
@@ -504,7 +509,7 @@ def removing(model: nn.Module):
                         if t != me and (frame is None and not _threads_alive([t], me)
                                         or frame is not None and not _on_stack(t, {id(frame)})):
                             del forwards["threads"][t]
-                    if not any(t != me for t in forwards["threads"]):
+                    if not any(t != me for t in forwards["threads"]) and not loads_elsewhere(model, me):
                         break
                     forwards["cond"].wait(timeout=0.5)
             yield
@@ -520,20 +525,29 @@ def remove_models(parts, original_devices: bool = False, finish=None, prepare=No
     Phase one builds every parameter's ordinary tensor and changes nothing: if it
     fails (a layer that cannot be read, no memory) or is interrupted, every model
     still streams exactly and the removal can be called again. Phase two rebinds
-    and releases, with Ctrl-C held back, and `finish()` runs inside it. Forwards
-    and state_dict() calls on other threads end first; ones that start meanwhile
-    wait and then run on the plain model. `prepare()`, if given, runs in phase one
-    with every model held (its result is the caller's, for `finish`)."""
+    and releases, with Ctrl-C held back, and `finish()` runs inside it. Forwards,
+    state_dict() and load_state_dict() calls on other threads end first; forwards
+    that start meanwhile wait and then run on the plain model. `prepare()`, if given,
+    runs in phase one with every model held (its result is the caller's, for `finish`)."""
     with contextlib.ExitStack() as held:
         for model, _ in parts:
             held.enter_context(removing(model))
         if prepare is not None:
             prepare()
+        for _, managers in parts:
+            for m in managers:
+                if m._finalized:
+                    with m._lock:
+                        settle_loads(m)
         prepared = [[(m, m._prepare_removal(original_devices)) for m in managers] for _, managers in parts]
         with defer_interrupts():
             for (model, _), group in zip(parts, prepared):
                 for m, p in group:
+                    streamed = m._finalized
                     m._commit_removal(p)
+                    if streamed:
+                        with m.guard.loads_lock:  # (a load begun since finds the group removed: it writes nothing)
+                            m.guard.loads = []
                 forget(model, [m for m, _ in group])
             if finish is not None:
                 finish()
@@ -670,7 +684,9 @@ def install_layer_hooks(manager, streamed=None) -> list:
     try:
         handles += _split_load_guards(manager)  # first: they refuse before any write hook ran
         handles += _quantized_load_guards(manager, streamed)
-        for mod, owned in _owned(manager, streamed).items():
+        owners = _owned(manager, streamed)
+        handles += _load_batch_hooks(manager, owners)
+        for mod, owned in owners.items():
             handles.append(_guard_save(mod, manager, owned))
             handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, owned)))
             handles.append(mod.register_load_state_dict_post_hook(_load_post_hook(manager)))
@@ -962,8 +978,186 @@ def arena_written(manager, i: int) -> None:
     manager.ring.written(i)
 
 
+# A layer whose truth is encoded or in a file is rewritten whole by each write, and a
+# per-expert MoE layer has 2E + 1 modules holding its parameters: the values a load
+# gives a group's streamed layers are collected per layer and written once, at the end
+# of the load (the post-hook of the module where it began for the group). A load that
+# an exception or a Ctrl-C stops in between writes nothing into them.
+#
+# torch iterates a module's load hooks over the live dict: a hook removed (a removal on
+# another thread) while one before it waits for the model's lock makes the next step
+# of that iteration raise. So each module has one pre-hook and one post-hook of a
+# group, only the post-hook of the module where the load began and the pre-hook of a
+# module holding streamed parameters take the lock, and a removal waits for the loads
+# that other threads are running (`loads_elsewhere`).
+_LOAD_CODE = next((c for c in nn.Module.load_state_dict.__code__.co_consts
+                   if isinstance(c, types.CodeType) and c.co_name == "load"), None)
+
+
+class LoadBatch:
+    """What one load_state_dict gives one group's streamed layers, not written yet."""
+
+    def __init__(self, root: nn.Module, frame, missing: list, errors: list):
+        self.root = weakref.ref(root)  # the module whose post-hook ends the load for the group
+        # torch's call that loads `root` (held: an id alone could be reused); off the
+        # thread's stack, the load is over, its end reached or not
+        self.frame = frame
+        self.thread = threading.get_ident()
+        self.missing = missing  # torch's list of missing keys: one per load, which tells loads apart
+        self.errors = errors  # torch's error messages of the load (raised at its end)
+        self.edits: dict = {}  # layer index -> [(key, edit(block))], in load order
+        self.keys: set[str] = set()  # taken from torch: it does not copy them nor report them missing
+
+    def live(self) -> bool:
+        return _on_stack(self.thread, {id(self.frame)})
+
+
+def _torch_load_frame(module, frame):
+    """The frame of torch's load_state_dict recursion that loads `module` (its post-hooks
+    run when it returns), looked for from `frame` up, or None: `module` loaded some other
+    way (a library calling `_load_from_state_dict` itself, which runs no post-hook)."""
+    while frame is not None and frame.f_code is not _LOAD_CODE:
+        frame = frame.f_back
+    return frame if frame is not None and frame.f_locals.get("module") is module else None
+
+
+def _holders(manager, owners) -> list:
+    """The modules of the model above those of `owners` (the model itself included)."""
+    named = {id(mod): name for name, mod in manager.model.named_modules()}
+    inside = {""}
+    for mod in owners:
+        name = named.get(id(mod))
+        while name:
+            inside.add(name)
+            name = name.rpartition(".")[0]
+    return [mod for name, mod in manager.model.named_modules() if name in inside and mod not in owners]
+
+
+def _load_batch_hooks(manager, owners) -> list:
+    """The load hooks of the modules above those holding streamed parameters (where a
+    load may begin and end for the group)."""
+    handles = []
+    for mod in _holders(manager, owners):
+        handles.append(mod.register_load_state_dict_pre_hook(_load_pre_hook(manager, [])))
+        handles.append(mod.register_load_state_dict_post_hook(_load_post_hook(manager)))
+    return handles
+
+
+def _batch_of(manager, missing):
+    return next((b for b in manager.guard.loads if b.missing is missing), None)
+
+
+def _begin_load(manager, module, missing, errors, frame) -> None:
+    """A load reaches `module` (the first of the group's modules it reaches begins it)."""
+    guard = manager.guard
+    if _LOAD_CODE is None or not manager._finalized or _batch_of(manager, missing) is not None:
+        return  # (inside a load that began above; or a torch whose load_state_dict is built otherwise:
+        # every value written at once)
+    frame = _torch_load_frame(module, frame)
+    if frame is None:
+        return
+    batch = LoadBatch(module, frame, missing, errors)
+    with guard.loads_lock:
+        guard.loads = [b for b in guard.loads if b.live()] + [batch]
+    if not manager._finalized:  # removed meanwhile (it forgot the loads before this one)
+        _end_load(manager, batch)
+
+
+def _end_load(manager, batch) -> None:
+    with manager.guard.loads_lock:
+        manager.guard.loads = [b for b in manager.guard.loads if b is not batch]
+
+
+def drop_stopped_loads(manager) -> None:
+    """Forget the values of loads that an exception or a Ctrl-C stopped before their end
+    (they hold the state dict's tensors)."""
+    guard = manager.guard
+    if guard.loads:
+        with guard.loads_lock:
+            guard.loads = [b for b in guard.loads if b.live()]
+
+
+def loads_elsewhere(model, me) -> bool:
+    """A load_state_dict into the model's streamed layers runs on a thread other than `me`."""
+    return any(b.thread != me and b.live() for m in managers_of(model) for b in list(m.guard.loads))
+
+
+def settle_loads(manager) -> None:
+    """Before the group is removed (under its lock; loads on other threads have ended):
+    the values a load running on this thread collected are written now (a hook of it
+    removes the offload: what the removal gives back includes them, the rest of the
+    load goes to the plain model); those of stopped loads are dropped."""
+    drop_stopped_loads(manager)
+    for batch in list(manager.guard.loads):
+        write_loaded(manager, batch)
+
+
+def write_loaded(manager, batch) -> None:
+    """Write what `batch` collected: each layer once (its bytes read, every value
+    copied in, written back), with Ctrl-C held back per layer, so that each layer
+    takes all of its values or none. A write that fails as a copy fails in torch
+    (RuntimeError: an encode out of host memory, say) is reported as torch reports
+    those, and the others go on: that layer keeps all of its old values. Any other
+    failure (no space for a spill file, a split-fetch refusal, Ctrl-C) raises: the
+    layers before it hold their new values, it and those after it their old ones."""
+    edits, batch.edits = batch.edits, {}
+    if not edits or not manager._finalized:
+        return
+    with torch.no_grad(), torch.inference_mode(False):
+        manager.bound.check_all(manager, sorted(edits))
+
+        def edit(block, items):
+            for _, fn in items:
+                fn(block)
+
+        for i in sorted(edits):
+            try:
+                with defer_interrupts():
+                    manager._write_layer(i, functools.partial(edit, items=edits[i]))
+                    if manager.ring.slot_of[i] < 0:  # made resident since (set_residency on another thread)
+                        manager._refresh_resident(i)
+            except stages.gather.SplitError:
+                raise  # (the same on every rank: the ranks stay in step)
+            except (RuntimeError, NotImplementedError) as err:
+                names = ", ".join(repr(key) for key, _ in edits[i])
+                batch.errors.append(f"While copying the parameters named {names}: {err} (they are layer "
+                                    f"{manager.layer_name}[{i}], written as a whole: it keeps its old values)")
+
+
+def _take(manager, i, key, edit, state_dict, missing_keys, error_msgs=None) -> None:
+    """A value of key for layer i, as `edit(block)`: collected for the load's end, or
+    written now where the load has no end this group sees (no batch; a failed write
+    is then reported in `error_msgs` where given, else raised)."""
+    batch = _batch_of(manager, missing_keys)
+    if batch is not None:
+        batch.edits.setdefault(i, []).append((key, edit))
+        batch.keys.add(key)
+    else:
+        try:
+            manager._write_layer(i, edit)
+        except stages.gather.SplitError:
+            # Refused on every rank (different values per rank, ranks out of lockstep): raised as
+            # it is. As a message in error_msgs torch would go on and copy the refused value
+            # into the parameter (a ring slot view).
+            manager.guard.loaded_keys.clear()
+            raise
+        except (RuntimeError, NotImplementedError) as err:  # torch's own wording; the layer keeps its bytes
+            if error_msgs is None:
+                raise
+            error_msgs.append(f"While copying the parameter named {key!r}: {err}")
+        manager.guard.loaded_keys.add(key)
+    # Taken: torch does not copy it into the slot (that would only bump the slot's version
+    # counter, which says "written in place"), and the post-hook takes it off the missing keys.
+    state_dict.pop(key, None)
+
+
 def _load_pre_hook(manager, owned):
+    """The group's load pre-hook of a module: where a load begins for the group, and
+    where the values of the streamed parameters the module holds (`owned`) are taken."""
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        _begin_load(manager, module, missing_keys, error_msgs, sys._getframe(1))
+        if not owned:
+            return
         assign = local_metadata.get("assign_to_params_buffers", False)
         with manager._lock, torch.no_grad(), torch.inference_mode(False):
             if not manager._finalized:  # (checked under the lock: removed meanwhile, torch copies as usual)
@@ -974,7 +1168,7 @@ def _load_pre_hook(manager, owned):
                 value = state_dict.get(key)
                 param = module._parameters.get(attr)
                 if isinstance(e, Wrapped):
-                    _load_wrapped(manager, module, attr, e, i, key, value, state_dict)
+                    _load_wrapped(manager, module, attr, e, i, key, value, state_dict, missing_keys)
                     continue
                 if not isinstance(value, torch.Tensor) or param is None or value.shape != param.shape:
                     continue  # torch reports it, as for a resident model
@@ -985,31 +1179,21 @@ def _load_pre_hook(manager, owned):
                         "call layerwise.remove_layerwise_offload(model) first)"
                     )
                     continue
-                try:
-                    manager._write_layer(i, lambda block, e=e, value=value: e.view_in(block).copy_(local_tensor(value)))
-                except stages.gather.SplitError:
-                    # Refused on every rank (different values per rank, ranks out of lockstep): raised as
-                    # it is. As a message in error_msgs torch would go on and copy the refused value
-                    # into the parameter (a ring slot view).
-                    manager.guard.loaded_keys.clear()
-                    raise
-                except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
-                    error_msgs.append(f"While copying the parameter named {key!r}: {err}")
-                    # Not left in the state dict: torch would copy the refused value into the ring
-                    # slot view (read as an in-place write at the next forward). The layer keeps its bytes.
-                    del state_dict[key]
-                    manager.guard.loaded_keys.add(key)
-                    continue
-                # Taken: torch does not copy it into the slot (that would only bump the slot's
-                # version counter, which says "written in place"), and the post-hook takes
-                # it off the missing keys again.
-                del state_dict[key]
-                manager.guard.loaded_keys.add(key)
+
+                def copy(block, e=e, key=key, value=value):
+                    try:
+                        e.view_in(block).copy_(local_tensor(value))
+                    except (RuntimeError, NotImplementedError) as err:  # a meta tensor, say: torch's own wording
+                        # Reported as torch reports it; not copied by torch into the ring slot view
+                        # either (read as an in-place write at the next forward): the layer keeps its bytes.
+                        error_msgs.append(f"While copying the parameter named {key!r}: {err}")
+
+                _take(manager, i, key, copy, state_dict, missing_keys, error_msgs)
 
     return hook
 
 
-def _load_wrapped(manager, module, attr, w, i, key, value, state_dict) -> None:
+def _load_wrapped(manager, module, attr, w, i, key, value, state_dict, missing_keys) -> None:
     """load_state_dict into a streamed quantized wrapper (its form checked first, at
     the outermost call: _quantized_load_guards): a wrapper under its key (torchao)
     is written leaf by leaf into the layer's true bytes; a parameter the module's
@@ -1032,10 +1216,8 @@ def _load_wrapped(manager, module, attr, w, i, key, value, state_dict) -> None:
         for e in w.entries:
             e.view_in(block).copy_(leaves[e.leaf])
 
-    manager._write_layer(i, edit)
-    if source is value:
-        del state_dict[key]  # taken: torch does not copy it into the slot views
-    manager.guard.loaded_keys.add(key)
+    # (the value torch would copy: taken only where it is the state dict's own)
+    _take(manager, i, key, edit, state_dict if source is value else {}, missing_keys)
 
 
 def _quantized_mismatch(w, key, why) -> str:
@@ -1094,11 +1276,22 @@ def _check_quantized_load(manager, inner):
 
 
 def _load_post_hook(manager):
+    """The group's load post-hook of a module: the keys taken off the missing ones; at
+    the module where the load began for the group, what it collected is written."""
     def hook(module, incompatible_keys):
-        if manager.guard.loaded_keys:
-            missing = incompatible_keys.missing_keys
-            missing[:] = [k for k in missing if k not in manager.guard.loaded_keys]
-            manager.guard.loaded_keys.clear()
+        missing = incompatible_keys.missing_keys
+        batch = _batch_of(manager, missing)
+        if missing:  # (the keys taken since the last post-hook, at most: one pass per load)
+            now = manager.guard.loaded_keys
+            later = batch.keys if batch is not None else ()
+            missing[:] = [k for k in missing if k not in now and k not in later]
+        manager.guard.loaded_keys.clear()
+        if batch is not None and batch.root() is module:
+            try:
+                with manager._lock:
+                    write_loaded(manager, batch)
+            finally:
+                _end_load(manager, batch)
 
     return hook
 

@@ -216,33 +216,39 @@ def resident_file_bytes(path) -> int:
     import ctypes
     import mmap
 
-    try:
-        fd = os.open(os.fsdecode(path), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return 0
+    from . import contract  # (imported here: this module sits below it)
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = -1
     try:
+        try:
+            with contract.defer_interrupts():  # held until the `finally` would close it
+                fd = os.open(os.fsdecode(path), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return 0
         size = os.fstat(fd).st_size
         if size == 0:
             return 0
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-        try:
-            vec = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
-            if libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-            import numpy
+        with contract.defer_interrupts():  # mapped, looked at and unmapped as one step
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+            try:
+                vec = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+                if libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            finally:
+                libc.munmap(addr, size)
+        import numpy
 
-            return int((numpy.frombuffer(vec.raw, numpy.uint8) & 1).sum()) * mmap.PAGESIZE  # (bit 0: resident)
-        finally:
-            libc.munmap(addr, size)
+        return int((numpy.frombuffer(vec.raw, numpy.uint8) & 1).sum()) * mmap.PAGESIZE  # (bit 0: resident)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def budget_memory_bytes(files=()) -> int:

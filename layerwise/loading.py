@@ -359,12 +359,22 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                 elif not as_computed and want(b, full) != b.dtype:
                     mod._buffers[attr] = b.to(want(b, full))
 
-        fds = {path: os.open(path, os.O_RDONLY) for path in files}
-        evict = None if options.host_budget is None else PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers))
-        for st in stored.values():
-            st.fd = fds[st.path]
-            st.evict = evict
+        fds: dict = {}
+        evict = None
         try:
+            try:
+                for path in files:
+                    with contract.defer_interrupts():  # each descriptor recorded where the `finally` closes it
+                        fds[path] = os.open(path, os.O_RDONLY)
+                if options.host_budget is not None:
+                    evict = PageCacheDrop(fds.values(), PageCacheDrop.every_for(managers))
+                for st in stored.values():
+                    st.fd = fds[st.path]
+                    st.evict = evict
+            except BaseException:
+                with contract.defer_interrupts():  # (_build's rollback has not started: the swaps above go back here)
+                    undo()
+                raise
             return _build(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
         finally:
             try:
@@ -441,8 +451,9 @@ def _checkpoint_store(stored: dict, entry_key: dict, files: list):
     def disk_file(path):
         if path not in opened:
             expected = {k: s for k, s in stored.items() if s.path == path}
-            opened[path] = DiskFile(path, check_layout=_same_layout(path, expected))
-            files.append(opened[path])
+            with contract.defer_interrupts():  # opened and recorded where remove() and a failed load close it
+                opened[path] = DiskFile(path, check_layout=_same_layout(path, expected))
+                files.append(opened[path])
         return opened[path]
 
     def store(lp, payload, span, what):
@@ -495,7 +506,8 @@ def _sampled_values(stored: dict, entry_key: dict):
                 crc = zlib.crc32(repr((str(st.dtype), tuple(st.shape), st.nbytes)).encode(), crc)
                 fd = fds.get(st.path)
                 if fd is None:
-                    fd = fds[st.path] = os.open(st.path, os.O_RDONLY)
+                    with contract.defer_interrupts():  # recorded where the `finally` closes it
+                        fd = fds[st.path] = os.open(st.path, os.O_RDONLY)
                 head = min(_SAMPLE, st.nbytes)
                 crc = zlib.crc32(os.pread(fd, head, st.start), crc)
                 crc = zlib.crc32(os.pread(fd, head, st.start + st.nbytes - head), crc)
@@ -540,11 +552,14 @@ def _read_share(stored: Stored, e, block: torch.Tensor, lo: int, hi: int) -> Non
 def _same_values(stored: dict[str, Stored], names: list[str]) -> None:
     """The checkpoint tensors `names`, which all fill one (tied) parameter, must be equal."""
     def read(s: Stored) -> torch.Tensor:
-        fd = os.open(s.path, os.O_RDONLY)
+        fd = -1
         try:
+            with contract.defer_interrupts():  # held until the `finally` would close it
+                fd = os.open(s.path, os.O_RDONLY)
             return sft.host_tensor(dataclasses.replace(s, fd=fd)).reshape(-1).view(torch.uint8)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     first = stored[names[0]]
     ref = read(first)

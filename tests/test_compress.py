@@ -333,11 +333,13 @@ def test_a_failing_re_encode_changes_nothing_of_its_layer(monkeypatch):
     monkeypatch.undo()
     now = clone_state(model)
     layer_keys = [k for k in now if "blocks." in k and not k.endswith("scale")]
-    changed = [k for k in layer_keys if not torch.equal(now[k], before[k])]
-    # load_state_dict writes parameter by parameter: the two writes before the failure
-    # took effect (a LayerNorm's ones and zeros are the same in both models), the failed
-    # one and those after it changed nothing, each value is the old or the new one.
-    assert 1 <= len(changed) <= 2 and all(torch.equal(now[k], new[k]) for k in changed), changed
+    # load_state_dict writes each layer once, whole, at the end of the load: the two
+    # layers written before the failure hold all of their new values, the failed one and
+    # those after it all of their old ones.
+    written = ("transformer_blocks.0.", "transformer_blocks.1.")
+    assert any(not torch.equal(new[k], before[k]) for k in layer_keys if k.startswith(written))
+    for k in layer_keys:
+        assert torch.equal(now[k], new[k] if k.startswith(written) else before[k]), k
     # The model computes with exactly what state_dict() says.
     twin = copy.deepcopy(ref)
     twin.load_state_dict(now)

@@ -285,3 +285,91 @@ def test_a_collected_model_closes_its_files_and_deletes_its_spill_files(disk_dir
         assert [r() for r in refs] == [None, None]  # nothing keeps the model or its manager alive
         assert spill_files(disk_dir) == []
         assert proc.num_fds() == fds
+
+
+# --------------------------------------------- a Ctrl-C right after a file is opened
+def descriptors_in(d) -> list:
+    """The open descriptors of this process on files under `d` (deleted ones included)."""
+    d = os.fsdecode(d)
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # (the descriptor listdir itself used, closed since)
+            continue
+        if target.startswith(d):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sigint_right_after_a_file_is_opened_leaves_no_descriptor_nor_spill_file(disk_dir, monkeypatch, kind):
+    """A real SIGINT delivered right after each open of a file in the disk tier's
+    directory returns (the checkpoint's header, its descriptors for packing and for
+    streaming; a spill file's creation, its O_DIRECT descriptor, the one it is read
+    through): the configure or load rolls back exactly, no spill file stays and no
+    descriptor of a file there stays open."""
+    import signal
+
+    ref = make()
+    x = inputs()[0]
+    want = ref(x)
+    ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors")) if kind == "ckpt" else None
+    real = os.open
+    where = os.fsdecode(disk_dir)
+    opened = []
+    interrupt_at = [0]
+
+    def opening(path, *args, **kwargs):
+        fd = real(path, *args, **kwargs)
+        if os.fsdecode(path).startswith(where):
+            opened.append(path)
+            if len(opened) == interrupt_at[0]:
+                os.kill(os.getpid(), signal.SIGINT)  # Python raises it right after this call returns
+        return fd
+
+    def offload(model):
+        if kind == "ckpt":
+            return layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
+        return layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(ref, 1),
+                                                     spill_dir=disk_dir)
+
+    def fresh():
+        return meta_model() if kind == "ckpt" else make()
+
+    def state(model):
+        return {name: (t.device, t.dtype, t.shape, None if t.is_meta else t.clone())
+                for name, t in model.state_dict().items()}
+
+    files = sorted(os.listdir(disk_dir))
+    monkeypatch.setattr(os, "open", opening)
+    model = fresh()
+    offload(model)  # how many opens there an uninterrupted one makes
+    assert torch.equal(model(x), want)
+    layerwise.remove_layerwise_offload(model)
+    n = len(opened)
+    assert n >= 3 and sorted(os.listdir(disk_dir)) == files and descriptors_in(disk_dir) == []
+    for k in range(1, n + 1):
+        model = fresh()
+        before = state(model)
+        opened.clear()
+        interrupt_at[0] = k
+        with pytest.raises(KeyboardInterrupt):
+            offload(model)
+        assert len(opened) >= k
+        assert sorted(os.listdir(disk_dir)) == files, k
+        assert descriptors_in(disk_dir) == [], k
+        now = state(model)
+        assert now.keys() == before.keys(), k
+        for name, (device, dtype, shape, t) in before.items():
+            assert now[name][:3] == (device, dtype, shape), (k, name)
+            assert t is None or torch.equal(now[name][3], t), (k, name)
+        assert not model._forward_pre_hooks and not model.blocks[0]._forward_pre_hooks
+        if kind == "spill":
+            assert torch.equal(model(x), want)
+    interrupt_at[0] = 0
+    model = fresh()
+    offload(model)
+    assert torch.equal(model(x), want)
+    layerwise.remove_layerwise_offload(model)
+    assert torch.equal(model(x), want)

@@ -43,7 +43,8 @@ import shutil
 import tempfile
 import time
 
-from ..stages.read import READ_CHUNK_BYTES, READER_THREADS, Reader, aligned_staging, filesystem_type, staging_layout
+from ..stages.read import (READ_CHUNK_BYTES, READER_THREADS, Reader, aligned_staging, filesystem_type, held_interrupts,
+                           staging_layout)
 from .common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, ratio
 
 NAME = "disk"
@@ -87,11 +88,14 @@ def write_test_file(path: str, nbytes: int) -> None:
 
 def drop_cache(path: str) -> None:
     """Evict the (clean, fsynced) file from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = -1
     try:
+        with held_interrupts():  # held until the `finally` would close it
+            fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def pread_all(fd: int, bufs, nbytes: int, chunk: int, threads: int = 1) -> None:
@@ -123,12 +127,16 @@ def run(ctx: Context) -> SuiteResult:
     layer = LAYER_MB[ctx.scale] * MB
     repeats = REPEATS[ctx.scale]
     where = bench_dir()
-    work = tempfile.mkdtemp(prefix="layerwise-bench-disk-", dir=where)
-    path = os.path.join(work, "layers.bin")
+    work = None
+    fds = []  # closed by the `finally` below, as the directory is removed
     try:
+        with held_interrupts():  # made and recorded for the `finally` as one step
+            work = tempfile.mkdtemp(prefix="layerwise-bench-disk-", dir=where)
+        path = os.path.join(work, "layers.bin")
         write_test_file(path, nbytes)
         try:
-            os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+            with held_interrupts():
+                os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
         except OSError as e:
             raise Skip(f"{where} ({filesystem_type(where)}) refuses O_DIRECT: {e}") from None
 
@@ -141,8 +149,11 @@ def run(ctx: Context) -> SuiteResult:
         slots = [aligned_staging(slot_bytes) for _ in range(SLOTS)]
         readers = {"reader": Reader(num_threads=READER_THREADS, direct=True, chunk_bytes=READ_CHUNK_BYTES),
                    "reader buffered": Reader(num_threads=READER_THREADS, direct=False, chunk_bytes=READ_CHUNK_BYTES)}
-        fd_direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        fd_plain = os.open(path, os.O_RDONLY)
+        with held_interrupts():
+            fd_direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            fds.append(fd_direct)
+            fd_plain = os.open(path, os.O_RDONLY)
+            fds.append(fd_plain)
         # Every method reads into the same staging slots: O_DIRECT throughput depends on the
         # destination's physical layout (a virtio disk takes at most max_segments physically
         # contiguous pieces per request), which differs from one buffer to the next.
@@ -196,8 +207,9 @@ def run(ctx: Context) -> SuiteResult:
         if stats["runs_direct"] == 0 or stats["failed"]:
             raise RuntimeError(f"the reader did not read with O_DIRECT here: {stats}")
         bw = {k: s.map(lambda t: nbytes / t / GB) for k, s in times.items()}
-        os.close(fd_direct)
-        os.close(fd_plain)
+        with held_interrupts():
+            while fds:
+                os.close(fds.pop())
         for r in readers.values():
             r.synchronize()
         os.unlink(path)
@@ -206,7 +218,10 @@ def run(ctx: Context) -> SuiteResult:
         best = max(DIRECT, key=lambda k: bw[k].median)
         stream_rows, stream_data = disk_stream.run(ctx, work, bw[best].median, filesystem_type(where))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        for fd in fds:
+            os.close(fd)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
     fs = filesystem_type(where)
     size = f"{nbytes // MB} MiB file, {layer // MB} MiB layers"

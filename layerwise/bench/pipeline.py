@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..stages.read import held_interrupts
 from .common import MB, Context, Row, Stat, SuiteResult, Target, ratio
 
 NAME = "pipeline"
@@ -249,7 +250,9 @@ def _child() -> None:
 
 
 def _run_method(ctx: Context, method: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
+    with held_interrupts():  # made with the finalizer that removes it (at exit at the latest) as one step
+        made = tempfile.TemporaryDirectory()
+    with made as tmp:
         out = os.path.join(tmp, "result.pkl")
         args = [method, str(ctx.device), ctx.scale, str(torch.get_num_threads()), out]
         proc = subprocess.run([sys.executable, "-c", f"from {__name__} import _child; _child()", *args])

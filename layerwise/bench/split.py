@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 
+from ..stages.read import held_interrupts
 from .common import MB, Context, Row, Skip, Stat, SuiteResult
 
 NAME = "split"
@@ -194,7 +195,9 @@ def run(ctx: Context) -> SuiteResult:
     steps = ctx.pick(STEPS)
     timeout = ctx.pick(TIMEOUT_S)
     result = SuiteResult(NAME)
-    with tempfile.TemporaryDirectory() as tmp:
+    with held_interrupts():  # made with the finalizer that removes it (at exit at the latest) as one step
+        made = tempfile.TemporaryDirectory()
+    with made as tmp:
         ranks = _launch(world, "all,split", layers, d, steps, timeout, tmp, kind)
     runs = {mode: [r[mode] for r in ranks] for mode in ("all", "split")}
     step = {mode: Stat.of(r[0]["times"]) for mode, r in runs.items()}

@@ -41,6 +41,7 @@ import torch
 
 import layerwise
 
+from ..stages.read import held_interrupts
 from . import models
 from .common import MB, Context, Row, Stat, SuiteResult, Target, clone_module, ratio
 
@@ -239,7 +240,9 @@ def _model_rows(ctx: Context, label: str, base, runs: dict, unmap_on_free: bool)
 def run(ctx: Context) -> SuiteResult:
     """Measure in a fresh interpreter (see _unmap_on_free): the suite's result
     comes back pickled; its progress and errors go to this process's stderr."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with held_interrupts():  # made with the finalizer that removes it (at exit at the latest) as one step
+        made = tempfile.TemporaryDirectory()
+    with made as tmp:
         out = os.path.join(tmp, "result.pkl")
         args = [str(ctx.device), ctx.scale, str(int(ctx.show_progress)), str(torch.get_num_threads()), out]
         proc = subprocess.run([sys.executable, "-c", f"from {__name__} import _child; _child()", *args])

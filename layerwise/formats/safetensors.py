@@ -116,16 +116,19 @@ def _open_regular(path: str, what: str):
     """Open `path` for reading, refusing anything but a regular file. O_NONBLOCK makes
     opening a FIFO return at once (the check after the open then refuses it), and the
     check is on the descriptor itself, so the file cannot be swapped in between."""
+    from .. import contract  # (imported here: this module sits below it)
+
     _check_regular(path, what)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{what}: is {_file_kind(st.st_mode)}, not a regular file")
-        return os.fdopen(fd, "rb"), st.st_size
-    except BaseException:
-        os.close(fd)
-        raise
+    with contract.defer_interrupts():  # until the file object that closes the descriptor holds it
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{what}: is {_file_kind(st.st_mode)}, not a regular file")
+            return os.fdopen(fd, "rb"), st.st_size
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 def _u64(v) -> bool:

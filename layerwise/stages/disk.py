@@ -49,7 +49,7 @@ import zlib
 import torch
 
 from .read import (PAGE, READ_CHUNK_BYTES, READER_THREADS, OpenFile, ReadError, Reader, _round_up, aligned_staging,
-                   read_layer, staging_block, staging_layout)
+                   held_interrupts, read_layer, staging_block, staging_layout)
 from .result import detached
 from .transfer import Transfer, cuts_of
 
@@ -104,10 +104,11 @@ class DiskFile:
             raise ReadError(getattr(err, "errno", None) or errno.EIO,
                             f"layerwise: {self.path} cannot be streamed from any more ({err}). Restore the file "
                             "the model was loaded from, or load the model again.") from None
-        old, self.of = self.of, new
-        self.gen += 1
-        self.failed = False
-        old.close(reader)
+        with held_interrupts():  # the old descriptor is closed and forgotten by the reader as it is replaced
+            old, self.of = self.of, new
+            self.gen += 1
+            self.failed = False
+            old.close(reader)
 
     def close(self, reader: Reader | None = None) -> None:
         if _READER and self.of.fd >= 0:  # reads outside a tier used the shared reader: its cached fd too
@@ -146,13 +147,14 @@ class SpillFile:
             raise ValueError(f"spill_dir {spill_dir!r} is not a directory (create it first)")
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in group)
         self.path = os.path.join(spill_dir, f"layerwise-{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}.spill")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self._fds = [fd, -1]  # [fd, direct_fd]: shared with the finalizer, which closes what is there
-        self._finalizer = weakref.finalize(self, _drop_spill, self.path, os.getpid(), self._fds)
         self.file: DiskFile | None = None
-        self._open_direct()
         self.size = 0
+        self._fds = [-1, -1]  # [fd, direct_fd]: shared with the finalizer, which closes what is there
+        with held_interrupts():  # the file and the finalizer that deletes it come together
+            self._fds[0] = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            self._finalizer = weakref.finalize(self, _drop_spill, self.path, os.getpid(), self._fds)
         try:
+            self._open_direct()
             self.file = DiskFile(self.path)
             self.file.on_reopen = self._follow
         except BaseException:
@@ -169,7 +171,8 @@ class SpillFile:
 
     def _open_direct(self) -> None:
         try:
-            self._fds[1] = os.open(self.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            with held_interrupts():  # recorded where the finalizer closes it
+                self._fds[1] = os.open(self.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError:  # tmpfs and others: buffered writes
             self._fds[1] = -1
 
@@ -179,13 +182,13 @@ class SpillFile:
         st = os.fstat(self.fd)
         if (st.st_dev, st.st_ino) == (of.dev, of.ino):
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         old = self._fds[:]
-        self._fds[0] = fd
-        self._open_direct()
-        for f in old:
-            if f >= 0:
-                os.close(f)
+        with held_interrupts():  # the new descriptors take the old ones' place in the record whole
+            self._fds[0] = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            self._open_direct()
+            for f in old:
+                if f >= 0:
+                    os.close(f)
 
     def append(self, block: torch.Tensor) -> int:
         """Write a page-aligned host block (its length rounded up to a page; the
@@ -888,8 +891,9 @@ def spill_store(group: str, spill_dir, files: list):
     def store(lp, payload, span, what):
         nonlocal spill
         if spill is None:
-            spill = SpillFile(spill_dir, group)
-            files.append(spill)
+            with held_interrupts():  # made and recorded where remove() and a failed configure close it
+                spill = SpillFile(spill_dir, group)
+                files.append(spill)
         n = payload.numel()
         block = payload
         if payload.data_ptr() % PAGE or payload.untyped_storage().nbytes() - payload.storage_offset() < _round_up(n):

@@ -126,6 +126,16 @@ def staging_layout(file_extents, base: int = 0) -> tuple[list[tuple[int, int, in
     return out, cursor - base
 
 
+def held_interrupts():
+    """Ctrl-C held back (contract.defer_interrupts) while a descriptor or file is made
+    and the record that closes it is set up (a finalizer, a list that a rollback
+    closes): Python raises a pending KeyboardInterrupt right after a native call such
+    as os.open returns, which would leave the descriptor with nothing to close it."""
+    from .. import contract  # (imported here: the contract is built on the stages)
+
+    return contract.defer_interrupts()
+
+
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)
@@ -157,13 +167,14 @@ class OpenFile:
     @classmethod
     def open(cls, path) -> OpenFile:
         path = os.fsdecode(path)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, fd, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+        with held_interrupts():  # until its finalizer closes the descriptor
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                return cls(path, fd, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+            except BaseException:
+                os.close(fd)
+                raise
 
     @property
     def expect(self) -> tuple[int, int, int]:
