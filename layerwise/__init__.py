@@ -1,16 +1,16 @@
 """layerwise: stream a model's repeated blocks from (pinned) host memory to the
 accelerator, one block ahead of the compute that needs it."""
-from ._native import CopyEngine, Event, HostArena, build_info
-from .configure import configure_layerwise_offload, remove_layerwise_offload
-from .detect import detect_layer_groups
-from .empty import empty_model
-from .lifecycle import is_offloaded, managers_of
-from .loading import load_offloaded
-from .manager import LayerwiseOffloadManager
-from .options import OffloadOptions
-from .pipelines import offload_pipeline, remove_pipeline_offload, report, report_pipeline
-from .scatter import build_scatter_table, scatter_segment
-from .tune import TunePlan, tune
+from layerwise._native import CopyEngine, Event, HostArena, build_info
+from layerwise.configure import configure_layerwise_offload, remove_layerwise_offload
+from layerwise.detect import detect_layer_groups
+from layerwise.empty import empty_model
+from layerwise.lifecycle import is_offloaded, managers_of
+from layerwise.loading import load_offloaded
+from layerwise.manager import LayerwiseOffloadManager
+from layerwise.options import OffloadOptions
+from layerwise.pipelines import offload_pipeline, remove_pipeline_offload, report, report_pipeline
+from layerwise.scatter import build_scatter_table, scatter_segment
+from layerwise.tune import TunePlan, tune
 
 __all__ = [
     "CopyEngine",

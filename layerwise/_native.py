@@ -8,7 +8,7 @@ import warnings
 import torch
 
 try:
-    from . import _C
+    from layerwise import _C
 except ImportError as e:  # pragma: no cover - exercised by hand on a broken install
     raise ImportError(
         "layerwise's native extension (layerwise._C) is not built or does not load: "

@@ -24,8 +24,8 @@ import logging
 
 import torch
 
-from .plan import assign_slots, param_bytes
-from .options import resolve_resident
+from layerwise.plan import assign_slots, param_bytes
+from layerwise.options import resolve_resident
 
 log = logging.getLogger("layerwise")
 
@@ -48,7 +48,7 @@ def record_host_budget(managers, host_budget, budget_bytes: int) -> None:
     """Keep the host budget in force on each manager (`host_budget`: what was given,
     `budget_bytes`: what it resolved to), for layerwise.report, and in each group's
     tier plan (layerwise.hostplan.HostBudget: checked wherever the bytes held change)."""
-    from .hostplan import HostBudget
+    from layerwise.hostplan import HostBudget
 
     source = "auto" if isinstance(host_budget, str) else "given"
     ledger = HostBudget(budget_bytes, source, managers)

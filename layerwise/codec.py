@@ -169,7 +169,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._native import codec as _codec
+from layerwise._native import codec as _codec
 
 # ---------------------------------------------------------------- the format
 MAGIC = b"LWCS"
@@ -386,7 +386,7 @@ def decode_segment(encoded: torch.Tensor, dst: torch.Tensor, backend: str = "aut
     if backend == "native":
         decode(encoded, dst, threads)
         return "native"
-    from .triton_kernels import decode as _d
+    from layerwise.triton_kernels import decode as _d
 
     if backend == "ref":
         _d.decode_segment_ref(encoded, dst)

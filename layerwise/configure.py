@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from . import contract, stages
-from .contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
-from .manager import LayerwiseOffloadManager
-from .hostplan import plan_spill
-from .budget import record_host_budget, warn_if_streaming_saves_nothing
-from .options import OffloadOptions, named_options, note_cpu_threads, resolve_resident
-from .plan import param_bytes, resolve_group
+from layerwise import contract, stages
+from layerwise.contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
+from layerwise.manager import LayerwiseOffloadManager
+from layerwise.hostplan import plan_spill
+from layerwise.budget import record_host_budget, warn_if_streaming_saves_nothing
+from layerwise.options import OffloadOptions, named_options, note_cpu_threads, resolve_resident
+from layerwise.plan import param_bytes, resolve_group
 
 log = logging.getLogger("layerwise")
 
@@ -109,7 +109,7 @@ def configure_layerwise_offload(
     contract.check_configurable(model, managers)
     dev = options.device
     if options.device_budget is not None:
-        from .budget import apply_device_budget
+        from layerwise.budget import apply_device_budget
 
         apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
                             options.residency_policy)
@@ -128,7 +128,7 @@ def _prepare(model, layer_names, options: OffloadOptions) -> list[LayerwiseOfflo
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(layer_names, str) and layer_names == "auto":
-        from .detect import detect_layer_groups
+        from layerwise.detect import detect_layer_groups
 
         names = detect_layer_groups(model)
         log.info("layerwise: layer_names='auto' chose %s", names)

@@ -47,9 +47,9 @@ import weakref
 import torch
 from torch import nn
 
-from . import drift, dynamo_guard, packing, stages
-from .formats import quantized
-from .plan import Wrapped, local_tensor
+from layerwise import drift, dynamo_guard, packing, stages
+from layerwise.formats import quantized
+from layerwise.plan import Wrapped, local_tensor
 
 _MANAGERS = "_layerwise_managers"
 _LOCK = "_layerwise_lock"

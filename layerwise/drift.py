@@ -48,9 +48,9 @@ import logging
 
 import torch
 
-from . import packing
-from .formats import aliases, quantized
-from .plan import storage_span
+from layerwise import packing
+from layerwise.formats import aliases, quantized
+from layerwise.plan import storage_span
 
 log = logging.getLogger("layerwise")
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import dynamo_guard
-from .formats import quantized
+from layerwise import dynamo_guard
+from layerwise.formats import quantized
 
 log = logging.getLogger("layerwise")
 

@@ -29,7 +29,7 @@ def cuda_unusable() -> str | None:
     causes are checked in the order a user fixes them: torch itself first (a
     rebuilt extension would not help a CPU-only torch or a machine with no GPU
     visible), then layerwise's own build."""
-    from . import _native
+    from layerwise import _native
 
     if torch.version.cuda is None:
         return (f"this torch ({torch.__version__}) is a CPU-only build: it cannot use a GPU. Install a CUDA "

@@ -11,7 +11,7 @@ import os
 import resource
 from dataclasses import dataclass
 
-from .budget import fmt_bytes
+from layerwise.budget import fmt_bytes
 
 GiB = 1 << 30
 RESERVE_FRACTION = 0.05  # of a memory limit, kept for everything else the process needs
@@ -216,7 +216,7 @@ def resident_file_bytes(path) -> int:
     import ctypes
     import mmap
 
-    from . import contract  # (imported here: this module sits below it)
+    from layerwise import contract  # (imported here: this module sits below it)
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p

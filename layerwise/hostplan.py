@@ -31,9 +31,9 @@ import functools
 
 import logging
 
-from .budget import fmt_bytes, non_layer_bytes
-from .plan import round_up
-from .stages.disk import DiskTier, spill_store, staging_slots
+from layerwise.budget import fmt_bytes, non_layer_bytes
+from layerwise.plan import round_up
+from layerwise.stages.disk import DiskTier, spill_store, staging_slots
 
 log = logging.getLogger("layerwise")
 
@@ -86,7 +86,7 @@ def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
     """(bytes, how it was found) for a host_budget OffloadOptions has validated: a
     number of bytes, or "auto" (the tightest of the host's and the cgroup's limits)."""
     if host_budget == "auto":
-        from .hostmem import host_limits
+        from layerwise.hostmem import host_limits
 
         limits = host_limits(held_bytes, lock=False)
         tight = min(limits, key=lambda lim: lim.budget)
@@ -151,7 +151,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     `why_not_disk(manager, index) -> str | None`: a reason a layer cannot stay
     on disk (then it must be in the arena). `disk=False` (an in-memory model
     without spill_dir): every layer must fit, or a ValueError says what it needs."""
-    from .tierplan import layer_host_bytes
+    from layerwise.tierplan import layer_host_bytes
 
     budget, how = resolve_host_budget(host_budget, held_bytes)
     enabled = [m for m in managers if m.enabled]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import contract
-from .pipelines import component_modules
+from layerwise import contract
+from layerwise.pipelines import component_modules
 
 
 def _components(obj, caller: str) -> list[nn.Module]:

@@ -40,16 +40,16 @@ import os
 import torch
 from torch import nn
 
-from . import contract, stages
-from .budget import record_host_budget
-from .hostplan import plan_host_budget
-from .configure import _build, _prepare
-from .options import OffloadOptions, named_options
-from .empty import (dtype_at_load, from_pretrained_rule, recompute_buffers, retype, tie_declared,
-                    warn_unlike_from_pretrained)
-from .formats import quantized
-from .formats import safetensors as sft
-from .formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
+from layerwise import contract, stages
+from layerwise.budget import record_host_budget
+from layerwise.hostplan import plan_host_budget
+from layerwise.configure import _build, _prepare
+from layerwise.options import OffloadOptions, named_options
+from layerwise.empty import (dtype_at_load, from_pretrained_rule, recompute_buffers, retype, tie_declared,
+                             warn_unlike_from_pretrained)
+from layerwise.formats import quantized
+from layerwise.formats import safetensors as sft
+from layerwise.formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
 
 log = logging.getLogger("layerwise")
 
@@ -260,7 +260,7 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                  ", ".join(f"{n} (from {what})" for n, (_, what) in recomputed.items()))
 
     if options.device_budget is not None:
-        from .budget import apply_device_budget
+        from layerwise.budget import apply_device_budget
 
         apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
                             options.residency_policy)
@@ -400,7 +400,7 @@ def _streams_from_file(e, s: Stored) -> str | None:
 def _plan_disk(model, managers, options: OffloadOptions, stored, entry_key) -> None:
     """The disk tier of load_offloaded: layers over the host budget stay in the
     checkpoint files (or go to spill files with spill_dir)."""
-    from .stages.disk import spill_store
+    from layerwise.stages.disk import spill_store
 
     host_budget, spill_dir = options.host_budget, options.spill_dir
 
@@ -443,8 +443,8 @@ def _checkpoint_store(stored: dict, entry_key: dict, files: list):
     DiskSource that reads each file's tensors of the layer (or of this rank's
     share of it: `span` (lo, hi) of its plan layout) with one vectored read per
     run. `files` receives the files opened (closed by remove())."""
-    from .stages.disk import DiskFile, DiskSource, crc_of
-    from .stages.read import staging_layout
+    from layerwise.stages.disk import DiskFile, DiskSource, crc_of
+    from layerwise.stages.read import staging_layout
 
     opened: dict = {}  # this group's own descriptors (a reader caches per descriptor)
 

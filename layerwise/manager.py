@@ -31,14 +31,14 @@ from numbers import Integral
 import torch
 from torch import nn
 
-from . import _native, contract, drift, dynamo_guard, experts, gpu_checks, stages
-from .options import (OffloadOptions, manager_options, named_options, resident_arg, resolve_resident,
-                      validate_depth, validate_residency)
-from .meter import Meter
-from .packing import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
-from .plan import GroupPlan, build_group_plan, device_bytes
-from .ring import SlotRing
-from .tierplan import TierChoice
+from layerwise import _native, contract, drift, dynamo_guard, experts, gpu_checks, stages
+from layerwise.options import (OffloadOptions, manager_options, named_options, resident_arg, resolve_resident,
+                               validate_depth, validate_residency)
+from layerwise.meter import Meter
+from layerwise.packing import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
+from layerwise.plan import GroupPlan, build_group_plan, device_bytes
+from layerwise.ring import SlotRing
+from layerwise.tierplan import TierChoice
 
 log = logging.getLogger("layerwise")
 

@@ -20,7 +20,7 @@ from numbers import Integral, Real
 
 import torch
 
-from . import _native
+from layerwise import _native
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class OffloadOptions:
         v["measure_stalls"] = validate_flag("measure_stalls", v["measure_stalls"])
         v["compress"] = validate_compress(v["compress"])
         if v["compress"] is not None:  # the decode path of this device, checked now (CUDA: Triton on the GPU)
-            from .gpu_checks import check_decode_path
+            from layerwise.gpu_checks import check_decode_path
 
             check_decode_path(v["device"])
         v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"] = check_disk_options(
@@ -139,7 +139,7 @@ def resolve_device(device) -> torch.device:
         return dev
     if dev.type != "cuda":
         raise ValueError(f"device {device!r}: layerwise streams to 'cpu' or 'cuda[:N]', not {dev.type!r}")
-    from .gpu_checks import cuda_unusable
+    from layerwise.gpu_checks import cuda_unusable
 
     why = cuda_unusable()
     if why is not None:

@@ -20,9 +20,9 @@ import sys
 import torch
 from torch import nn
 
-from . import _native, stages
-from .formats import aliases, quantized
-from .plan import BLOCK_ALIGN, round_up
+from layerwise import _native, stages
+from layerwise.formats import aliases, quantized
+from layerwise.plan import BLOCK_ALIGN, round_up
 
 log = logging.getLogger("layerwise")
 

@@ -43,16 +43,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import contract, stages
-from .hostmem import PinBudget, pinnable_host_bytes
-from .hostplan import plan_spill
-from .budget import (apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget,
-                     warn_if_streaming_saves_nothing)
-from .configure import _prepare, configure_models, managers_of
-from .options import OffloadOptions, named_options, validate_bytes
-from .plan import local_tensor
-from .tierplan import planned_host_bytes
-from .report import NotOffloaded, report as model_report
+from layerwise import contract, stages
+from layerwise.hostmem import PinBudget, pinnable_host_bytes
+from layerwise.hostplan import plan_spill
+from layerwise.budget import (apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget,
+                              warn_if_streaming_saves_nothing)
+from layerwise.configure import _prepare, configure_models, managers_of
+from layerwise.options import OffloadOptions, named_options, validate_bytes
+from layerwise.plan import local_tensor
+from layerwise.tierplan import planned_host_bytes
+from layerwise.report import NotOffloaded, report as model_report
 
 log = logging.getLogger("layerwise")
 
@@ -160,7 +160,7 @@ def _select(comps: dict[str, nn.Module], components) -> list[Component]:
     if unknown:
         raise ValueError(f"components {unknown} are not nn.Module components of the pipeline; it has "
                          f"{sorted(comps)}")
-    from .detect import detect_layer_groups
+    from layerwise.detect import detect_layer_groups
 
     out = []
     for name, module in comps.items():

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .plan import assign_slots
+from layerwise.plan import assign_slots
 
 PASSES = 3  # walks over the calls; the last one is the steady state predicted
 
@@ -188,8 +188,8 @@ def fit_bus(samples) -> tuple[float, float] | None:
 def candidates_by_policy(step: Step, depths, fits, policies=("leading", "strided")) -> dict:
     """{(policy, depth): Placement}: per policy and depth, the largest shared share
     of resident layers (as layerwise.budget plans it) whose placement `fits`."""
-    from .budget import largest_share
-    from .options import resolve_resident
+    from layerwise.budget import largest_share
+    from layerwise.options import resolve_resident
 
     def at(share: float, policy: str, d: int) -> Placement:
         return Placement(tuple(tuple(resolve_resident(share, g.num_layers, policy)) for g in step.groups),

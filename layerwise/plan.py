@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .formats import quantized
+from layerwise.formats import quantized
 
 log = logging.getLogger("layerwise")
 

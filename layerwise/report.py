@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import textwrap
 
-from .budget import fmt_bytes, non_layer_bytes, streaming_saves_nothing
-from .configure import managers_of
+from layerwise.budget import fmt_bytes, non_layer_bytes, streaming_saves_nothing
+from layerwise.configure import managers_of
 
 WIDTH = 120  # the table and the plain lines stay within this many columns
 

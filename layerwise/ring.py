@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .plan import assign_slots
+from layerwise.plan import assign_slots
 
 
 class SlotRing:

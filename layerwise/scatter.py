@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def build_scatter_table(segment, offsets, dsts, **kwargs):
     """Validate once (at plan time) and build the device descriptor table."""
-    from .triton_kernels import scatter as _s
+    from layerwise.triton_kernels import scatter as _s
 
     return _s.build_scatter_table(segment, offsets, dsts, **kwargs)
 
@@ -14,6 +14,6 @@ def build_scatter_table(segment, offsets, dsts, **kwargs):
 def scatter_segment(segment, offsets, dsts, table=None, backend: str = "auto") -> str:
     """Write `segment` into every destination view in one launch; returns the
     path that ran: "triton" or "ref"."""
-    from .triton_kernels import scatter as _s
+    from layerwise.triton_kernels import scatter as _s
 
     return _s.scatter(segment, offsets, dsts, table=table, backend=backend)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codec as _codec
-from .plan import BLOCK_ALIGN, round_up
+from layerwise import codec as _codec
+from layerwise.plan import BLOCK_ALIGN, round_up
 
 _ALIGN = 16  # every codec stream starts at a multiple of 16 bytes
 
@@ -127,7 +127,7 @@ def plan_routes(plan, resident, compress, spans=None, disk_layers=frozenset(), d
     fetch; `disk_layers` kept in files (`disk_where`: "spill" or "checkpoint").
     `sizes`: compute encoded sizes (histograms of the weights; else raw).
     `experts`: the group's routed experts (their rows are encoded per expert)."""
-    from .stages.decode import MIN_SAVING
+    from layerwise.stages.decode import MIN_SAVING
 
     resident = set(resident)
     spans = spans or {}

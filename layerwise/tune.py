@@ -47,11 +47,11 @@ import time
 
 import torch
 
-from . import contract, dynamo_guard, placement as pm
-from .budget import fmt_bytes, non_layer_bytes, resolve_budget
-from .configure import managers_of
-from .manager import Lifecycle
-from .options import validate_bytes, validate_count
+from layerwise import contract, dynamo_guard, placement as pm
+from layerwise.budget import fmt_bytes, non_layer_bytes, resolve_budget
+from layerwise.configure import managers_of
+from layerwise.manager import Lifecycle
+from layerwise.options import validate_bytes, validate_count
 
 log = logging.getLogger("layerwise")
 
@@ -253,7 +253,7 @@ def _ranges(idx) -> str:
 
 
 def _models(obj) -> list:
-    from . import pipelines
+    from layerwise import pipelines
 
     if pipelines.is_offloaded_pipeline(obj):
         return [m for _, m in pipelines.streamed_components(obj)]
@@ -265,7 +265,7 @@ def _models(obj) -> list:
 
 def _whole_bytes(obj) -> int:
     """A pipeline's components kept whole on the device (offload_pipeline counts them in its budget)."""
-    from . import pipelines
+    from layerwise import pipelines
 
     return pipelines.resident_component_bytes(obj) if pipelines.is_offloaded_pipeline(obj) else 0
 

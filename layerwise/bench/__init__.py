@@ -16,6 +16,6 @@ reason. ``--quick`` sizes the run for minutes on a small machine (``make bench``
 on a CPU); without it, problems are sized for a large GPU. The exit status is
 non-zero when a suite raised; a missed target is not a failure, the table marks it.
 """
-from .cli import SUITES, main
+from layerwise.bench.cli import SUITES, main
 
 __all__ = ["SUITES", "main"]

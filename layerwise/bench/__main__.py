@@ -1,3 +1,3 @@
-from .cli import main
+from layerwise.bench.cli import main
 
 raise SystemExit(main())

@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from .common import Skip
+from layerwise.bench.common import Skip
 
 
 class NaiveOffload:

@@ -31,10 +31,10 @@ import torch
 
 import layerwise
 
-from . import h2d, models
-from .common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
-                     inference_step, ratio)
-from .stream import Sweep, layerwise_methods, regime
+from layerwise.bench import h2d, models
+from layerwise.bench.common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare,
+                                    device_timer, inference_step, ratio)
+from layerwise.bench.stream import Sweep, layerwise_methods, regime
 
 NAME = "bus"
 ENV = "LAYERWISE_SIM_BUS_GBPS"

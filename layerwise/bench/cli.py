@@ -13,8 +13,9 @@ import torch
 
 from layerwise.gpu_checks import cuda_unusable
 
-from . import bus, compress, disk, h2d, hooks, moe, pipeline, quant, report, scatter, split, startup, stream, tune
-from .common import Context, Skip, SuiteResult
+from layerwise.bench import (bus, compress, disk, h2d, hooks, moe, pipeline, quant, report, scatter, split, startup,
+                             stream, tune)
+from layerwise.bench.common import Context, Skip, SuiteResult
 
 SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, bus, tune, startup, hooks, disk, quant, moe, pipeline,
                                    compress, split)}

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from .common import GB, MB, Context, Row, Skip, Stat, SuiteResult, Target, compare, device_timer, ratio
+from layerwise.bench.common import GB, MB, Context, Row, Skip, Stat, SuiteResult, Target, compare, device_timer, ratio
 
 NAME = "compress"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -193,7 +193,7 @@ def _chunk_entropy_bits(sym: torch.Tensor, nsym: int) -> float:
 
 def exponent_bound(x: torch.Tensor) -> float:
     """Bytes per raw byte: per chunk, the exponent at its entropy, every other bit raw."""
-    from .. import codec
+    from layerwise import codec
 
     v = _as_uint(x)
     shift, bits = _EXPONENT[x.dtype]
@@ -205,7 +205,7 @@ def exponent_bound(x: torch.Tensor) -> float:
 def entropy_bound(x: torch.Tensor) -> float:
     """Bytes per raw byte of an ideal coder of the format's split: per chunk, each field
     the format may code at min(its entropy, its width), the other fields raw."""
-    from .. import codec
+    from layerwise import codec
 
     if x.dtype not in codec.FIELDS:
         return 1.0
@@ -231,7 +231,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def _cpu_rows(ctx: Context, result: SuiteResult, tensors: dict, encoded: dict, repeats: int, bar) -> None:
-    from .. import codec
+    from layerwise import codec
 
     threads = os.cpu_count() or 1
     for tag, x in tensors.items():
@@ -264,7 +264,7 @@ def _cpu_rows(ctx: Context, result: SuiteResult, tensors: dict, encoded: dict, r
 
 def _real_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
     """The real-weight set against ZipNN: ratio, and C++ vs ZipNN speeds, same tensors, same run."""
-    from .. import codec
+    from layerwise import codec
 
     flat = real_weights(ctx.pick(REAL_VALUES))
     label = real_weights_name()
@@ -332,7 +332,7 @@ def _layer_ratio_rows(ctx: Context, result: SuiteResult) -> None:
     """Each real-weight set, one segment per layer (its tensors' bytes one after the other,
     as the manager encodes a layer's parameters of one dtype): encoded bytes of ours and of
     ZipNN, each segment on its own."""
-    from .. import codec
+    from layerwise import codec
 
     zip_make = zipnn_codec()
     zname = f"ZipNN {zipnn_version()}"
@@ -387,8 +387,8 @@ def _layer_ratio_rows(ctx: Context, result: SuiteResult) -> None:
 
 
 def _triton_rows(ctx: Context, result: SuiteResult, tensors: dict, encoded: dict, repeats: int, bar) -> None:
-    from .. import codec
-    from ..triton_kernels import decode as kernels
+    from layerwise import codec
+    from layerwise.triton_kernels import decode as kernels
 
     for tag, x in tensors.items():
         enc_host = encoded[tag]
@@ -420,8 +420,8 @@ def _stream_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
     """Transfer-bound stream of bf16 layers: encoded H2D + decode vs raw H2D."""
     import layerwise
 
-    from .. import codec
-    from ..triton_kernels import decode as kernels
+    from layerwise import codec
+    from layerwise.triton_kernels import decode as kernels
 
     layers, layer_mb = ctx.pick(STREAM)
     xs = [weight_like(layer_mb * MB, torch.bfloat16, seed=100 + i) for i in range(layers)]
@@ -479,7 +479,7 @@ def _stream_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
                     repeats=repeats, warmup=2, bar=bar)
     ms = {k: s.map(lambda t: t * 1e3) for k, s in times.items()}
     r = ratio(ms["compressed"], ms["raw floor"])
-    from . import h2d
+    from layerwise.bench import h2d
 
     # the floor of this stream: no compute (a resident step of 0), so the encoded bytes over the measured bandwidth
     bandwidth = h2d.arena_bandwidth(ctx, max(e.numel() for e in enc_h))
@@ -512,7 +512,7 @@ def _manager_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
     """The manager's own stream, compress="lossless" against None: bytes per step and step time."""
     import layerwise
 
-    from . import h2d
+    from layerwise.bench import h2d
 
     layers, layer_mb = ctx.pick(MANAGER)
     models, managers = {}, {}
@@ -574,7 +574,7 @@ def _manager_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
 
 def run(ctx: Context) -> SuiteResult:
     try:
-        from .. import codec
+        from layerwise import codec
     except Exception as e:  # noqa: BLE001 - an extension built before the codec existed
         raise Skip(f"layerwise.codec does not import: {type(e).__name__}: {e}") from None
     result = SuiteResult(NAME)

@@ -43,9 +43,9 @@ import shutil
 import tempfile
 import time
 
-from ..stages.read import (READ_CHUNK_BYTES, READER_THREADS, Reader, aligned_staging, filesystem_type, held_interrupts,
-                           staging_layout)
-from .common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, ratio
+from layerwise.stages.read import (READ_CHUNK_BYTES, READER_THREADS, Reader, aligned_staging, filesystem_type,
+                                   held_interrupts, staging_layout)
+from layerwise.bench.common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, ratio
 
 NAME = "disk"
 
@@ -213,7 +213,7 @@ def run(ctx: Context) -> SuiteResult:
         for r in readers.values():
             r.synchronize()
         os.unlink(path)
-        from . import disk_stream
+        from layerwise.bench import disk_stream
 
         best = max(DIRECT, key=lambda k: bw[k].median)
         stream_rows, stream_data = disk_stream.run(ctx, work, bw[best].median, filesystem_type(where))

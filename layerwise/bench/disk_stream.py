@@ -51,10 +51,10 @@ import textwrap
 
 import torch
 
-from . import bus
-from .common import GB, MB, Context, Row, Target, compare, device_timer, inference_step, median, ratio
-from .stream import regime
-from .models import DiTStack, build
+from layerwise.bench import bus
+from layerwise.bench.common import GB, MB, Context, Row, Target, compare, device_timer, inference_step, median, ratio
+from layerwise.bench.stream import regime
+from layerwise.bench.models import DiTStack, build
 
 SHAPES = {"full": (1024, 48, 256), "quick": (512, 48, 64), "tiny": (128, 12, 8)}  # hidden, layers, tokens
 REPEATS = {"full": 7, "quick": 5, "tiny": 2}

@@ -16,7 +16,8 @@ import torch
 
 import layerwise
 
-from .common import GB, MB, Context, Row, SuiteResult, Target, compare, device_timer, ratio, stream_handle
+from layerwise.bench.common import (GB, MB, Context, Row, SuiteResult, Target, compare, device_timer, ratio,
+                                    stream_handle)
 
 NAME = "h2d"
 

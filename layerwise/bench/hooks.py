@@ -21,8 +21,9 @@ import torch
 
 import layerwise
 
-from . import baselines, models
-from .common import Context, Row, Skip, Stat, SuiteResult, Target, compare, host_timer, inference_step, ratio
+from layerwise.bench import baselines, models
+from layerwise.bench.common import (Context, Row, Skip, Stat, SuiteResult, Target, compare, host_timer, inference_step,
+                                    ratio)
 
 NAME = "hooks"
 OURS, PLAIN = "layerwise", "no offload"

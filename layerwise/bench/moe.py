@@ -33,8 +33,8 @@ import torch
 
 import layerwise
 
-from . import bus
-from .common import MB, Context, Row, Skip, SuiteResult, Target, clone_module
+from layerwise.bench import bus
+from layerwise.bench.common import MB, Context, Row, Skip, SuiteResult, Target, clone_module
 
 NAME = "moe"
 TARGET_ROUTED = 1.1
@@ -66,7 +66,7 @@ class _Used:
     """The (layer, module, expert) triples the forwards of a step used, and the ideal bytes."""
 
     def __init__(self, manager):
-        from ..experts import chosen_experts
+        from layerwise.experts import chosen_experts
 
         self.m, self.seen, self.handles = manager, set(), []
         expert_ids = set()

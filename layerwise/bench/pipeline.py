@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..stages.read import held_interrupts
-from .common import MB, Context, Row, Stat, SuiteResult, Target, ratio
+from layerwise.stages.read import held_interrupts
+from layerwise.bench.common import MB, Context, Row, Stat, SuiteResult, Target, ratio
 
 NAME = "pipeline"
 RESIDENT, LAYERWISE, PAGEABLE = "resident", "layerwise", "layerwise pageable"
@@ -204,7 +204,7 @@ def _warm_up(method: str, device: torch.device, dtype: torch.dtype) -> None:
 
 def measure_method(method: str, device: torch.device, size: PipelineSize) -> dict:
     """Build the pipeline, set it up by `method`, run 1 + size.images images; figures."""
-    from .startup import PeakRSS
+    from layerwise.bench.startup import PeakRSS
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     _warm_up(method, device, dtype)
@@ -237,7 +237,7 @@ def measure_method(method: str, device: torch.device, size: PipelineSize) -> dic
 
 
 def _child() -> None:
-    from .startup import _unmap_on_free
+    from layerwise.bench.startup import _unmap_on_free
 
     unmap = _unmap_on_free()
     method, device, scale, threads, out = sys.argv[1:]
@@ -269,7 +269,7 @@ def run(ctx: Context) -> SuiteResult:
         import diffusers  # noqa: F401
         import transformers  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        from .common import Skip
+        from layerwise.bench.common import Skip
 
         raise Skip(f"diffusers and transformers are needed ({type(e).__name__}: {e})") from None
     size = ctx.pick(SIZES)

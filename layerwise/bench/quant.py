@@ -54,10 +54,10 @@ import torch
 
 import layerwise
 
-from . import bus, models
-from .common import (MB, Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
-                     ratio)
-from .stream import regime
+from layerwise.bench import bus, models
+from layerwise.bench.common import (MB, Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare,
+                                    device_timer, ratio)
+from layerwise.bench.stream import regime
 
 NAME = "quant"
 BYTES_TARGET = 1.15  # bytes per step / quantized bytes (issue 23)
@@ -152,7 +152,7 @@ def _step(model, x):
 
 def _layer_bytes(model) -> int:
     """The bytes the streamed blocks hold (a quantized wrapper: its inner tensors)."""
-    from ..plan import param_bytes
+    from layerwise.plan import param_bytes
 
     return sum(param_bytes(p) for p in model.blocks.parameters())
 

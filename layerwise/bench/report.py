@@ -15,7 +15,7 @@ import torch
 
 import layerwise
 
-from .common import Row, Stat, SuiteResult, fmt_num, fmt_value
+from layerwise.bench.common import Row, Stat, SuiteResult, fmt_num, fmt_value
 
 WIDTH = 120  # the default table, its notes and its legend fit this many columns
 
@@ -113,7 +113,7 @@ def _wrap(text: str, width: int = WIDTH, indent: str = "") -> list[str]:
 def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str]:
     """What the table's columns and abbreviations mean; an entry only when the
     table uses what it explains (`text`: everything the table shows)."""
-    from .stream import COMPUTE_BOUND, TRANSFER_BOUND
+    from layerwise.bench.stream import COMPUTE_BOUND, TRANSFER_BOUND
 
     rows = [row for res in results for row in res.rows]
     units = {row.unit for row in rows}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, device_timer, ratio
+from layerwise.bench.common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, device_timer, ratio
 
 NAME = "scatter"
 DTYPE = torch.bfloat16
@@ -27,7 +27,7 @@ REPEATS = {"full": 20, "quick": 10, "tiny": 3}
 
 def _load_kernels():
     try:
-        from ..triton_kernels import scatter as kernels
+        from layerwise.triton_kernels import scatter as kernels
     except Exception as e:  # noqa: BLE001 - ImportError, or Triton failing to load
         raise Skip(f"layerwise.triton_kernels.scatter does not import: {type(e).__name__}: {e}") from None
     return kernels

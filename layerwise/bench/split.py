@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
-from ..stages.read import held_interrupts
-from .common import MB, Context, Row, Skip, Stat, SuiteResult
+from layerwise.stages.read import held_interrupts
+from layerwise.bench.common import MB, Context, Row, Skip, Stat, SuiteResult
 
 NAME = "split"
 WORLD = {"full": 4, "quick": 2, "tiny": 2}
@@ -184,7 +184,7 @@ def run(ctx: Context) -> SuiteResult:
     import torch
     import torch.distributed as dist
 
-    from .. import build_info
+    from layerwise import build_info
 
     if not (dist.is_available() and dist.is_gloo_available()):
         raise Skip("torch was built without torch.distributed / gloo")

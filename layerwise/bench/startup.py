@@ -41,9 +41,9 @@ import torch
 
 import layerwise
 
-from ..stages.read import held_interrupts
-from . import models
-from .common import MB, Context, Row, Stat, SuiteResult, Target, clone_module, ratio
+from layerwise.stages.read import held_interrupts
+from layerwise.bench import models
+from layerwise.bench.common import MB, Context, Row, Stat, SuiteResult, Target, clone_module, ratio
 
 NAME = "startup"
 OURS, NAIVE = "layerwise", "naive per-group"

@@ -33,9 +33,9 @@ import torch
 
 import layerwise
 
-from . import baselines, h2d, models
-from .common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare, device_timer,
-                     inference_step, median, ratio)
+from layerwise.bench import baselines, h2d, models
+from layerwise.bench.common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare,
+                                    device_timer, inference_step, median, ratio)
 
 NAME = "stream"
 RESIDENT = "resident"

@@ -34,9 +34,9 @@ import layerwise
 from layerwise.budget import largest_share
 from layerwise.options import resolve_resident
 
-from . import models
-from .bus import ENV, simulated_bus
-from .common import Context, Row, SuiteResult, Target, check_bitwise, clone_module, inference_step, ratio
+from layerwise.bench import models
+from layerwise.bench.bus import ENV, simulated_bus
+from layerwise.bench.common import Context, Row, SuiteResult, Target, check_bitwise, clone_module, inference_step, ratio
 
 NAME = "tune"
 BIG_COPY_IN_HEAVY = 3.0

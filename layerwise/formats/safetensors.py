@@ -116,7 +116,7 @@ def _open_regular(path: str, what: str):
     """Open `path` for reading, refusing anything but a regular file. O_NONBLOCK makes
     opening a FIFO return at once (the check after the open then refuses it), and the
     check is on the descriptor itself, so the file cannot be swapped in between."""
-    from .. import contract  # (imported here: this module sits below it)
+    from layerwise import contract  # (imported here: this module sits below it)
 
     _check_regular(path, what)
     with contract.defer_interrupts():  # until the file object that closes the descriptor holds it

@@ -22,14 +22,14 @@ module of this package:
     chain.py      one group's stages: builds each layer's source from its route
                   (layerwise.tierplan), starts them, runs their work at the hooks
 """
-from . import gather
-from .chain import Chain, attached
-from .decode import CodecSource, CodecTier
-from .disk import DiskSource, DiskTier, ReadCopy, SpillFile
-from .experts import ExpertSource, ExpertTier
-from .result import Deferred, Pending, is_deferred, then
-from .source import ArenaSource, Source
-from .transfer import Transfer
+from layerwise.stages import gather
+from layerwise.stages.chain import Chain, attached
+from layerwise.stages.decode import CodecSource, CodecTier
+from layerwise.stages.disk import DiskSource, DiskTier, ReadCopy, SpillFile
+from layerwise.stages.experts import ExpertSource, ExpertTier
+from layerwise.stages.result import Deferred, Pending, is_deferred, then
+from layerwise.stages.source import ArenaSource, Source
+from layerwise.stages.transfer import Transfer
 
 __all__ = ["ArenaSource", "Chain", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "ExpertSource", "ExpertTier", "Pending",
            "ReadCopy", "Source", "SpillFile", "Transfer", "gather", "is_deferred", "then"]

@@ -26,12 +26,12 @@ import logging
 
 import torch
 
-from .decode import CodecSource, CodecTier, segments_of
-from .disk import DiskSource, DiskTier, staging_slots
-from .experts import ExpertSource, ExpertTier
-from .result import Pending
-from .source import ArenaSource
-from .transfer import Transfer
+from layerwise.stages.decode import CodecSource, CodecTier, segments_of
+from layerwise.stages.disk import DiskSource, DiskTier, staging_slots
+from layerwise.stages.experts import ExpertSource, ExpertTier
+from layerwise.stages.result import Pending
+from layerwise.stages.source import ArenaSource
+from layerwise.stages.transfer import Transfer
 
 log = logging.getLogger("layerwise")
 
@@ -313,7 +313,7 @@ def attached(managers, options, values=None):
     if options.split_fetch is None:
         yield
         return
-    from . import gather
+    from layerwise.stages import gather
 
     gather.attach(managers, options.split_fetch, options.device, values=values)
     try:

@@ -55,10 +55,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _native
-from .. import codec as _codec
-from ..plan import BLOCK_ALIGN
-from .result import Recovered, is_deferred, then
+from layerwise import _native
+from layerwise import codec as _codec
+from layerwise.plan import BLOCK_ALIGN
+from layerwise.stages.result import Recovered, is_deferred, then
 
 log = logging.getLogger("layerwise")
 
@@ -448,7 +448,7 @@ class CodecTier:
     def _decode_cuda(self, staging, dst, pieces, copy_ev, after, timing):
         """Triton decode on the decode stream, after the copy and after `after`;
         (the event recorded there after the launches, the decode's own start)."""
-        from ..triton_kernels.decode import decode_segment
+        from layerwise.triton_kernels.decode import decode_segment
 
         engine, h = self.engine, self._stream.cuda_stream
         if copy_ev is not None:

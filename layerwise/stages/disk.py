@@ -48,10 +48,10 @@ import zlib
 
 import torch
 
-from .read import (PAGE, READ_CHUNK_BYTES, READER_THREADS, OpenFile, ReadError, Reader, _round_up, aligned_staging,
-                   held_interrupts, read_layer, staging_block, staging_layout)
-from .result import detached
-from .transfer import Transfer, cuts_of
+from layerwise.stages.read import (PAGE, READ_CHUNK_BYTES, READER_THREADS, OpenFile, ReadError, Reader, _round_up,
+                                   aligned_staging, held_interrupts, read_layer, staging_block, staging_layout)
+from layerwise.stages.result import detached
+from layerwise.stages.transfer import Transfer, cuts_of
 
 log = logging.getLogger("layerwise")
 

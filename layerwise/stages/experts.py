@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._native import current_stream_handle
-from .result import is_deferred
+from layerwise._native import current_stream_handle
+from layerwise.stages.result import is_deferred
 
 log = logging.getLogger("layerwise")
 

@@ -107,10 +107,10 @@ import zlib
 
 import torch
 
-from .. import _native
-from ..plan import BLOCK_ALIGN, round_up
-from .result import Recovered, detached, is_deferred, then
-from .source import ArenaSource
+from layerwise import _native
+from layerwise.plan import BLOCK_ALIGN, round_up
+from layerwise.stages.result import Recovered, detached, is_deferred, then
+from layerwise.stages.source import ArenaSource
 
 SHARE_ALIGN = 512  # bytes: every rank's part of a slot starts 512-byte aligned (vectorised copies, NCCL)
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._native import HostArena, ReadError, Reader
+from layerwise._native import HostArena, ReadError, Reader
 
 PAGE = Reader.alignment  # 4096
 # The disk tier's reader: enough requests in flight for the drive. A layer's read is
@@ -131,7 +131,7 @@ def held_interrupts():
     and the record that closes it is set up (a finalizer, a list that a rollback
     closes): Python raises a pending KeyboardInterrupt right after a native call such
     as os.open returns, which would leave the descriptor with nothing to close it."""
-    from .. import contract  # (imported here: the contract is built on the stages)
+    from layerwise import contract  # (imported here: the contract is built on the stages)
 
     return contract.defer_interrupts()
 

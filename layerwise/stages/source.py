@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .transfer import cuts_of
+from layerwise.stages.transfer import cuts_of
 
 
 @runtime_checkable
