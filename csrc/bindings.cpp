@@ -116,7 +116,7 @@ void check_codec_bytes(const at::Tensor& t, const char* fn, const char* name) {
 }
 
 void bind_codec(py::module_& m) {
-  auto c = m.def_submodule("codec", "Lossless codec of float segments (format: layerwise/codec.py)");
+  auto c = m.def_submodule("codec", "Lossless codec of float segments (format: layerwise/codec/__init__.py)");
   c.attr("LOG2_CHUNK") = codec::kLog2Chunk;
   c.attr("LOG2_SUB") = codec::kLog2Sub;
   c.def(
@@ -259,7 +259,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                e.impl = make_cuda_engine(d.has_index() ? d.index() : 0, num_streams);
 #else
                TORCH_CHECK(false, "CopyEngine('", device,
-                           "'): layerwise was built without CUDA; rebuild with LAYERWISE_BUILD=cuda (see README)");
+                           "'): layerwise was built without CUDA; rebuild with LAYERWISE_BUILD=cuda (see docs/api.md, \"Build\")");
 #endif
              } else {
                TORCH_CHECK_VALUE(false, "CopyEngine: unsupported device '", device, "' (use 'cpu' or 'cuda[:N]')");

@@ -1,6 +1,6 @@
 // Lossless codec of float segments (bf16, fp16, fp32, fp8: per-chunk canonical Huffman
 // codes of each value's exponent field, the rest raw). One format, specified in
-// layerwise/codec.py; the Triton decoder (triton_kernels/decode.py) reads the same bytes
+// layerwise/codec/__init__.py; the Triton decoder (triton_kernels/decode.py) reads the same bytes
 // on the device. Encoded bytes never outlive the process (they live in the host arena or
 // in spill files deleted at exit), so there is no older format to read.
 //

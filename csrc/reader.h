@@ -1,5 +1,5 @@
 // The disk tier's reader: file -> pinned host staging, on a small pool of
-// reader threads (DESIGN.md, "Tiers and stages": the read stage).
+// reader threads (docs/design.md, "Tiers and stages": the read stage).
 //
 // One read_async() reads one layer: a list of extents (file offset, length,
 // offset in dst). Extents that are contiguous in the file form a run, read with

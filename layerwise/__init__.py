@@ -2,13 +2,13 @@
 accelerator, one block ahead of the compute that needs it."""
 from layerwise._native import CopyEngine, Event, HostArena, build_info
 from layerwise.configure import configure_layerwise_offload, remove_layerwise_offload
-from layerwise.detect import detect_layer_groups
 from layerwise.empty import empty_model
 from layerwise.lifecycle import is_offloaded, managers_of
 from layerwise.loading import load_offloaded
-from layerwise.manager import LayerwiseOffloadManager
 from layerwise.options import OffloadOptions
 from layerwise.pipelines import offload_pipeline, remove_pipeline_offload, report, report_pipeline
+from layerwise.planning.detect import detect_layer_groups
+from layerwise.runtime.group import LayerwiseOffloadManager
 from layerwise.scatter import build_scatter_table, scatter_segment
 from layerwise.tune import TunePlan, tune
 

@@ -21,7 +21,7 @@ CopyEngine = _C.CopyEngine
 Event = _C.Event
 Reader = _C.Reader
 ReadError = _C.ReadError
-codec = _C.codec  # lossless codec of float segments (csrc/codec.h); layerwise/codec.py wraps it
+codec = _C.codec  # lossless codec of float segments (csrc/codec.h); layerwise/codec/__init__.py wraps it
 
 # Copy worker threads (and disk reader threads) must be finished and joined while the interpreter is still
 # whole: a thread that outlives it is ended mid-way by finalisation (SIGABRT,

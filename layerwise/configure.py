@@ -1,7 +1,7 @@
 """configure_layerwise_offload: several block lists of one model, packed largest
 first, then ONE move of the non-layer weights, then finalised in declaration
 order. Startup device memory therefore never depends on the order in which the
-groups are named (DESIGN.md, "the multi-group startup bug")."""
+groups are named (docs/design.md, "The multi-group startup rule")."""
 from __future__ import annotations
 
 import logging
@@ -11,11 +11,11 @@ from torch import nn
 
 from layerwise import contract, stages
 from layerwise.contract import managers_of, move_non_layer_weights  # noqa: F401  (public through this module too)
-from layerwise.manager import LayerwiseOffloadManager
-from layerwise.hostplan import plan_spill
-from layerwise.budget import record_host_budget, warn_if_streaming_saves_nothing
 from layerwise.options import OffloadOptions, named_options, note_cpu_threads, resolve_resident
-from layerwise.plan import param_bytes, resolve_group
+from layerwise.planning.device_budget import record_host_budget, warn_if_streaming_saves_nothing
+from layerwise.planning.host_budget import plan_spill
+from layerwise.planning.layout import param_bytes, resolve_group
+from layerwise.runtime.group import LayerwiseOffloadManager
 
 log = logging.getLogger("layerwise")
 
@@ -73,7 +73,7 @@ def configure_layerwise_offload(
     `layer_names` is a dotted path, a sequence of them, or "auto"
     (layerwise.detect_layer_groups). `device_budget` (bytes, or "auto": free
     device memory less `budget_margin`) lets layerwise choose the resident
-    layers and, if it must, a smaller prefetch depth (layerwise.budget).
+    layers and, if it must, a smaller prefetch depth (layerwise.planning.device_budget).
     `compress="lossless"`: the bf16/fp16 weights of streamed layers are kept
     encoded in host memory and cross the bus encoded, bit-exact
     (layerwise/stages/decode.py); None: as they are.
@@ -82,16 +82,16 @@ def configure_layerwise_offload(
     a reserve) caps the host memory the streamed weights take: the layers that
     do not fit are written to one spill file per group in `spill_dir` as they
     are packed, and stream back disk -> pinned staging -> device
-    (layerwise.hostplan, layerwise/stages/disk.py). `disk_prefetch_depth`: disk
+    (layerwise.planning.host_budget, layerwise/stages/disk/). `disk_prefetch_depth`: disk
     layers read ahead (default: prefetch_depth + 1, at least 2).
 
     `split_fetch` (a torch.distributed ProcessGroup): ranks that run this model
     in lockstep each keep and copy only their share of every streamed layer and
-    all-gather the rest (layerwise/stages/gather.py says which calls are collective).
+    all-gather the rest (layerwise/stages/split/ says which calls are collective).
 
     `experts="routed"`: in a mixture-of-experts model only the experts the router
     picked cross the bus; the rest of each layer streams as before
-    (layerwise/experts.py). `expert_modules` names the expert modules (relative to
+    (layerwise/planning/experts.py). `expert_modules` names the expert modules (relative to
     a layer, or a predicate(name, module)) where detection does not find them;
     `expert_cache` (bytes or "auto") keeps recently used experts on the device;
     `expert_prefetch=True` copies the experts each MoE layer used at its previous
@@ -109,7 +109,7 @@ def configure_layerwise_offload(
     contract.check_configurable(model, managers)
     dev = options.device
     if options.device_budget is not None:
-        from layerwise.budget import apply_device_budget
+        from layerwise.planning.device_budget import apply_device_budget
 
         apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
                             options.residency_policy)
@@ -128,7 +128,7 @@ def _prepare(model, layer_names, options: OffloadOptions) -> list[LayerwiseOfflo
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(layer_names, str) and layer_names == "auto":
-        from layerwise.detect import detect_layer_groups
+        from layerwise.planning.detect import detect_layer_groups
 
         names = detect_layer_groups(model)
         log.info("layerwise: layer_names='auto' chose %s", names)

@@ -310,5 +310,5 @@ def warn_unlike_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
         "layerwise: load_offloaded(dtype=%s) casts the fp32 buffers the model computes (%s) to %s, as "
         "model.to(%s) would, where from_pretrained(dtype=%s) keeps them in fp32; outputs will differ. To match "
         "from_pretrained, build the model in that dtype (transformers: from_config(config, dtype=%s)) from a "
-        "checkpoint stored in it, and leave dtype= out (README, 'Loading a checkpoint')",
+        "checkpoint stored in it, and leave dtype= out (docs/loading.md)",
         dtype, listed, dtype, dtype, dtype, dtype)

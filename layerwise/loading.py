@@ -31,9 +31,8 @@ reads that load_offloaded sets up.
 """
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 import logging
 import os
 
@@ -41,15 +40,21 @@ import torch
 from torch import nn
 
 from layerwise import contract, stages
-from layerwise.budget import record_host_budget
-from layerwise.hostplan import plan_host_budget
 from layerwise.configure import _build, _prepare
-from layerwise.options import OffloadOptions, named_options
-from layerwise.empty import (dtype_at_load, from_pretrained_rule, recompute_buffers, retype, tie_declared,
-                             warn_unlike_from_pretrained)
+from layerwise.empty import (
+    dtype_at_load,
+    from_pretrained_rule,
+    recompute_buffers,
+    retype,
+    tie_declared,
+    warn_unlike_from_pretrained,
+)
 from layerwise.formats import quantized
 from layerwise.formats import safetensors as sft
 from layerwise.formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
+from layerwise.options import OffloadOptions, named_options
+from layerwise.planning.device_budget import record_host_budget
+from layerwise.planning.host_budget import plan_host_budget
 
 log = logging.getLogger("layerwise")
 
@@ -87,7 +92,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
 
     `host_budget` (bytes, or "auto") caps the host memory the weights take: the
     layers that do not fit stay in the checkpoint files and stream disk ->
-    pinned staging -> device at every step (layerwise/stages/disk.py). Such
+    pinned staging -> device at every step (layerwise/stages/disk/). Such
     layers are read-only (load_state_dict into them is refused) unless
     `spill_dir` is given: they are then copied into spill files of their own,
     which is also how layers stored in another dtype (`dtype=`) or strided
@@ -98,7 +103,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     `split_fetch=<ProcessGroup>`: every rank of the group loads the same model
     this way and reads only its share of each streamed layer from the files
     (contiguous parameters; a strided one is read whole), so the node reads and
-    holds the streamed layers about once (layerwise/stages/gather.py).
+    holds the streamed layers about once (layerwise/stages/split/).
     """
     options = OffloadOptions.build(caller="load_offloaded", **named_options(locals()), **kwargs)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -260,7 +265,7 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                  ", ".join(f"{n} (from {what})" for n, (_, what) in recomputed.items()))
 
     if options.device_budget is not None:
-        from layerwise.budget import apply_device_budget
+        from layerwise.planning.device_budget import apply_device_budget
 
         apply_device_budget(model, managers, dev, options.device_budget, options.budget_margin,
                             options.residency_policy)
@@ -444,7 +449,7 @@ def _checkpoint_store(stored: dict, entry_key: dict, files: list):
     share of it: `span` (lo, hi) of its plan layout) with one vectored read per
     run. `files` receives the files opened (closed by remove())."""
     from layerwise.stages.disk import DiskFile, DiskSource, crc_of
-    from layerwise.stages.read import staging_layout
+    from layerwise.stages.disk.reader import staging_layout
 
     opened: dict = {}  # this group's own descriptors (a reader caches per descriptor)
 

@@ -49,7 +49,7 @@ class OffloadOptions:
     spill_dir: str | None = None  # a writable directory (needs host_budget)
     disk_prefetch_depth: int | None = None  # staging slots of the disk tier (None: prefetch_depth + 1, >= 2)
     split_fetch: object = field(default=None, compare=False)  # a torch.distributed ProcessGroup, or None
-    experts: str = "all"  # "all" | "routed": only the experts the router picked cross the bus (layerwise/experts.py)
+    experts: str = "all"  # "all" | "routed": only the experts the router picked cross the bus (layerwise/planning/experts.py)
     expert_modules: object = field(default=None, compare=False)  # None | (names in a layer) | predicate(name, module)
     expert_cache: int | str | None = None  # bytes | "auto" | None: device cache of recently used experts
     expert_prefetch: bool = False  # copy the experts each MoE layer used last, while the one before computes
@@ -76,7 +76,7 @@ class OffloadOptions:
         v["measure_stalls"] = validate_flag("measure_stalls", v["measure_stalls"])
         v["compress"] = validate_compress(v["compress"])
         if v["compress"] is not None:  # the decode path of this device, checked now (CUDA: Triton on the GPU)
-            from layerwise.gpu_checks import check_decode_path
+            from layerwise.runtime.gpu_checks import check_decode_path
 
             check_decode_path(v["device"])
         v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"] = check_disk_options(
@@ -139,7 +139,7 @@ def resolve_device(device) -> torch.device:
         return dev
     if dev.type != "cuda":
         raise ValueError(f"device {device!r}: layerwise streams to 'cpu' or 'cuda[:N]', not {dev.type!r}")
-    from layerwise.gpu_checks import cuda_unusable
+    from layerwise.runtime.gpu_checks import cuda_unusable
 
     why = cuda_unusable()
     if why is not None:
@@ -342,7 +342,7 @@ def check_explicit_residency(device_budget, resident_layers) -> None:
 
 
 def check_disk_options(host_budget, spill_dir, disk_prefetch_depth) -> tuple:
-    """The disk tier's arguments (layerwise.hostplan): host_budget a number of bytes,
+    """The disk tier's arguments (layerwise.planning.host_budget): host_budget a number of bytes,
     "auto" or None; spill_dir a writable directory, only with a host_budget;
     disk_prefetch_depth an int >= 1 or None. Returns them (numbers as ints, the
     directory as a str)."""
@@ -378,7 +378,7 @@ def validate_experts(v: dict) -> tuple:
     encoded layer in a spill file: the encoded prefix read ahead, each expert's
     encoded rows read on demand, then decoded). Refused here, naming what to
     do: split_fetch (each rank keeps a share of the layer's bytes, not whole
-    experts). The device budget's planner counts expert_cache (layerwise.budget)."""
+    experts). The device budget's planner counts expert_cache (layerwise.planning.device_budget)."""
     experts, modules, cache, prefetch = v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"]
     if not (isinstance(experts, str) and experts in ("all", "routed")):
         raise ValueError(f"experts must be 'all' (every expert streams with its layer) or 'routed' (only the "
@@ -431,7 +431,7 @@ def validate_flag(name: str, value) -> bool:
 
 
 def validate_split_fetch(split_fetch):
-    """None, or a torch.distributed ProcessGroup (layerwise/stages/gather.py checks the
+    """None, or a torch.distributed ProcessGroup (layerwise/stages/split/ checks the
     group itself, collectively, before packing)."""
     if split_fetch is None:
         return None
@@ -453,7 +453,7 @@ def validate_depth(prefetch_depth) -> int:
 
 def validate_compress(compress):
     """None (layers travel as they are) or "lossless" (bf16/fp16/fp32/fp8 segments travel
-    encoded, layerwise/codec.py)."""
+    encoded, layerwise/codec/__init__.py)."""
     if compress is not None and not (isinstance(compress, str) and compress == "lossless"):
         raise ValueError(f"compress must be None or 'lossless' (bf16/fp16/fp32/fp8 weights cross the bus losslessly "
                          f"encoded), got {compress!r}")
@@ -467,7 +467,7 @@ def note_cpu_threads(device: torch.device) -> None:
     """On a CPU device the copy engine's worker thread competes with torch's
     intra-op (OpenMP) threads for the cores. layerwise does not change torch's
     global thread count behind the caller's back: it says so once, at INFO, with
-    the recommendation (README, "The CPU backend and torch's threads")."""
+    the recommendation (docs/supported.md, "The CPU backend and torch's threads")."""
     import logging
     import os
 

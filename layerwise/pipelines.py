@@ -44,15 +44,22 @@ import torch
 from torch import nn
 
 from layerwise import contract, stages
-from layerwise.hostmem import PinBudget, pinnable_host_bytes
-from layerwise.hostplan import plan_spill
-from layerwise.budget import (apply_device_budget, fmt_bytes, non_layer_bytes, record_host_budget, resolve_budget,
-                              warn_if_streaming_saves_nothing)
 from layerwise.configure import _prepare, configure_models, managers_of
 from layerwise.options import OffloadOptions, named_options, validate_bytes
-from layerwise.plan import local_tensor
-from layerwise.tierplan import planned_host_bytes
-from layerwise.report import NotOffloaded, report as model_report
+from layerwise.planning.device_budget import (
+    apply_device_budget,
+    fmt_bytes,
+    non_layer_bytes,
+    record_host_budget,
+    resolve_budget,
+    warn_if_streaming_saves_nothing,
+)
+from layerwise.planning.host_budget import plan_spill
+from layerwise.planning.host_limits import PinBudget, pinnable_host_bytes
+from layerwise.planning.layout import local_tensor
+from layerwise.planning.routes import planned_host_bytes
+from layerwise.reporting import NotOffloaded
+from layerwise.reporting import report as model_report
 
 log = logging.getLogger("layerwise")
 
@@ -160,7 +167,7 @@ def _select(comps: dict[str, nn.Module], components) -> list[Component]:
     if unknown:
         raise ValueError(f"components {unknown} are not nn.Module components of the pipeline; it has "
                          f"{sorted(comps)}")
-    from layerwise.detect import detect_layer_groups
+    from layerwise.planning.detect import detect_layer_groups
 
     out = []
     for name, module in comps.items():
@@ -366,10 +373,10 @@ def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int =
         pinnable_host_bytes) or None (no limit). Groups that do not fit are
         pageable, and exact.
     host_budget: bytes (or "auto") the streamed weights may take in host
-        memory, counted as every front door counts it (layerwise.hostplan); with
+        memory, counted as every front door counts it (layerwise.planning.host_budget); with
         `spill_dir`, the layers that do not fit go to spill files there (the
         disk tier), else a budget that would leave a layer out is an error.
-    device_budget: bytes or "auto", shared by every component (budget.py plans
+    device_budget: bytes or "auto", shared by every component (planning/device_budget.py plans
         resident layers; the denoiser gets them first).
     options: resident_layers, residency_policy, pin_memory ("auto" default,
         True: every arena pinned or an error, False: none), budget_margin,
@@ -444,7 +451,7 @@ def _plan_and_configure(pipe, parts, kept, streamed_managers, options: OffloadOp
     """offload_pipeline once split fetch is attached: the host budget, the pin plan,
     then every component packed and the pipeline patched; returns the pin budget."""
     dev = options.device
-    if options.host_budget is not None:  # one meaning for every front door (layerwise.hostplan)
+    if options.host_budget is not None:  # one meaning for every front door (layerwise.planning.host_budget)
         plan = plan_spill([c.module for c in parts], streamed_managers, dev, options.host_budget, options.spill_dir,
                           options.disk_prefetch_depth, _held_bytes(parts))
         record_host_budget(streamed_managers, options.host_budget, plan["budget"])
@@ -803,7 +810,7 @@ def _host_budget_use(state: PipelineState) -> dict | None:
 
 def report(obj, *args, **kwargs):
     """layerwise.report: a pipeline gives report_pipeline(obj); a model,
-    layerwise.report.report(model). One that is not offloaded gives a
+    layerwise.reporting.report(model). One that is not offloaded gives a
     report.NotOffloaded that says so ({"offloaded": False, ..., "text"}), not an
     error; every report has the "offloaded" key."""
     if is_offloaded_pipeline(obj) or not isinstance(obj, nn.Module):

@@ -12,7 +12,7 @@ pipeline call). `tune`
    (host clock on the CPU backend, CUDA events on the compute stream); per
    fetch, its time on the bus (the copy engine's events, Meter.listen);
 2. predicts the step time of candidate placements with the pipeline model of
-   layerwise.placement: the placement in force, the fixed `leading` and
+   layerwise.planning.cost_model: the placement in force, the fixed `leading` and
    `strided` policies at the largest share that fits, and a greedy choice that
    makes resident the layers whose transfer is least hidden (by gain, and by gain
    per device byte), each at the prefetch depths asked;
@@ -47,11 +47,13 @@ import time
 
 import torch
 
-from layerwise import contract, dynamo_guard, placement as pm
-from layerwise.budget import fmt_bytes, non_layer_bytes, resolve_budget
+from layerwise import contract
 from layerwise.configure import managers_of
-from layerwise.manager import Lifecycle
+from layerwise.contract import compile_guard
 from layerwise.options import validate_bytes, validate_count
+from layerwise.planning import cost_model as pm
+from layerwise.planning.device_budget import fmt_bytes, non_layer_bytes, resolve_budget
+from layerwise.runtime.group import Lifecycle
 
 log = logging.getLogger("layerwise")
 
@@ -104,11 +106,11 @@ class Probe:
                 for lp in m.plan.layers:
                     mod, key = lp.module, (gi, lp.index)
                     self._handles += [  # (run eagerly under torch.compile, as the manager's)
-                        dynamo_guard.register_hook(mod.register_forward_pre_hook, self._pre_in(key), prepend=True),
-                        dynamo_guard.register_hook(mod.register_forward_pre_hook, self._pre_out(key)),
-                        dynamo_guard.register_hook(mod.register_forward_hook, self._post_in(key), prepend=True,
+                        compile_guard.register_hook(mod.register_forward_pre_hook, self._pre_in(key), prepend=True),
+                        compile_guard.register_hook(mod.register_forward_pre_hook, self._pre_out(key)),
+                        compile_guard.register_hook(mod.register_forward_hook, self._post_in(key), prepend=True,
                                                    always_call=True),
-                        dynamo_guard.register_hook(mod.register_forward_hook, self._post_out(key), always_call=True),
+                        compile_guard.register_hook(mod.register_forward_hook, self._post_out(key), always_call=True),
                     ]
         except BaseException:
             self.close()
@@ -236,7 +238,7 @@ class TunePlan:
         return "\n".join(lines)
 
 
-_PLAN_ALIASES = ("predicted_step_s", "measured_step_s")  # DESIGN.md's names of predicted_s / measured_s
+_PLAN_ALIASES = ("predicted_step_s", "measured_step_s")  # docs/design.md's names of predicted_s / measured_s
 
 
 def _ranges(idx) -> str:
@@ -365,7 +367,7 @@ def _budget(device, device_budget, fixed: int, current: int) -> int:
 
 
 def _host_rooms(managers) -> list:
-    """On a CPU device, per host budget in force (layerwise.hostplan.HostBudget):
+    """On a CPU device, per host budget in force (layerwise.planning.host_budget.HostBudget):
     (bytes it leaves, the indices of its groups in `managers`, their device bytes now)."""
     out: dict = {}
     for k, m in enumerate(managers):

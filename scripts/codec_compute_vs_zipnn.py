@@ -1,7 +1,7 @@
 """The C++ decoder's compute against ZipNN's decompress, page faults taken out of both.
 
 `python -m layerwise.bench compress` times both decoders writing a buffer they allocate,
-so both pay the first touch of fresh pages (on this project's VM, ~2 us per 4 KiB page;
+so both pay the first touch of fresh pages (~2 us per 4 KiB page on a 2-core firecracker VM;
 our huge-page output costs a tenth of that per 4 KiB or, where the host took the memory back,
 more than ZipNN's 4 KiB pages cost). Here glibc is told never to mmap (M_MMAP_MAX = 0)
 and never to trim (M_TRIM_THRESHOLD = 1 GiB), so ZipNN's output comes from memory freed

@@ -2,7 +2,7 @@
 intra-op thread count and with one thread fewer (the copy worker then has a
 core of its own). Runs are interleaved (resident, offloaded, resident, ...)
 so that a loaded machine slows both alike; prints the median of each and the
-ratio. README "CPU backend and torch's threads" quotes it.
+ratio. docs/supported.md, "The CPU backend and torch's threads" quotes it.
 
     python scripts/cpu_threads.py [--quick]
 """

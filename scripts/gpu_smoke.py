@@ -11,7 +11,7 @@ Sections (each records its error instead of stopping the others):
   device   name, compute capability, memory, SMs
   h2d      CopyEngine.copy_async out of a pinned HostArena against torch's pinned
            copy_(non_blocking=True), 64 MB and 1 GB, medians of CUDA-event timings;
-           target >= 0.95x (DESIGN.md, "Performance")
+           target >= 0.95x (docs/design.md, "Performance targets")
   stream   one model streamed with the GPU behind the host (a GPU sleep before every
            block, two copy streams), raw and compress="lossless": bitwise against the
            resident model, the step, the meter's bytes and copy time, fetches timed
@@ -234,7 +234,7 @@ def decode_section(device) -> dict:
            "encode_gbs_cpu": raw.numel() / encode_s / GB}
     ctx = Context(device, "quick", show_progress=False)
     if device.type == "cuda":
-        from layerwise.gpu_checks import check_decode_path
+        from layerwise.runtime.gpu_checks import check_decode_path
         from layerwise.triton_kernels import decode as kernels
 
         check_decode_path(device)

@@ -1,4 +1,4 @@
-"""What split fetch's lockstep check costs (issue 21, item 4): 2 gloo ranks on
+"""What split fetch's lockstep check costs: 2 gloo ranks on
 this machine, the median of 40 forwards of the test model (tests/split_worker.py:
 9 streamed layers) at two sizes, and a bare 64-byte all-gather (one tag exchange).
 

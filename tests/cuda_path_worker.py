@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import layerwise
-from layerwise.stages import gather
+from layerwise.stages import split
 from split_worker import Net
 
 
@@ -86,7 +86,7 @@ def scenario_alltoall(rank, device):
     behind_the_host(model, device)
     check_outputs(model, reference, rank, device)
     if device.type == "cuda":
-        (group,) = [g for g in gather._LIVE if g.stream is not None]
+        (group,) = [g for g in split._LIVE if g.stream is not None]
         pool = {torch.cuda.Stream(device).cuda_stream for _ in range(80)}
         pool |= {torch.cuda.Stream(device, priority=-1).cuda_stream for _ in range(80)}
         assert group.stream.cuda_stream not in pool, "the gather stream is one of torch's pool streams"

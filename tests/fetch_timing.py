@@ -8,7 +8,7 @@ own start instead of the copy's) fails here on the CPU backend as on CUDA.
 
 Identity is the check: a start is a native event whose Python object pybind
 hands back as long as one reference to it lives (`starts` below keeps them)."""
-from layerwise.meter import Meter
+from layerwise.runtime.meter import Meter
 from layerwise.stages.transfer import Transfer
 
 

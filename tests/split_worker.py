@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 import layerwise
-from layerwise.hostplan import staging_slot_bytes
-from layerwise.stages import gather
+from layerwise.planning.host_budget import staging_slot_bytes
+from layerwise.stages import split
 from layerwise.stages.disk import staging_slots
 
 
@@ -91,7 +91,7 @@ def scenario_equal(rank, world, depth, resident, contract=True):
         n_split = sf["split_layers"]
         assert n_split == m.num_layers - len(m.resident), (n_split, m.resident)
         # ~1/N of the streamed bytes on this rank, and the ranks' shares add up to the layers exactly
-        assert abs(sf["share_bytes"] - streamed / world) <= n_split * gather.SHARE_ALIGN, (sf, streamed)
+        assert abs(sf["share_bytes"] - streamed / world) <= n_split * split.SHARE_ALIGN, (sf, streamed)
         assert all_sum(sf["share_bytes"]) == streamed
         assert sf["host_bytes"] <= sf["share_bytes"] + n_split * 4096
         # the group's host memory: the resident layers' arena and this rank's shares, nothing more
@@ -132,7 +132,7 @@ def scenario_equal(rank, world, depth, resident, contract=True):
     layerwise.remove_layerwise_offload(model)
     for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(p, q), k
-    assert not gather._LIVE or all(g._thread is None for g in gather._LIVE)
+    assert not split._LIVE or all(g._thread is None for g in split._LIVE)
 
 
 def scenario_load(rank, world, tmp):
@@ -224,7 +224,7 @@ def scenario_mismatch(rank, world):
     expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
         model, ["blocks", "extra"], device="cpu", host_budget=1 << 12, split_fetch=dist.group.WORLD),
         ["host_budget", "spill_dir="])
-    assert all(g._users == 0 for g in gather._LIVE), [g._users for g in gather._LIVE]
+    assert all(g._users == 0 for g in split._LIVE), [g._users for g in split._LIVE]
     # same model, a different prefetch depth on one rank
     model = Net()
     expect_refused(rank, lambda: layerwise.configure_layerwise_offload(
@@ -278,7 +278,7 @@ def expect_split_error(rank, fn, words):
     """fn() raises SplitError (not ReadError, not a message torch swallows) naming `words`."""
     try:
         fn()
-    except gather.SplitError as e:
+    except split.SplitError as e:
         assert all(w in str(e) for w in words), (rank, words, str(e))
         return str(e)
     except BaseException as e:  # noqa: BLE001 - the wrong type is the failure
@@ -299,7 +299,7 @@ def same_weights(model, reference):
 
 
 def scenario_lockstep(rank, world):
-    """Issue 21, item 4: a rank out of lockstep gets SplitError on every rank, naming both
+    """A rank out of lockstep gets SplitError on every rank, naming both
     sides, never a wrong output and never an abort; in lockstep again, the model is exact."""
     for equal in (True, False):  # equal-size layers: gloo would pair them; unequal: gloo would abort
         torch.manual_seed(0)
@@ -327,7 +327,7 @@ def scenario_lockstep(rank, world):
 
 
 def scenario_seeds(rank, world, tmp):
-    """Issue 21, item 5: ranks with different weights are refused at configure, on every
+    """Ranks with different weights are refused at configure, on every
     rank, naming the first differing layer, the model unchanged."""
     torch.manual_seed(0)
     model = Net()
@@ -373,7 +373,7 @@ def scenario_seeds(rank, world, tmp):
 
 
 def scenario_refused_load(rank, world):
-    """Issue 21, item 6: a load_state_dict refused because the ranks loaded different values
+    """A load_state_dict refused because the ranks loaded different values
     raises SplitError and leaves state_dict, forward and remove showing the true weights."""
     torch.manual_seed(0)
     model = Net()
@@ -419,7 +419,7 @@ def scenario_refused_load(rank, world):
 
 
 def scenario_gather_error(rank, world):
-    """Issue 21, item 11 (split part): a gather that fails in a forward is a SplitError."""
+    """A gather that fails in a forward is a SplitError."""
     torch.manual_seed(0)
     model = Net()
     layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
@@ -441,16 +441,16 @@ def scenario_gather_error(rank, world):
     model = Net()
     reference = copy.deepcopy(model)
     layerwise.configure_layerwise_offload(model, "blocks", device="cpu", split_fetch=dist.group.WORLD)
-    real = gather.ShareSource.fetch
+    real = split.ShareSource.fetch
 
     def poisoned(self, i, dst, after, timing):  # this copy chains after an event that failed
-        gather.ShareSource.fetch = real
+        split.ShareSource.fetch = real
         ev = layerwise._native._C.host_event()
         ev.fail("injected: the event before this layer's local copy failed")
         return real(self, i, dst, ev, timing)
 
     if rank == world - 1:
-        gather.ShareSource.fetch = poisoned
+        split.ShareSource.fetch = poisoned
     x = torch.randn(2, 48)
     with torch.no_grad():  # told, not timed out (the timeout's error says "timed out" and names no rank)
         words = ["injected"] if rank == world - 1 else [f"rank {world - 1} wanted to say that its local copy failed"]
@@ -579,7 +579,7 @@ def configure_spilled(spill, budget, subject=NET16, **options):
 
 
 def scenario_tiers(rank, world, tmp, subjects=(NET16,)):
-    """Issue 22: split fetch composes with compression and the disk tier, bitwise, with
+    """Split fetch composes with compression and the disk tier, bitwise, with
     the contract: split + compress (each rank encodes its share), disk + split (each rank
     reads only its share, from its spill file or from the checkpoint), all three."""
     from safetensors.torch import save_model
@@ -673,12 +673,12 @@ def tier_round(rank, world, subject, reference, combo, depth, resident, ckpt, sp
 
 
 def scenario_real_tiers(rank, world, tmp):
-    """Issue 22 on real architectures: scenario_tiers on a tiny Flux (two groups) and Llama."""
+    """Scenario_tiers on a tiny Flux (two groups) and Llama."""
     scenario_tiers(rank, world, tmp, subjects=(real_subject("flux"), real_subject("llama")))
 
 
 def scenario_sigint(rank, world, tmp, subject=NET16):
-    """Issue 22: real SIGINTs, delivered on every rank at the same point (the k-th
+    """Real SIGINTs, delivered on every rank at the same point (the k-th
     call of a stage, k drawn from a seed every rank shares), during configure,
     forward and remove with disk + compress + split: each is interrupted cleanly
     (configure rolls back, a forward leaves the model streaming, remove leaves it
@@ -686,7 +686,7 @@ def scenario_sigint(rank, world, tmp, subject=NET16):
     import random
     import signal
 
-    from layerwise import packing
+    from layerwise.runtime import host_store
     from layerwise.stages import transfer
 
     # Python's own handler, even where the rank started with SIGINT ignored (started in the
@@ -733,7 +733,7 @@ def scenario_sigint(rank, world, tmp, subject=NET16):
     # configure, interrupted while its layers are packed (every rank rolls back)
     for _ in range(3):
         # (a packed parameter's placeholder: called only while the layers are packed)
-        interrupted(packing.HostLayers, "placeholder", rng.randint(1, 12), lambda: configure(budget, **kw))
+        interrupted(host_store.HostLayers, "placeholder", rng.randint(1, 12), lambda: configure(budget, **kw))
     model = configure(budget, **kw)
     plan = [r for m in layerwise.contract.managers_of(model) for r in m.stats()["tier_plan"]]
     assert any(r.startswith("spill, encoded, share") for r in plan), plan
@@ -742,7 +742,7 @@ def scenario_sigint(rank, world, tmp, subject=NET16):
         interrupted(transfer.Transfer, "copy", rng.randint(1, 10), lambda: subject.check(model, reference, rank, steps=2))
         subject.check(model, reference, rank, steps=1)  # in lockstep again: exact
     # remove, interrupted while it reads the layers back: the model still streams exactly
-    interrupted(packing, "materialize", rng.randint(1, 4), lambda: layerwise.remove_layerwise_offload(model))
+    interrupted(host_store, "materialize", rng.randint(1, 4), lambda: layerwise.remove_layerwise_offload(model))
     subject.check(model, reference, rank, steps=1)
     layerwise.remove_layerwise_offload(model)
     for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
@@ -751,7 +751,7 @@ def scenario_sigint(rank, world, tmp, subject=NET16):
 
 
 def scenario_real_sigint(rank, world, tmp):
-    """Issue 22: scenario_sigint on the two-group Flux and on Llama."""
+    """Scenario_sigint on the two-group Flux and on Llama."""
     for name in ("flux", "llama"):
         scenario_sigint(rank, world, tmp, subject=real_subject(name))
 
@@ -868,7 +868,7 @@ def scenario_read_fails(rank, world, tmp):
         for _ in range(3):  # (the first forward may use a read queued before the change)
             try:
                 check_bf16(model, reference, rank, steps=1)
-            except gather.SplitError as e:
+            except split.SplitError as e:
                 raised += 1  # told at once: rank 0's error, not the timeout's (which names no rank)
                 assert "rank 0 wanted to say that its local copy failed" in str(e), (rank, str(e))
             dist.barrier()
@@ -882,7 +882,7 @@ def scenario_read_fails(rank, world, tmp):
 
 
 def scenario_quantized(rank, world, tmp):
-    """Issue 23: torchao / quanto quantized layers (wrapper tensors streamed as their
+    """Torchao / quanto quantized layers (wrapper tensors streamed as their
     plain leaves) with split fetch alone, with the disk tier (spill files), and with
     disk + compress: bitwise on every rank (inputs of its own) against the resident
     quantized model; each rank copies about 1/N of the quantized bytes (and reads at

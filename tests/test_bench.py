@@ -163,7 +163,7 @@ def test_suite_specific_figures(tiny_run):
     bytes_rows = [r for r in quant["rows"] if r["measure"].startswith("bytes per step")]
     assert all(r["met"] in (True, None) for r in bytes_rows), [r for r in bytes_rows if r["met"] is False]
     # ... and every step row, without a bus and over the simulated bus chosen for bf16 to be transfer-bound, has
-    # its floor max(resident quantized step, bytes per step / measured bandwidth) and ours/floor (issue 24)
+    # its floor max(resident quantized step, bytes per step / measured bandwidth) and ours/floor
     gbps = quant["data"]["bus"]["gbps"]
     assert gbps > 0 and quant["data"]["bus"]["source"].startswith("chosen"), quant["data"]["bus"]
     step_rows = [r for r in quant["rows"] if r["measure"].startswith("step")]
@@ -205,7 +205,7 @@ def test_suite_specific_figures(tiny_run):
     disk = suites["disk"]
     if disk["status"] == "ok":
         assert disk["data"]["reader_stats"]["runs_direct"] > 0 and disk["data"]["reader_stats"]["failed"] == 0
-        # ... against the best plain O_DIRECT read of 1, 2 and 4 threads (issue 21, 8), not one thread only
+        # ... against the best plain O_DIRECT read of 1, 2 and 4 threads, not one thread only
         assert disk["rows"][0]["targets"][0]["label"] == ">= 0.9x O_DIRECT best of 1/2/4 threads"
         assert {"O_DIRECT 1 thread", "O_DIRECT 2 threads", "O_DIRECT 4 threads"} <= set(disk["rows"][0]["baselines"])
         bw = disk["data"]["bandwidth_GBps"]
@@ -217,7 +217,7 @@ def test_suite_specific_figures(tiny_run):
         stream = disk["data"]["stream"]
         assert stream["disk_layers"] > 0 and stream["disk_bytes_per_step"] > 0 and stream["bytes_direct"] > 0
         # ... against its floor max(resident step, read floor, bus floor), each figure shown, and on the CPU the
-        # same step over a simulated bus (issue 24)
+        # same step over a simulated bus
         steps = [r for r in disk["rows"] if r["measure"].startswith(("step, host_budget", "step over the simulated"))]
         assert [r["short"].split(",")[0] for r in steps] == ["step", "bus step"], steps
         for row, d in zip(steps, (stream, stream["over_bus"])):
@@ -252,7 +252,7 @@ def test_suite_specific_figures(tiny_run):
         gbps, last = stream["over_bus"]["bus"]["gbps"], stream["over_bus"]["last_step"]
         ahead = 1 - 1 / last["copies"]
         assert _median(steps[1]["ours"]) >= 0.95 * ahead * last["bytes_copied"] / (gbps * 1e9), stream["over_bus"]
-        # what the budget promises, measured as memory (issue 21, 7): anonymous + shared + the checkpoint's cache
+        # what the budget promises, measured as memory: anonymous + shared + the checkpoint's cache
         rss = [r for r in disk["rows"] if r["measure"].startswith("host memory of load")]
         assert len(rss) == 1 and rss[0]["met"] is True, rss
         assert rss[0]["targets"][0]["label"].startswith("<= budget + 5%"), rss

@@ -1,5 +1,5 @@
 """bitsandbytes (CPU backend) streams exactly, and derived copies are caught, never
-trusted (layerwise/drift.py, layerwise/formats/aliases.py): each test against the
+trusted (layerwise/contract/rebinds.py, layerwise/formats/aliases.py): each test against the
 resident quantized model with the same history of calls, bitwise.
 
 bitsandbytes computes an int8 layer from `state.CB` (an alias of `weight`), repacks
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import drift as drift_mod
+from layerwise.contract import rebinds as drift_mod
 from layerwise.configure import managers_of
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -544,7 +544,7 @@ class WideRebinding(nn.Module):
 
 
 def test_a_rebind_past_the_first_chunk_of_a_wide_layer_is_seen_within_a_round(caplog):
-    from layerwise.drift import Bound
+    from layerwise.contract.rebinds import Bound
 
     torch.manual_seed(5)
     ref = nn.ModuleList([WideRebinding(lambda w: w * 0.5) for _ in range(4)])

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise.budget import non_layer_bytes
+from layerwise.planning.device_budget import non_layer_bytes
 
 transformers = pytest.importorskip("transformers")
 

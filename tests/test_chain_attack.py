@@ -1,4 +1,4 @@
-"""Faults injected into the chains of stages (issue 22): disk + compress, a
+"""Faults injected into the chains of stages: disk + compress, a
 failure or a real SIGINT at each point of a chain, writes that change a
 payload's size, split ranks whose disk fails. Each test here is a bug found by
 attacking the chain (CPU backend, spill files on a real file system), kept as

@@ -1,4 +1,4 @@
-"""Tests of the lossless codec's API and header (layerwise/codec.py): arguments,
+"""Tests of the lossless codec's API and header (layerwise/codec/__init__.py): arguments,
 stored segments, dispatch, Triton optional, and the header parsed in one place
 per language (C++: csrc/codec/decode.cpp; Python: layerwise.codec.parse_header,
 which the Triton launcher and the reference decoder use), both refusing an

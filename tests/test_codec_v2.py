@@ -1,4 +1,4 @@
-"""Tests of the codec's format (layerwise/codec.py, "Format"): per-chunk canonical
+"""Tests of the codec's format (layerwise/codec/__init__.py, "Format"): per-chunk canonical
 Huffman codes of bf16, fp16, fp32 and fp8 fields, decoded by the C++ decoder
 (csrc/codec/decode.cpp), the pure-torch reference and the Triton kernel
 (triton_kernels/decode.py: under the interpreter on CPU, so the inputs it gets

@@ -129,10 +129,10 @@ def test_where_dynamo_specializes_instances_configure_and_remove_drop_its_code_c
     """torch 2.4 (modules inlined from 2.5 on) guards a module's id, not its class:
     a graph compiled for the same instance before configure or during streaming is
     dropped with dynamo's code caches. Checked there by hand; here the wiring."""
-    from layerwise import dynamo_guard
+    from layerwise.contract import compile_guard
 
     resets = []
-    monkeypatch.setattr(dynamo_guard, "_specializes_instances", lambda dynamo: specializes)
+    monkeypatch.setattr(compile_guard, "_specializes_instances", lambda dynamo: specializes)
     monkeypatch.setattr(torch._dynamo, "reset_code_caches", lambda: resets.append(1))
     model = TwoGroupModel(d=32, n_a=4, n_b=2)
     _configure(model)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import manager as manager_mod
+from layerwise.runtime import group as manager_mod
 from layerwise.configure import managers_of
 from layerwise.stages import decode as decode_mod
 

@@ -1,4 +1,4 @@
-"""The state contract of an offloaded model (layerwise/contract.py): rollback at
+"""The state contract of an offloaded model (layerwise/contract/): rollback at
 every parameter index, state_dict / load_state_dict / in-place writes / casts /
 backward / deepcopy while offloaded, nested block calls, two threads, and real
 SIGINTs during configure and forward. CPU backend, often with random copy delays."""
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import manager as manager_mod
-from layerwise import packing as packing_mod
+from layerwise.runtime import group as manager_mod
+from layerwise.runtime import host_store as packing_mod
 from layerwise.configure import _prepare, managers_of
 from models import Block, TwoGroupModel
 
@@ -88,7 +88,7 @@ def test_failure_at_every_parameter_index_restores_the_model_bitwise(monkeypatch
                 raise exc(f"injected at parameter {k}")
 
         if target:
-            from layerwise.plan import ParamEntry
+            from layerwise.planning.layout import ParamEntry
 
             orig = ParamEntry.source
             monkeypatch.setattr(ParamEntry, "source", lambda e: (boom(), orig(e))[1])
@@ -746,7 +746,7 @@ def test_cuda_graph_capture_is_refused_clearly(monkeypatch):
         is_cuda = True
 
     monkeypatch.setattr(m, "_engine", FakeCudaEngine())
-    monkeypatch.setattr(layerwise.gpu_checks, "stream_capturing", lambda device: True)
+    monkeypatch.setattr(layerwise.runtime.gpu_checks, "stream_capturing", lambda device: True)
     with pytest.raises(RuntimeError, match="CUDA graph capture.*without CUDA graphs"):
         run(model, inputs(1))
     monkeypatch.undo()

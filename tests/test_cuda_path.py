@@ -1,10 +1,10 @@
 """The CUDA path as a GPU will see it, checked where the CPU backend or a mock can
-show it (issue 12): stats() and report() never drain the device, copies split at
+show it: stats() and report() never drain the device, copies split at
 pinned-registration boundaries stay exact, copy time is measured for GB/s, and
 the arena is created for the device it streams to. Hook order and capture are in
 test_contract.py.
 
-Issue 22: the checks below the line run on every device (the `device` fixture:
+The checks below the line run on every device (the `device` fixture:
 "cpu" here, "cuda" where scripts/gpu_check.sh finds a GPU), each a real check of
 the CUDA path there: a reader waiting on a late event does not spin a core, a
 freed pinned block keeps its bytes until its copy completes (and costs no device
@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 import layerwise
 from layerwise import _native
-from layerwise import gpu_checks
+from layerwise.runtime import gpu_checks
 from layerwise.configure import managers_of
-from layerwise.gpu_checks import check_decode_path
-from layerwise.stages.read import aligned_staging
+from layerwise.runtime.gpu_checks import check_decode_path
+from layerwise.stages.disk.reader import aligned_staging
 from models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
@@ -141,7 +141,7 @@ def test_only_a_timed_copy_has_a_start_and_a_duration_on_the_cpu_backend():
         later.start = object()
 
 
-# ------------------------------------------------------------ issue 22: helpers
+# ------------------------------------------------------------ Helpers
 def gpu_sleep_cycles(seconds: float) -> int:
     """torch.cuda._sleep cycles that keep the current stream busy about `seconds`."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,4 +1,4 @@
-"""The files of the disk tier over time (issue 21, items 9, 10 and 11): a file
+"""The files of the disk tier over time: a file
 that changed and came back streams exactly again, a change of metadata only is
 no error, a truncated file is a ReadError (an OSError) every time, and a model
 collected without remove_layerwise_offload closes its files and deletes its
@@ -20,7 +20,7 @@ import torch
 
 import layerwise
 from layerwise.stages import disk as disk_mod
-from layerwise.stages.read import ReadError
+from layerwise.stages.disk.reader import ReadError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_disk_tier import budget, disk_dir, inputs, make, meta_model, save_checkpoint, spill_files  # noqa: E402,F401

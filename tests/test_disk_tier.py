@@ -1,4 +1,4 @@
-"""The disk tier (issue 14): layers over host_budget stay in files (the
+"""The disk tier: layers over host_budget stay in files (the
 checkpoint's, or spill files) and stream disk -> staging -> slot, bitwise
 equal whatever the split, with host memory bounded."""
 import copy
@@ -18,7 +18,8 @@ from torch import nn
 
 import layerwise
 from layerwise.stages import disk as disk_mod
-from layerwise.stages.read import ReadError, filesystem_type
+from layerwise.stages.disk import staging as disk_staging
+from layerwise.stages.disk.reader import ReadError, filesystem_type
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -63,11 +64,11 @@ def layer_bytes(model, name="blocks"):
 
 def budget(model, keep, depth=1, disk_depth=None, device="cpu", groups=("blocks",)):
     """A host_budget that leaves room for about `keep` layers in memory, from the
-    planner's accounting (layerwise.hostplan): staging, scratch, and on a CPU
+    planner's accounting (layerwise.planning.host_budget): staging, scratch, and on a CPU
     device the non-layer weights and the rings."""
     lb = layer_bytes(model) + 4096
     n = len(groups)
-    slots = disk_depth if disk_depth else max(2, depth + 1)  # staging slots (layerwise.hostplan.staging_slots)
+    slots = disk_depth if disk_depth else max(2, depth + 1)  # staging slots (layerwise.planning.host_budget.staging_slots)
     total = (slots * (lb + 12 * 4096)) * n + lb + keep * lb
     if device == "cpu":
         managed = {id(p) for g in groups for p in getattr(model, g).parameters()}
@@ -432,8 +433,8 @@ def test_buffered_fallback_on_a_memory_file_system(device):
 
 
 def test_refused_o_direct_falls_back(disk_dir, monkeypatch):
-    real = disk_mod.Reader
-    monkeypatch.setattr(disk_mod, "Reader", lambda **kw: real(**kw, _refuse_direct=True))
+    real = disk_staging.Reader
+    monkeypatch.setattr(disk_staging, "Reader", lambda **kw: real(**kw, _refuse_direct=True))
     ref = make()
     ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
     model = meta_model()
@@ -516,7 +517,7 @@ BUDGET_SCRIPT = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     import layerwise
-    from layerwise.hostmem import MemoryMeter
+    from layerwise.planning.host_limits import MemoryMeter
     from test_disk_tier import Net
 
     spill_dir = {spill_dir!r}
@@ -549,7 +550,7 @@ BUDGET_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("spill", [False, True], ids=["checkpoint", "spill"])
 def test_host_budget_is_kept_as_memory_in_a_fresh_process(disk_dir, spill):
-    """issue 21 (7): a host budget is a promise about the process's memory: anonymous
+    """A host budget is a promise about the process's memory: anonymous
     + shared-memory pages, and the page cache of the checkpoint and spill files
     (a cgroup charges both), measured in a fresh process. On 3e2da62 the load read
     the checkpoint through the page cache and left all of it there: 4x the budget."""
@@ -577,14 +578,14 @@ def test_host_budget_is_kept_as_memory_in_a_fresh_process(disk_dir, spill):
 def test_auto_budget_reads_the_memory_left(disk_dir, monkeypatch, caplog):
     import logging
 
-    from layerwise import hostmem
+    from layerwise.planning import host_limits
 
     ref = make()
     ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
     want = budget(ref, 1)
-    monkeypatch.setattr(hostmem, "_cgroup_dirs", lambda *a: [])
+    monkeypatch.setattr(host_limits, "_cgroup_dirs", lambda *a: [])
     # 16 GiB of RAM (reserve: 2 GiB), of which 2 GiB + `want` are available.
-    monkeypatch.setattr(hostmem, "_host_memory", lambda: (2 * hostmem.GiB + want, 16 * hostmem.GiB))
+    monkeypatch.setattr(host_limits, "_host_memory", lambda: (2 * host_limits.GiB + want, 16 * host_limits.GiB))
     model = meta_model()
     with caplog.at_level(logging.INFO, logger="layerwise"):
         (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget="auto")

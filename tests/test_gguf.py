@@ -1,4 +1,4 @@
-"""Quantized models whose parameters are plain tensors (issue 23): a tiny Flux loaded
+"""Quantized models whose parameters are plain tensors: a tiny Flux loaded
 by diffusers from a real GGUF file (`GGUFParameter`: uint8 blocks of Q8_0 / Q4_0
 with a `quant_type`, dequantized in each forward), and plain fp8 weights with a
 bf16 scale. Each streams its quantized bytes, bitwise against the same model
@@ -11,7 +11,7 @@ from torch import nn
 
 import layerwise
 from layerwise.configure import managers_of
-from layerwise.plan import param_bytes
+from layerwise.planning.layout import param_bytes
 
 gguf = pytest.importorskip("gguf")
 diffusers = pytest.importorskip("diffusers")

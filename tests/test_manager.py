@@ -244,7 +244,7 @@ def test_stats_count_copies_and_steps():
 @pytest.mark.parametrize("n", range(1, 40))
 @pytest.mark.parametrize("depth", [0, 1, 2, 3, 5])
 def test_slot_assignment_keeps_every_prefetch_window_distinct(n, depth):
-    from layerwise.plan import assign_slots
+    from layerwise.planning.layout import assign_slots
 
     slots, count = assign_slots(n, depth)
     assert len(slots) == n and set(slots) == set(range(count))
@@ -404,12 +404,12 @@ def test_failure_half_way_puts_the_model_back(monkeypatch):
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_the_next_layers_copies_are_queued_before_a_layer_is_waited_for(depth, monkeypatch):
-    """Found with the simulated bus (python -m layerwise.bench bus, issue 24): at prefetch
+    """Found with the simulated bus (python -m layerwise.bench bus): at prefetch
     depth 1 a transfer-bound step took 1.13-1.25x the floor, because the pre-hook queued
     the next layer's copy only after waiting for this layer's; on the CPU backend that
     wait blocks the host, so the bus idled between layers. At each wait, the copies of
     the next `depth` layers must already be queued."""
-    from layerwise.meter import Meter
+    from layerwise.runtime.meter import Meter
 
     torch.manual_seed(0)
     model = TwoGroupModel(n_a=6, n_b=1)

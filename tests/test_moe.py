@@ -1,4 +1,4 @@
-"""Routed experts (issue 26, layerwise/experts.py, layerwise/stages/experts.py):
+"""Routed experts (layerwise/planning/experts.py, layerwise/stages/experts.py):
 tiny Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 (shared experts, a dense first
 layer) from small configs on the CPU backend, with random copy delays: outputs
 bitwise the resident model's; bytes per decode step against the ideal (the
@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import experts as experts_mod
+from layerwise.planning import experts as experts_mod
+from layerwise.runtime import expert_hooks
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,7 +148,7 @@ def _step_bytes(model, m, ids, steps):
     for i, mods in m.experts.layers.items():
         for k, xm in enumerate(mods):
             def rec(mod, args, kwargs, i=i, xm=xm):
-                used[-1].update((i, xm.name, x) for x in experts_mod.chosen_experts(xm.routed(args, kwargs),
+                used[-1].update((i, xm.name, x) for x in expert_hooks.chosen_experts(xm.routed(args, kwargs),
                                                                                      xm.num_experts))
             handles.append(xm.module.register_forward_pre_hook(rec, with_kwargs=True))
     unit = {(i, xm.name): xm.unit_bytes for i, mods in m.experts.layers.items() for xm in mods}
@@ -547,7 +548,7 @@ def test_compressed_routed_experts_are_bitwise_and_move_encoded_bytes(arch, cach
         used = [set()]
         hooks = [xm.module.register_forward_pre_hook(
             lambda mod, a, kw, i=i, xm=xm: used[-1].update(
-                (i, xm.name, x) for x in experts_mod.chosen_experts(xm.routed(a, kw), xm.num_experts)),
+                (i, xm.name, x) for x in expert_hooks.chosen_experts(xm.routed(a, kw), xm.num_experts)),
             with_kwargs=True) for i, mods in m.experts.layers.items() for xm in mods]
         rows = _step_bytes(model, m, _ids(batch=1), steps=4)
         for h in hooks:
@@ -585,8 +586,8 @@ def test_compressed_load_state_dict_into_one_expert_re_encodes(cache):
 
 
 def test_compressed_routed_host_bytes_are_planned_exactly():
-    from layerwise import tierplan
-    from layerwise.plan import BLOCK_ALIGN, round_up
+    from layerwise.planning import routes
+    from layerwise.planning.layout import BLOCK_ALIGN, round_up
 
     model = _bf16("mixtral")
     planned = {}
@@ -598,7 +599,7 @@ def test_compressed_routed_host_bytes_are_planned_exactly():
     opts = OffloadOptions.build(device="cpu", experts="routed", compress="lossless")
     mm = layerwise.LayerwiseOffloadManager(ref, layer_name="model.layers", initialize=False, options=opts)
     for lp in mm.plan.layers:
-        planned[lp.index] = tierplan.encoded_layer_bytes(lp, mm.experts)
+        planned[lp.index] = routes.encoded_layer_bytes(lp, mm.experts)
     for i, n in planned.items():
         assert n == m._src[i].stored_bytes, (i, n, m._src[i].stored_bytes)
     assert [r.host_bytes for r in mm.tier_plan()] == [round_up(n, BLOCK_ALIGN) for n in planned.values()]
@@ -624,7 +625,7 @@ def _disk_steps(model, m, steps=4):
     used = [set()]
     hooks = [xm.module.register_forward_pre_hook(
         lambda mod, a, kw, i=i, xm=xm: used[-1].update(
-            (i, k, x) for x in experts_mod.chosen_experts(xm.routed(a, kw), xm.num_experts)),
+            (i, k, x) for x in expert_hooks.chosen_experts(xm.routed(a, kw), xm.num_experts)),
         with_kwargs=True) for i, mods in m.experts.layers.items() for k, xm in enumerate(mods)]
     prefix = sum(m.plan.layers[i].base_bytes for i in disk)
     ids, out = _ids(batch=1, seed=5), []
@@ -669,12 +670,12 @@ def test_routed_experts_in_spill_files_are_read_on_demand(tmp_path, cache):
     disk = _check_disk(ref, model, m, _ids(batch=2))
     assert m.stats()["disk"]["layers"] == len(disk)
     # the host budget counted the staging the on-demand reads keep
-    from layerwise import hostplan
+    from layerwise.planning import host_budget
     from layerwise.stages.disk import staging_slots
 
-    planned = (staging_slots(m.prefetch_depth, None) * hostplan.staging_slot_bytes(m, disk)
-               + hostplan.range_staging_bytes(m, disk))
-    assert hostplan.range_staging_bytes(m, disk) > 0
+    planned = (staging_slots(m.prefetch_depth, None) * host_budget.staging_slot_bytes(m, disk)
+               + host_budget.range_staging_bytes(m, disk))
+    assert host_budget.range_staging_bytes(m, disk) > 0
     assert m.stats()["disk"]["staging_bytes"] <= planned
     _load_one_expert_on_disk(ref, model, max(disk), "down_proj", 5, -2, tmp_path)
 
@@ -760,7 +761,7 @@ def _toy_steps(model, m, xs):
     used = [set()]
     hooks = [xm.module.register_forward_pre_hook(
         lambda mod, a, kw, i=i, xm=xm: used[-1].update(
-            (i, k, x) for x in experts_mod.chosen_experts(xm.routed(a, kw), xm.num_experts)),
+            (i, k, x) for x in expert_hooks.chosen_experts(xm.routed(a, kw), xm.num_experts)),
         with_kwargs=True) for i, mods in m.experts.layers.items() for k, xm in enumerate(mods)]
     streamed = set(m.ring.streamed)
     prefix = sum(m._src[i].transfer_bytes for i in streamed)
@@ -1015,7 +1016,7 @@ def test_speculative_prefetch_on_cuda_costs_bytes_never_correctness():
 def test_compressed_routed_experts_on_cuda_decode_their_rows_bitwise(cache):
     """Each expert's rows are a segment of their own: a demand fetch copies its encoded
     rows and the Triton decoder writes them into the slot (the decode lane)."""
-    from layerwise.gpu_checks import check_decode_path
+    from layerwise.runtime.gpu_checks import check_decode_path
 
     check_decode_path("cuda")
     ref, model, m = _on_cuda(_bf16("mixtral"), compress="lossless", expert_cache=cache,

@@ -1,5 +1,5 @@
 """Misuse of the native core must not crash the process, and a process that
-streams a model must exit cleanly (issue 10). Everything that could crash or
+streams a model must exit cleanly. Everything that could crash or
 hang runs in a subprocess with a timeout: a crash is a negative return code
 (the signal), a hang a failed test, never a dead or stuck test runner."""
 import gc

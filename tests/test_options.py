@@ -321,7 +321,7 @@ def test_offload_pipeline_gives_each_group_its_own_pin_memory():
 @pytest.mark.parametrize("door", ["configure_layerwise_offload", "load_offloaded", "offload_pipeline",
                                   "LayerwiseOffloadManager"])
 def test_the_decode_path_is_checked_at_the_front_door(door, monkeypatch, checkpoint):
-    """Issue 22, CUDA rule 9: compress="lossless" on a CUDA device whose decode path
+    """Compress="lossless" on a CUDA device whose decode path
     cannot run (here TRITON_INTERPRET=1 on a GPU host, the device simulated) is refused
     by the options validation, at every front door, before the model changes; not in
     the first forward's hook."""

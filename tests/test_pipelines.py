@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import hostmem, pipelines
+from layerwise import pipelines
+from layerwise.planning import host_limits
 from layerwise.configure import managers_of
 
 pytest.importorskip("diffusers")
@@ -219,7 +220,7 @@ def _fake(tmp_path, cgroup_lines, files, status="CapEff:\t0000000000000000\nVmLc
 
 @pytest.fixture
 def big_host(monkeypatch):
-    monkeypatch.setattr(hostmem, "_host_memory", lambda: (1 << 50, 1 << 50))
+    monkeypatch.setattr(host_limits, "_host_memory", lambda: (1 << 50, 1 << 50))
 
 
 GiB = 1 << 30
@@ -227,14 +228,14 @@ GiB = 1 << 30
 
 def test_cgroup_v2_limit_less_usage_and_reserve(tmp_path, big_host):
     root, proc = _fake(tmp_path, "0::/\n", {"memory.max": f"{16 * GiB}\n", "memory.current": f"{4 * GiB}\n"})
-    b = hostmem.pinnable_host_bytes(0, root, proc)
+    b = host_limits.pinnable_host_bytes(0, root, proc)
     assert b.bytes == 12 * GiB - 2 * GiB  # reserve max(5% of 16 GiB, 2 GiB)
     assert "cgroup" in b.source and "memory.max" in b.source
     # weights that the arenas will replace count as free
-    assert hostmem.pinnable_host_bytes(3 * GiB, root, proc).bytes == 13 * GiB
+    assert host_limits.pinnable_host_bytes(3 * GiB, root, proc).bytes == 13 * GiB
     # a larger limit: the 5% reserve is the larger one
     root, proc = _fake(tmp_path / "b", "0::/\n", {"memory.max": f"{100 * GiB}\n", "memory.current": "0\n"})
-    assert hostmem.pinnable_host_bytes(0, root, proc).bytes == 95 * GiB
+    assert host_limits.pinnable_host_bytes(0, root, proc).bytes == 95 * GiB
 
 
 def test_cgroup_v2_nested_path_takes_the_tightest_ancestor(tmp_path, big_host):
@@ -243,7 +244,7 @@ def test_cgroup_v2_nested_path_takes_the_tightest_ancestor(tmp_path, big_host):
         "kubepods/pod1/memory.max": f"{8 * GiB}\n", "kubepods/pod1/memory.current": f"{1 * GiB}\n",
         "kubepods/pod1/ctr/memory.max": "max\n", "kubepods/pod1/ctr/memory.current": f"{1 * GiB}\n",
     })
-    assert hostmem.pinnable_host_bytes(0, root, proc).bytes == 7 * GiB - 2 * GiB
+    assert host_limits.pinnable_host_bytes(0, root, proc).bytes == 7 * GiB - 2 * GiB
 
 
 def test_cgroup_v1_limit_and_its_unlimited_value(tmp_path, big_host):
@@ -252,26 +253,26 @@ def test_cgroup_v1_limit_and_its_unlimited_value(tmp_path, big_host):
         "memory/docker/abc/memory.limit_in_bytes": f"{10 * GiB}\n",
         "memory/docker/abc/memory.usage_in_bytes": f"{2 * GiB}\n",
     })
-    b = hostmem.pinnable_host_bytes(0, root, proc)
+    b = host_limits.pinnable_host_bytes(0, root, proc)
     assert b.bytes == 8 * GiB - 2 * GiB and "memory.limit_in_bytes" in b.source
     root, proc = _fake(tmp_path / "b", "4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712\n"})
-    assert hostmem.pinnable_host_bytes(0, root, proc).bytes == (1 << 50) - (1 << 50) // 20  # host only
+    assert host_limits.pinnable_host_bytes(0, root, proc).bytes == (1 << 50) - (1 << 50) // 20  # host only
 
 
 def test_memlock_limit_unless_cap_ipc_lock(tmp_path, big_host):
     files = {"memory.max": "max\n"}
     root, proc = _fake(tmp_path, "0::/\n", files, memlock=64 << 20,
                        status="CapEff:\t0000000000000000\nVmLck:\t    4096 kB\n")
-    b = hostmem.pinnable_host_bytes(0, root, proc)
+    b = host_limits.pinnable_host_bytes(0, root, proc)
     assert b.bytes == (64 << 20) - (4 << 20) - int(0.05 * (64 << 20))
     assert "memlock" in b.source
     # CAP_IPC_LOCK (bit 14 of CapEff): RLIMIT_MEMLOCK does not bind
     root, proc = _fake(tmp_path / "cap", "0::/\n", files, memlock=64 << 20,
                        status=f"CapEff:\t{1 << 14:016x}\nVmLck:\t       0 kB\n")
-    assert hostmem.pinnable_host_bytes(0, root, proc).bytes == (1 << 50) - (1 << 50) // 20
+    assert host_limits.pinnable_host_bytes(0, root, proc).bytes == (1 << 50) - (1 << 50) // 20
     # no cgroup limit, no memlock limit: the host's available memory, less max(5%, 2 GiB)
     root, proc = _fake(tmp_path / "none", "0::/\n", files)
-    assert hostmem.pinnable_host_bytes(0, root, proc).bytes == (1 << 50) - (1 << 50) // 20
+    assert host_limits.pinnable_host_bytes(0, root, proc).bytes == (1 << 50) - (1 << 50) // 20
 
 
 def test_auto_pin_budget_reads_the_limits(pipe, reference, tmp_path, monkeypatch):
@@ -283,8 +284,8 @@ def test_auto_pin_budget_reads_the_limits(pipe, reference, tmp_path, monkeypatch
     # really lock more: it has CAP_IPC_LOCK or a higher limit, else we skipped).
     limit = int((sizes["transformer"] + 2 * KiB) / 0.95) + 1
     root, proc = _fake(tmp_path, "0::/\n", {"memory.max": "max\n"}, memlock=limit)
-    monkeypatch.setattr(hostmem, "CGROUP_ROOT", root)
-    monkeypatch.setattr(hostmem, "PROC_SELF", proc)
+    monkeypatch.setattr(host_limits, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_limits, "PROC_SELF", proc)
     managers = layerwise.offload_pipeline(pipe, device="cpu")  # pin_budget="auto"
     assert [m.stats()["arena_pinned"] for m in managers["transformer"]] == [True, True]
     assert not any(m.stats()["arena_pinned"] for n in ("vae", "text_encoder", "text_encoder_2") for m in managers[n])
@@ -501,7 +502,7 @@ def _needed_host_bytes(pipe):
 
 
 def test_host_budget_means_what_it_means_for_configure(pipe, reference):
-    """One meaning of host_budget at every front door (issue 22): the pipeline's budget
+    """One meaning of host_budget at every front door: the pipeline's budget
     counts what configure_layerwise_offload's does, not only the arenas."""
     needed = _needed_host_bytes(pipe)
     arenas = sum(_arena(ms) for ms in layerwise.offload_pipeline(pipe, device="cpu").values())
@@ -572,7 +573,7 @@ def test_ctrl_c_while_the_pipeline_completes_is_delivered_on_a_whole_pipeline(pi
     import os
     import signal
 
-    from layerwise import manager as manager_mod
+    from layerwise.runtime import group as manager_mod
 
     before = state_dicts(pipe)
     orig = manager_mod.LayerwiseOffloadManager._commit

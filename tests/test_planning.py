@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import layerwise
-from layerwise.budget import fmt_bytes, non_layer_bytes
+from layerwise.planning.device_budget import fmt_bytes, non_layer_bytes
 from doors import front_door, save_checkpoint
 from models import TwoGroupModel
 
@@ -167,7 +167,7 @@ def test_load_offloaded_refuses_budget_with_explicit_resident_layers(tmp_path):
 
 
 def test_auto_budget_arithmetic_and_bad_values(monkeypatch):
-    import layerwise.budget as B
+    import layerwise.planning.device_budget as B
 
     monkeypatch.setattr(B, "free_device_bytes", lambda dev: (10 << 30, 16 << 30))
     cuda = torch.device("cuda", 0)  # only a device object: nothing runs on it
@@ -182,7 +182,7 @@ def test_auto_budget_arithmetic_and_bad_values(monkeypatch):
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_auto_budget_on_cpu_plans_nothing_and_says_so(monkeypatch, caplog, depth):
-    import layerwise.budget as B
+    import layerwise.planning.device_budget as B
 
     def no_probe(dev):
         raise AssertionError("free RAM must not drive the plan on a CPU device")
@@ -279,15 +279,15 @@ def test_bad_argument_values_are_refused_naming_the_argument(door, tmp_path):
     assert not wrong, "\n".join(wrong)
 
 
-# ------------------------------------ tier sizes known before packing (layerwise.tierplan)
+# ------------------------------------ tier sizes known before packing (layerwise.planning.routes)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_encoded_size_is_exact_without_encoding(dtype):
-    """tierplan.encoded_layer_bytes gives the byte count encode_layer gives, from the
+    """routes.encoded_layer_bytes gives the byte count encode_layer gives, from the
     parameters alone: strided parameters, alignment gaps, a constant tensor, mixed dtypes."""
     from torch import nn
 
-    from layerwise import tierplan
-    from layerwise.plan import build_group_plan
+    from layerwise.planning import routes
+    from layerwise.planning.layout import build_group_plan
     from layerwise.stages.decode import encode_layer
 
     torch.manual_seed(0)
@@ -303,24 +303,24 @@ def test_encoded_size_is_exact_without_encoding(dtype):
             flat = torch.as_strided(d, (e.span,), (1,), d.storage_offset()).view(torch.uint8)
             block[e.offset : e.offset + e.span_bytes].copy_(flat)
         enc, _ = encode_layer(block, lp)
-        assert tierplan.encoded_layer_bytes(lp) == enc.numel() < lp.nbytes
+        assert routes.encoded_layer_bytes(lp) == enc.numel() < lp.nbytes
 
 
 def test_planned_host_bytes_count_each_layer_at_its_tier():
     from types import SimpleNamespace
 
-    from layerwise import tierplan
-    from layerwise.plan import BLOCK_ALIGN, round_up
+    from layerwise.planning import routes
+    from layerwise.planning.layout import BLOCK_ALIGN, round_up
 
     model = make()
     m = layerwise.LayerwiseOffloadManager(model, GROUPS[0], device="cpu", initialize=False)
     raw = [round_up(lp.nbytes, BLOCK_ALIGN) for lp in m.plan.layers]
-    assert tierplan.planned_host_bytes(m) == m._arena_capacity() == sum(raw)
+    assert routes.planned_host_bytes(m) == m._arena_capacity() == sum(raw)
     # split fetch: layers 0-3 are this rank's share (a quarter), layer 7 stays on disk
     share = {i: (0, 0, m.plan.layers[i].nbytes // 4) for i in range(4)}
     m.tiers.use_split(SimpleNamespace(spans=share))
     m.tiers.keep_on_disk({7})
-    per = tierplan.layer_host_bytes(m)
+    per = routes.layer_host_bytes(m)
     assert [per[i] for i in range(4)] == [round_up(m.plan.layers[i].nbytes // 4, BLOCK_ALIGN) for i in range(4)]
     assert per[7] == 0 and [per[i] for i in (4, 5, 6)] == raw[4:7]
     assert [r.describe() for r in m.tier_plan()][3:8] == [
@@ -328,6 +328,6 @@ def test_planned_host_bytes_count_each_layer_at_its_tier():
     m.tiers.use_split(None)
     m.tiers.keep_on_disk(())
     m.compress = "lossless"  # encoded: at their encoded size, page-rounded
-    per = tierplan.layer_host_bytes(m)
-    assert all(per[i] == round_up(tierplan.encoded_layer_bytes(lp), BLOCK_ALIGN) < raw[i]
+    per = routes.layer_host_bytes(m)
+    assert all(per[i] == round_up(routes.encoded_layer_bytes(lp), BLOCK_ALIGN) < raw[i]
                for i, lp in enumerate(m.plan.layers))

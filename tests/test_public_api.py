@@ -1,4 +1,4 @@
-"""Every name of DESIGN.md's "Public API" lists (the seed's, the second, third and
+"""Every name of docs/design.md's "Public API" lists (the seed's, the second, third and
 fourth waves'), called with its documented signature and keywords on small CPU
 models, its documented return shapes and keys checked. Tests outside this
 repository call these names: a rename or a dropped keyword fails here first.
@@ -209,7 +209,7 @@ DISK = {"d": 128, "n_a": 12, "n_b": 6}  # layers large enough against the disk t
 
 def _disk_budget(model, keep):
     """A host_budget that holds about `keep` layers of the model's first group in memory
-    (the planner's accounting, layerwise.hostplan, as tests/test_disk_tier.py counts it)."""
+    (the planner's accounting, layerwise.planning.host_budget, as tests/test_disk_tier.py counts it)."""
     lb = max(sum(p.numel() * p.element_size() for p in b.parameters()) for name in GROUPS
              for b in getattr(model, name)) + 4096
     managed = {id(p) for name in GROUPS for p in getattr(model, name).parameters()}

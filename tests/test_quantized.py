@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import packing as packing_mod
+from layerwise.runtime import host_store as packing_mod
 from layerwise.configure import managers_of
 from layerwise.formats import quantized as quantized_mod
 
@@ -245,7 +245,7 @@ def _assert_fingerprint(model, fp):
 def test_a_failure_at_every_parameter_index_rolls_back_exactly(monkeypatch, kind, where, exc):
     ref = make(kind, n=2)
     expect = run(ref, inputs())
-    from layerwise.plan import ParamEntry
+    from layerwise.planning.layout import ParamEntry
 
     target = {"before_copy": (ParamEntry, "source"), "placeholder": (packing_mod.HostLayers, "leaf_placeholder"),
               "rebind": (quantized_mod, "rebind")}[where]
@@ -342,7 +342,7 @@ TIER_KINDS = ["ao-int8", "ao-fp8", "quanto-qint4"]
 
 @pytest.fixture
 def spill_dir(tmp_path):
-    from layerwise.stages.read import filesystem_type
+    from layerwise.stages.disk.reader import filesystem_type
 
     if filesystem_type(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("tmp_path is on a memory file system here")
@@ -615,7 +615,7 @@ def test_offload_pipeline_with_a_torchao_quantized_transformer(kind):
         assert quant == stored_bytes(ref.transformer.get_submodule(m.layer_name)), m.layer_name
         copied = m.stats()["last_step"]["bytes_copied"]
         # every layer once per step, as its block: the quantized bytes and the alignment gaps between
-        # leaves (layerwise.plan.PARAM_ALIGN; at width 32 the gaps are 15% of the layers' bytes)
+        # leaves (layerwise.planning.layout.PARAM_ALIGN; at width 32 the gaps are 15% of the layers' bytes)
         assert copied == sum(lp.nbytes for lp in m.plan.layers), (m.layer_name, copied, quant)
         entries = sum(len(lp.params) for lp in m.plan.layers)
         assert quant < copied <= quant + 256 * entries, (m.layer_name, copied, quant)

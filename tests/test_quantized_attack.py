@@ -1,4 +1,4 @@
-"""Quantized models off the happy path (attacks on issue 23's streaming): each test
+"""Quantized models off the happy path (attacks on quantized streaming): each test
 against the resident quantized model, bitwise, or a clear refusal with the model
 unchanged."""
 import pytest

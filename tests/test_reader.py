@@ -1,4 +1,4 @@
-"""The disk tier's reader (layerwise._C.Reader, layerwise/stages/read.py):
+"""The disk tier's reader (layerwise._C.Reader, layerwise/stages/disk/reader.py):
 exact bytes for any extents, O_DIRECT where the file system allows it and the
 buffered path where not, errors that name the file and never pass a short
 buffer as a full one, ordering with the CPU copy engine, and safety: dst kept
@@ -19,8 +19,7 @@ import torch
 
 import layerwise
 from layerwise._native import CopyEngine, Reader, ReadError
-from layerwise.stages.read import (PAGE, OpenFile, aligned_staging, filesystem_type, read_layer,
-                                   staging_layout)
+from layerwise.stages.disk.reader import PAGE, OpenFile, aligned_staging, filesystem_type, read_layer, staging_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_FS = {"tmpfs", "ramfs"}
@@ -149,7 +148,7 @@ def test_random_extents_are_bitwise_exact(disk_dir, layout, contiguous):
             assert bool((torch.from_numpy(buf)[mask] == 0xA5).all())
 
 
-# ------------------------------------------------------ queue depth (issue 21, 8)
+# ------------------------------------------------------ queue depth
 @pytest.mark.parametrize("layout", ["staging", "plan"])
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "scattered"])
 @pytest.mark.parametrize("chunk", [PAGE, 3 * PAGE, 64 << 10])
@@ -193,7 +192,7 @@ def test_one_layer_keeps_several_requests_in_flight(disk_dir):
     at once, not one: on 3e2da62 a layer was one preadv on one thread (0.81x the
     drive's best). Run until two pieces were seen reading at the same time (machine
     load can delay a thread, never forbid the overlap), with a generous cap."""
-    from layerwise.stages.read import READ_CHUNK_BYTES, READER_THREADS
+    from layerwise.stages.disk.reader import READ_CHUNK_BYTES, READER_THREADS
 
     assert READER_THREADS >= 2 and READ_CHUNK_BYTES >= PAGE
     path = os.path.join(disk_dir, "layer.bin")
@@ -215,7 +214,7 @@ def test_one_layer_keeps_several_requests_in_flight(disk_dir):
 
 def test_the_disk_tier_reads_with_the_tier_settings(disk_dir):
     from layerwise.stages.disk import DiskTier
-    from layerwise.stages.read import READ_CHUNK_BYTES, READER_THREADS
+    from layerwise.stages.disk.reader import READ_CHUNK_BYTES, READER_THREADS
 
     tier = DiskTier(CopyEngine("cpu"), 2, PAGE, torch.device("cpu"), pinned=False)
     try:
@@ -655,7 +654,7 @@ PRELUDE = textwrap.dedent(
     torch.set_num_threads(1)
     import layerwise
     from layerwise._native import CopyEngine, Reader, ReadError
-    from layerwise.stages.read import aligned_staging, staging_layout
+    from layerwise.stages.disk.reader import aligned_staging, staging_layout
     assert layerwise.__file__.startswith({ROOT!r}), layerwise.__file__
     """
 )

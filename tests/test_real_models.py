@@ -16,7 +16,7 @@ from torch import nn
 
 import layerwise
 from layerwise.configure import managers_of
-from layerwise.detect import detect_layer_groups
+from layerwise.planning.detect import detect_layer_groups
 
 DEPTH_RESIDENT = [(0, 0), (1, 0), (2, 1)]
 
@@ -560,7 +560,7 @@ def test_real_architectures_load_from_safetensors_bitwise(name, tmp_path):
     assert_state_equal(model, clone_state(ref))
 
 
-# ------------------------------------- tiers composed (issue 22): disk + compress
+# ------------------------------------- tiers composed: disk + compress
 def _smallest_host_budget(offload, start=32 << 10, step=16 << 10):
     """The smallest host_budget `offload(budget)` accepts (most layers on disk)."""
     budget = start

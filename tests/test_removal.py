@@ -2,7 +2,7 @@
 transaction. A failure or Ctrl-C at any point of a removal leaves the model
 streaming exactly (outputs and state_dict bitwise), a retry completes, and a
 state_dict() or load_state_dict() on another thread sees the model wholly
-before or wholly after the removal (issue 21, items 1-3)."""
+before or wholly after the removal."""
 import copy
 import os
 import threading
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import layerwise
-from layerwise import manager as manager_mod
-from layerwise import packing as packing_mod
+from layerwise.runtime import group as manager_mod
+from layerwise.runtime import host_store as packing_mod
 from layerwise.configure import managers_of
 from layerwise.stages import disk as disk_mod
 from test_contract import assert_fingerprint, fingerprint, inputs, make, no_trace_of_layerwise, run
@@ -409,7 +409,7 @@ sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
 import layerwise
-from layerwise import manager as mm
+from layerwise.runtime import group as mm
 from models import TwoGroupModel
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # a program that lets Ctrl-C end it
 model = TwoGroupModel()

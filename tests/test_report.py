@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise.budget import fmt_bytes
+from layerwise.planning.device_budget import fmt_bytes
 from models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
@@ -199,9 +199,9 @@ def test_table_fits_120_columns_with_long_group_names():
     assert any(ln.startswith(prefix + GROUPS[1] + ":") for ln in r.lines())  # plain lines keep full names
 
 
-# ------------------------------------------------- issue 21: friction in report()
+# ------------------------------------------------- Friction in report()
 def test_step_time_and_averages_over_the_last_steps():
-    from layerwise.meter import RECENT_STEPS
+    from layerwise.runtime.meter import RECENT_STEPS
 
     model, managers = streamed_model(steps=5)
     r = layerwise.report(model)
@@ -256,7 +256,7 @@ def test_host_budget_in_force_and_its_use(tmp_path):
     r = layerwise.report(model)
     hb = r["host_budget"]
     stats = [m.stats() for m in managers]
-    from layerwise.budget import non_layer_bytes
+    from layerwise.planning.device_budget import non_layer_bytes
 
     want = (sum(s["arena_bytes"] + (s["disk"]["staging_bytes"] if s["disk"] else 0) for s in stats)
             + non_layer_bytes(model, managers) + sum(s["ring_bytes"] + s["resident_bytes"] for s in stats))

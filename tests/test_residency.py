@@ -1,4 +1,4 @@
-"""Residency that changes after configure (issue 24): LayerwiseOffloadManager.set_residency.
+"""Residency that changes after configure: LayerwiseOffloadManager.set_residency.
 
 The ring is rebuilt and the layers that change placement are bound again; the
 host side stays as packed. Exact under the state contract (state_dict,
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import manager as manager_mod
+from layerwise.runtime import group as manager_mod
 
 from models import TwoGroupModel
 

@@ -1,4 +1,4 @@
-"""Attacks on LayerwiseOffloadManager.set_residency (issue 24) that the suite in
+"""Attacks on LayerwiseOffloadManager.set_residency that the suite in
 test_residency.py does not cover: a weakly referenced quantized wrapper, a
 parameter rebound (`.data =`) since the last check, a failure in the second
 phase, a read-only checkpoint layer changed while resident."""
@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import layerwise
-from layerwise import contract, drift
+from layerwise import contract
+from layerwise.contract import rebinds
 
 from test_residency import GROUPS, inputs, leaves_equal, make, outputs, same  # noqa: F401  (the same small models)
 
@@ -54,7 +55,7 @@ def test_a_weakly_referenced_quantized_weight_is_refused_before_anything_changes
 @pytest.mark.parametrize("case", ["made resident", "stays streamed"])
 def test_a_parameter_rebound_since_the_last_check_is_kept(case):
     """`p.data = t` on a streamed parameter outside a forward is adopted by the
-    state contract (layerwise/drift.py) at the next check; set_residency rebound
+    state contract (layerwise/rebinds.py) at the next check; set_residency rebound
     every parameter without that check and silently dropped the new values."""
     ref = make()
     xs = inputs()
@@ -84,7 +85,7 @@ def test_a_failure_in_the_second_phase_leaves_one_placement_whole(monkeypatch, t
     model = make()
     a = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")[0]
     a.set_residency([5], 1)  # five streamed layers over three slots
-    where = {"install_layer_hooks": contract, "Bound": drift, "unwatch": contract}[target]
+    where = {"install_layer_hooks": contract, "Bound": rebinds, "unwatch": contract}[target]
 
     real, calls = getattr(where, target), [0]
 

@@ -1,4 +1,4 @@
-"""The simulated bus of the CPU backend (issue 24; csrc/sim_bus.h):
+"""The simulated bus of the CPU backend (csrc/sim_bus.h):
 LAYERWISE_SIM_BUS_GBPS makes every copy of the CPU engine take at least
 `latency + bytes / bandwidth` of wall time, one bus per process shared by the
 copies in flight, sources outside pinned arenas at the pageable rate, waiting

@@ -1,4 +1,4 @@
-"""Split fetch over torch.distributed (layerwise/stages/gather.py): 2 and 3 gloo
+"""Split fetch over torch.distributed (layerwise/stages/split/): 2 and 3 gloo
 ranks on CPU, each holding and copying ~1/N of every streamed layer. The checks
 run inside the ranks (tests/split_worker.py); a rank that hangs fails the test
 at the timeout instead of blocking CI."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from layerwise.stages.gather import share_span
+from layerwise.stages.split import share_span
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def test_split_fetch_on_gloo_ranks(world, tmp_path):
 @needs_gloo
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_rank_out_of_lockstep_raises_on_every_rank(world, tmp_path):
-    """Issue 21, item 4: blocks called in another order (equal and unequal sizes), state_dict
+    """Blocks called in another order (equal and unequal sizes), state_dict
     against a forward: SplitError on every rank naming both sides, no abort, exact after."""
     run_ranks(world, tmp_path, "lockstep")
 
@@ -74,7 +74,7 @@ def test_split_rank_out_of_lockstep_raises_on_every_rank(world, tmp_path):
 @needs_gloo
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_composes_with_compression_and_the_disk_tier(world, tmp_path):
-    """Issue 22: split + compress, disk (spill or checkpoint) + split, and all three:
+    """Split + compress, disk (spill or checkpoint) + split, and all three:
     bitwise on every rank, depth 1 and 2, a resident layer, copy delays; each rank reads
     and copies only its share (encoded: <= 0.80x); state_dict, load_state_dict, remove."""
     run_ranks(world, tmp_path, "tiers")
@@ -82,7 +82,7 @@ def test_split_composes_with_compression_and_the_disk_tier(world, tmp_path):
 
 @needs_gloo
 def test_split_disk_compress_survive_real_sigints_in_configure_forward_and_remove(tmp_path):
-    """Issue 22: real SIGINTs (delivered on every rank at the same, randomly drawn
+    """Real SIGINTs (delivered on every rank at the same, randomly drawn
     stage call) during configure, forward and remove with disk + compress + split:
     each is interrupted cleanly and the next calls in lockstep are exact."""
     run_ranks(2, tmp_path, "sigint")
@@ -96,7 +96,7 @@ needs_real_models = pytest.mark.skipif(
 @needs_gloo
 @needs_real_models
 def test_split_composes_with_the_tiers_on_flux_and_llama(tmp_path):
-    """Issue 22 on real architectures (tiny Flux, its two block lists streamed, and
+    """Real architectures (tiny Flux, its two block lists streamed, and
     Llama; bf16, weight-like): split + compress, split + spill, split + spill + compress,
     and load_offloaded (each rank reads its share of the checkpoint) + spill + compress:
     bitwise on every rank with its own inputs, depth 1 and 2, resident layers, copy
@@ -108,14 +108,14 @@ def test_split_composes_with_the_tiers_on_flux_and_llama(tmp_path):
 @needs_gloo
 @needs_real_models
 def test_split_disk_compress_survive_real_sigints_on_flux_and_llama(tmp_path):
-    """Issue 22: the SIGINTs of the test above (configure, forward, remove with disk +
+    """The SIGINTs of the test above (configure, forward, remove with disk +
     compress + split), on the two-group Flux and on Llama."""
     run_ranks(2, tmp_path, "real_sigint")
 
 
 @needs_gloo
 def test_split_fetch_streams_quantized_layers_with_the_tiers(tmp_path):
-    """Issue 23: torchao Int8 / Float8 weight-only and quanto qint4 layers with split
+    """Torchao Int8 / Float8 weight-only and quanto qint4 layers with split
     fetch, split + spill, split + spill + compress on 2 ranks: bitwise, each rank copies
     about half of the quantized bytes; the state contract (tests/split_worker.py)."""
     pytest.importorskip("torchao")
@@ -134,19 +134,19 @@ def test_split_fetch_adopts_what_bitsandbytes_rebinds(tmp_path):
 
 @needs_gloo
 def test_split_ranks_with_different_weights_are_refused(tmp_path):
-    """Issue 21, item 5: configure / offload_pipeline compare the streamed layers' bytes."""
+    """Configure / offload_pipeline compare the streamed layers' bytes."""
     run_ranks(2, tmp_path, "seeds")
 
 
 @needs_gloo
 def test_split_refused_load_state_dict_keeps_the_true_weights(tmp_path):
-    """Issue 21, item 6: state_dict, forward and remove show the old weights after a refusal."""
+    """State_dict, forward and remove show the old weights after a refusal."""
     run_ranks(2, tmp_path, "refused_load")
 
 
 @needs_gloo
 def test_split_gather_failure_is_a_split_error(tmp_path):
-    """Issue 21, item 11 (split part): SplitError, not ReadError."""
+    """SplitError, not ReadError."""
     run_ranks(2, tmp_path, "gather_error")
 
 

@@ -1,7 +1,7 @@
-"""layerwise.tune and its pipeline model (issue 24): placement chosen from
+"""layerwise.tune and its pipeline model: placement chosen from
 measurement, applied in place, checked against its prediction.
 
-The model's own checks are pure (layerwise.placement: numbers in, numbers out).
+The model's own checks are pure (layerwise.planning.cost_model: numbers in, numbers out).
 tune itself runs on the CPU backend with the simulated bus (csrc/sim_bus.h) in
 a fresh interpreter (the bus is per process), on a stack where big, light
 layers alternate irregularly with small, heavy ones: the right layers to keep
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import layerwise
-from layerwise import placement as pm
+from layerwise.planning import cost_model as pm
 from layerwise.bench.models import MixedStack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -335,8 +335,8 @@ TUNE = """
 
 
 def largest_share(m, depth, policy, room):
-    """The largest resident share of `m` at `depth` that fits `room` bytes (as layerwise.budget plans)."""
-    from layerwise.budget import largest_share as share
+    """The largest resident share of `m` at `depth` that fits `room` bytes (as layerwise.planning.device_budget plans)."""
+    from layerwise.planning.device_budget import largest_share as share
     from layerwise.options import resolve_resident
 
     return share(lambda f: m._device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room) or 0.0

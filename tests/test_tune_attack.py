@@ -1,4 +1,4 @@
-"""Attacks on layerwise.tune (issue 24) that test_tune.py does not cover: a
+"""Attacks on layerwise.tune that test_tune.py does not cover: a
 run() that fails once the new placement is applied (a model whose blocks call
 each other, or any other failure), and budgets that are not numbers of bytes."""
 import pytest
@@ -18,7 +18,7 @@ def make(seed=0):
 
 
 def non_layer_bytes(model):
-    from layerwise.budget import non_layer_bytes as fixed
+    from layerwise.planning.device_budget import non_layer_bytes as fixed
 
     return fixed(model, layerwise.configure.managers_of(model))
 

@@ -1,4 +1,4 @@
-// The header check and the decoder (format: layerwise/codec.py, "Format"). read_header is
+// The header check and the decoder (format: layerwise/codec/__init__.py, "Format"). read_header is
 // the one place C++ parses a header; decode_into checks every chunk's entry and tables
 // against the layout they imply (each stream where the previous one ended) before it decodes
 // any, then decodes the chunks in parallel: per thread 8 scalar lanes (sub-blocks) at a time,

@@ -1,4 +1,4 @@
-// The encoder (format: layerwise/codec.py, "Format"). A value v (8, 16 or 32 bits) is
+// The encoder (format: layerwise/codec/__init__.py, "Format"). A value v (8, 16 or 32 bits) is
 // rotated left by one (the sign goes to bit 0), then cut into fields from the top: bf16/fp16
 // [8, 8], fp32 [9, 15, 8], fp8 [8]. The first field is the exponent (fp16: and the top 3
 // mantissa bits; fp32: the top one), the part of a weight that is far from random. Per chunk

@@ -1,4 +1,4 @@
-// The byte layout of an encoded segment (format: layerwise/codec.py, "Format"), and what
+// The byte layout of an encoded segment (format: layerwise/codec/__init__.py, "Format"), and what
 // the encoder (encode.cpp) and the decoder (decode.cpp, decode_avx512.cpp) share: the
 // header's and a chunk entry's offsets, the dtypes' fields, stream and table sizes, the
 // threads. Only the codec's sources include this; everyone else includes codec.h.

@@ -1,5 +1,5 @@
-"""bus: the stream sweep over the CPU backend's simulated bus (issue 24;
-csrc/sim_bus.h, README "A simulated bus on the CPU backend").
+"""bus: the stream sweep over the CPU backend's simulated bus
+(csrc/sim_bus.h, docs/simulated-bus.md).
 
 On a CPU there is no bus to hide: a copy is a host memcpy, and the stream suite's
 CPU rows carry no target. Here the CPU engine's copies cross a simulated bus
@@ -14,7 +14,7 @@ Per point, for layerwise at prefetch depth 1 and 2 against the resident model:
 the step time, ``/resident``, and ``/floor`` with the floor
 ``max(resident step, bytes moved / measured bandwidth)``, the bandwidth measured
 through the same bus by copies of one layer out of a pinned arena, 16 in flight
-(``bus_bandwidth``). Targets (DESIGN.md, the CPU
+(``bus_bandwidth``). Targets (docs/design.md, the CPU
 with the simulated bus): compute-bound points (C/T >= 2) <= 1.05x resident,
 transfer-bound points (C/T <= 0.5) <= 1.10x the floor. A miss says what the
 step waited on the copies (the compute-side stall the hooks measured) beside
@@ -30,10 +30,20 @@ from dataclasses import asdict
 import torch
 
 import layerwise
-
 from layerwise.bench import h2d, models
-from layerwise.bench.common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare,
-                                    device_timer, inference_step, ratio)
+from layerwise.bench.common import (
+    Context,
+    Row,
+    Skip,
+    SuiteResult,
+    Target,
+    check_bitwise,
+    clone_module,
+    compare,
+    device_timer,
+    inference_step,
+    ratio,
+)
 from layerwise.bench.stream import Sweep, layerwise_methods, regime
 
 NAME = "bus"
@@ -102,7 +112,7 @@ def simulated_bus(gbps: float | None):
 
 def step_targets(kind: str, ratios: dict) -> list[Target]:
     """The targets of a step over the simulated bus at a point of regime `kind`
-    (stream.regime; DESIGN.md, the CPU with the simulated bus): compute-bound
+    (stream.regime; docs/design.md, the CPU with the simulated bus): compute-bound
     <= 1.05x resident, transfer-bound <= 1.10x the floor, balanced none."""
     if kind == "compute-bound":
         return [Target.at_most(ratios["/resident"], TARGET_RESIDENT, "resident")]

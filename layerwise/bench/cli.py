@@ -11,11 +11,24 @@ import traceback
 
 import torch
 
-from layerwise.gpu_checks import cuda_unusable
-
-from layerwise.bench import (bus, compress, disk, h2d, hooks, moe, pipeline, quant, report, scatter, split, startup,
-                             stream, tune)
+from layerwise.bench import (
+    bus,
+    compress,
+    disk,
+    h2d,
+    hooks,
+    moe,
+    pipeline,
+    quant,
+    report,
+    scatter,
+    split,
+    startup,
+    stream,
+    tune,
+)
 from layerwise.bench.common import Context, Skip, SuiteResult
+from layerwise.runtime.gpu_checks import cuda_unusable
 
 SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, bus, tune, startup, hooks, disk, quant, moe, pipeline,
                                    compress, split)}

@@ -1,7 +1,7 @@
 """What every suite shares: the run context, interleaved timing, robust
 statistics, the rows of the final table and small formatting helpers.
 
-Timing rules (DESIGN.md, "Performance"): warm up first, interleave the methods
+Timing rules (docs/design.md, "Performance targets"): warm up first, interleave the methods
 (round-robin, the starting method rotated every round), report the median with
 the 20% / 80% quantiles. On CUDA a sample is timed with CUDA events on the
 current stream; on the CPU with ``time.perf_counter`` around synchronous work.

@@ -1,5 +1,5 @@
 """compress: lossless compression of weights for the host -> device transfer
-(format and API: layerwise/codec.py).
+(format and API: layerwise/codec/__init__.py).
 
 Inputs: weight-like tensors (rows of normal values with log-normal per-row
 scales, sigma 0.5 around 0.02, and 1 in 10^4 values 50x larger; ``weight_like``)
@@ -29,7 +29,7 @@ installed, its rows say so.
                       and ours into a reused buffer (no target and no ratio: the difference
                       is the page faults of the fresh one, which ZipNN's figure includes);
   Triton decode       (CUDA) GB/s of decoded bytes written into the slot, against a
-                      device-to-device ``copy_`` (target >= 1000 GB/s, DESIGN.md);
+                      device-to-device ``copy_`` (target >= 1000 GB/s, docs/design.md);
   stream              (CUDA) a transfer-bound stream of layers without compute: per
                       layer an H2D copy of the encoded bytes and the decode kernel into
                       a slot, two staging buffers and two slots in flight, against H2D
@@ -419,7 +419,6 @@ def _triton_rows(ctx: Context, result: SuiteResult, tensors: dict, encoded: dict
 def _stream_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
     """Transfer-bound stream of bf16 layers: encoded H2D + decode vs raw H2D."""
     import layerwise
-
     from layerwise import codec
     from layerwise.triton_kernels import decode as kernels
 
@@ -511,7 +510,6 @@ class _Weights(torch.nn.Module):
 def _manager_rows(ctx: Context, result: SuiteResult, repeats: int, bar) -> None:
     """The manager's own stream, compress="lossless" against None: bytes per step and step time."""
     import layerwise
-
     from layerwise.bench import h2d
 
     layers, layer_mb = ctx.pick(MANAGER)

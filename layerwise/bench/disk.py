@@ -27,7 +27,7 @@ interleaved (round-robin, rotating start), medians of GB/s:
                     once, untimed, right before the timed read)
   reader buffered   Reader(direct=False), cold: the reader's fallback path
 
-Target: reader >= 0.9x the best O_DIRECT read of 1, 2 and 4 threads (DESIGN.md,
+Target: reader >= 0.9x the best O_DIRECT read of 1, 2 and 4 threads (docs/design.md,
 "disk tier read (3rd wave)").
 The figures depend on the disk: a virtual disk of a shared VM is noisy. Seen on
 a 2-core VM (virtio-blk, max_segments 254): the same O_DIRECT read ran at 0.87
@@ -43,9 +43,16 @@ import shutil
 import tempfile
 import time
 
-from layerwise.stages.read import (READ_CHUNK_BYTES, READER_THREADS, Reader, aligned_staging, filesystem_type,
-                                   held_interrupts, staging_layout)
 from layerwise.bench.common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, ratio
+from layerwise.stages.disk.reader import (
+    READ_CHUNK_BYTES,
+    READER_THREADS,
+    Reader,
+    aligned_staging,
+    filesystem_type,
+    held_interrupts,
+    staging_layout,
+)
 
 NAME = "disk"
 

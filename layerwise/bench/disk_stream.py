@@ -1,7 +1,7 @@
 """disk (streaming part): a model streamed with host_budget at 25% of its size
 from a checkpoint on a disk file system, against the same model streamed from
 the host arena, in one run; and the host memory of such a load in a fresh
-process, against the budget: what a budget promises (layerwise.hostmem.
+process, against the budget: what a budget promises (layerwise.planning.host_limits.
 MemoryMeter: anonymous + shared-memory pages, and the checkpoint's pages in the
 page cache; the peak over the load and 3 steps), after a warm-up on a small
 model (one-time imports, e.g. torch._dynamo's ~76 MiB, are not the load's).
@@ -53,8 +53,8 @@ import torch
 
 from layerwise.bench import bus
 from layerwise.bench.common import GB, MB, Context, Row, Target, compare, device_timer, inference_step, median, ratio
-from layerwise.bench.stream import regime
 from layerwise.bench.models import DiTStack, build
+from layerwise.bench.stream import regime
 
 SHAPES = {"full": (1024, 48, 256), "quick": (512, 48, 64), "tiny": (128, 12, 8)}  # hidden, layers, tokens
 REPEATS = {"full": 7, "quick": 5, "tiny": 2}
@@ -65,7 +65,7 @@ RSS_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     import layerwise
     from layerwise.bench.models import DiTStack
-    from layerwise.hostmem import MemoryMeter
+    from layerwise.planning.host_limits import MemoryMeter
     torch.set_num_threads({threads})
     hidden, layers, tokens = {shape}
     ckpt = {ckpt!r}
@@ -277,7 +277,7 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
             {"/budget": r["worst"] / budget},
             [Target(f"<= budget + 5% ({limit / MB:.0f} MiB)", bool(r["worst"] <= limit))],
             short="host memory, disk tier",
-            note="layerwise.hostmem.MemoryMeter in a fresh process after a warm-up: the larger of the sampled peak "
+            note="layerwise.planning.host_limits.MemoryMeter in a fresh process after a warm-up: the larger of the sampled peak "
                  "of RssAnon + RssShmem + the checkpoint's resident pages, and the VmHWM growth",
         ))
     return rows, data

@@ -15,9 +15,18 @@ from __future__ import annotations
 import torch
 
 import layerwise
-
-from layerwise.bench.common import (GB, MB, Context, Row, SuiteResult, Target, compare, device_timer, ratio,
-                                    stream_handle)
+from layerwise.bench.common import (
+    GB,
+    MB,
+    Context,
+    Row,
+    SuiteResult,
+    Target,
+    compare,
+    device_timer,
+    ratio,
+    stream_handle,
+)
 
 NAME = "h2d"
 

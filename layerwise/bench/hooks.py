@@ -20,10 +20,19 @@ from __future__ import annotations
 import torch
 
 import layerwise
-
 from layerwise.bench import baselines, models
-from layerwise.bench.common import (Context, Row, Skip, Stat, SuiteResult, Target, compare, host_timer, inference_step,
-                                    ratio)
+from layerwise.bench.common import (
+    Context,
+    Row,
+    Skip,
+    Stat,
+    SuiteResult,
+    Target,
+    compare,
+    host_timer,
+    inference_step,
+    ratio,
+)
 
 NAME = "hooks"
 OURS, PLAIN = "layerwise", "no offload"

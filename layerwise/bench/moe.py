@@ -1,5 +1,5 @@
-"""moe: routed experts (issue 26; layerwise/experts.py, README "Mixture-of-experts
-models"). Tiny Mixtral and Qwen3-MoE from small configs (random weights, fp32),
+"""moe: routed experts (layerwise/planning/experts.py, docs/moe.md).
+Tiny Mixtral and Qwen3-MoE from small configs (random weights, fp32),
 streamed with experts="all" (whole layers), "routed", routed with the device
 expert cache (expert_cache="auto": a quarter of the experts) and routed with
 speculative prefetch, beside the resident model.
@@ -11,7 +11,7 @@ workload and method:
                 ["bytes_copied"]) per token of the step, beside the ideal: the
                 non-expert bytes of the streamed layers plus the experts the
                 step's forwards used (each (layer, expert) once), measured on
-                the same step. Targets (DESIGN.md): decode at batch 1, routed
+                the same step. Targets (docs/design.md): decode at batch 1, routed
                 <= 1.1x the ideal; routed with the cache below it (< 1.0x).
   step          the step's median time against the resident model's.
 
@@ -32,7 +32,6 @@ import time
 import torch
 
 import layerwise
-
 from layerwise.bench import bus
 from layerwise.bench.common import MB, Context, Row, Skip, SuiteResult, Target, clone_module
 
@@ -66,7 +65,7 @@ class _Used:
     """The (layer, module, expert) triples the forwards of a step used, and the ideal bytes."""
 
     def __init__(self, manager):
-        from layerwise.experts import chosen_experts
+        from layerwise.runtime.expert_hooks import chosen_experts
 
         self.m, self.seen, self.handles = manager, set(), []
         expert_ids = set()
@@ -193,7 +192,7 @@ def _rows(mname, wname, label, wd, tokens, nbytes, ideal, ms, res_ms, st) -> lis
         if wname == "decode, batch 1" and label == "routed":
             targets.append(Target.at_most(ratios["/ideal"], TARGET_ROUTED, "ideal"))
         if wname == "decode, batch 1" and label == "routed+cache":
-            targets.append(Target(f"< 1x ideal", bool(ratios["/ideal"] < 1.0)))
+            targets.append(Target("< 1x ideal", bool(ratios["/ideal"] < 1.0)))
     if "all" in wd and label != "all":
         base["all"] = wd["all"]["bytes_per_step"] / tokens / MB
         ratios["/all"] = nbytes / wd["all"]["bytes_per_step"]

@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from layerwise.stages.read import held_interrupts
 from layerwise.bench.common import MB, Context, Row, Stat, SuiteResult, Target, ratio
+from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "pipeline"
 RESIDENT, LAYERWISE, PAGEABLE = "resident", "layerwise", "layerwise pageable"
@@ -316,7 +316,7 @@ def _rows(ctx: Context, runs: dict, skipped: dict) -> list[Row]:
     rows.append(Row(NAME, "set-up time", "ms", ours["setup_s"] * 1e3,
                     {m: runs[m]["setup_s"] * 1e3 for m in others}))
 
-    # DESIGN.md: peak host memory during set-up <= the pipeline + its largest layer + 5%: never two copies.
+    # docs/design.md: peak host memory during set-up <= the pipeline + its largest layer + 5%: never two copies.
     # On a CPU device the rings are host memory too.
     total, largest = ours["pipeline_bytes"], ours["largest_layer_bytes"]
     allowed = largest + 0.05 * total + (0 if ctx.is_cuda else ours["ring_bytes"])

@@ -9,7 +9,7 @@ Rows per form and ``compress``:
   bytes per step   bytes that crossed the bus in one forward
                    (stats()["last_step"]["bytes_copied"]) against the model's
                    streamed bf16 bytes and against its quantized bytes (what
-                   the quantized layers hold; target <= 1.15x, issue 23);
+                   the quantized layers hold; target <= 1.15x);
   step             step time streamed against the same quantized model
                    resident and against the floor ``max(resident quantized
                    step, bytes per step / measured bandwidth)``, the bandwidth
@@ -53,14 +53,24 @@ import os
 import torch
 
 import layerwise
-
 from layerwise.bench import bus, models
-from layerwise.bench.common import (MB, Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare,
-                                    device_timer, ratio)
+from layerwise.bench.common import (
+    MB,
+    Context,
+    Row,
+    Skip,
+    SuiteResult,
+    Target,
+    check_bitwise,
+    clone_module,
+    compare,
+    device_timer,
+    ratio,
+)
 from layerwise.bench.stream import regime
 
 NAME = "quant"
-BYTES_TARGET = 1.15  # bytes per step / quantized bytes (issue 23)
+BYTES_TARGET = 1.15  # bytes per step / quantized bytes
 SIZES = {"full": (2048, 8, 64), "quick": (512, 6, 16), "tiny": (128, 4, 4)}  # hidden, layers, tokens
 REPEATS = {"full": 7, "quick": 5, "tiny": 2}
 BUS_BF16_CT_INVERSE = 10  # the chosen bus: one step's bf16 bytes cross it in 10x the resident bf16 step
@@ -152,7 +162,7 @@ def _step(model, x):
 
 def _layer_bytes(model) -> int:
     """The bytes the streamed blocks hold (a quantized wrapper: its inner tensors)."""
-    from layerwise.plan import param_bytes
+    from layerwise.planning.layout import param_bytes
 
     return sum(param_bytes(p) for p in model.blocks.parameters())
 

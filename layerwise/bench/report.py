@@ -14,7 +14,6 @@ import textwrap
 import torch
 
 import layerwise
-
 from layerwise.bench.common import Row, Stat, SuiteResult, fmt_num, fmt_value
 
 WIDTH = 120  # the default table, its notes and its legend fit this many columns
@@ -116,7 +115,7 @@ def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str
     from layerwise.bench.stream import COMPUTE_BOUND, TRANSFER_BOUND
 
     rows = [row for res in results for row in res.rows]
-    units = {row.unit for row in rows}
+
     items = [
         "ours: layerwise's figure; median [q20, q80] over the timed repetitions (20th and 80th percentiles, "
         "always within the measured range); a figure without a range is a single value (a count, a peak, a "

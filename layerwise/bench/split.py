@@ -1,4 +1,4 @@
-"""split: split fetch over torch.distributed (layerwise/stages/gather.py).
+"""split: split fetch over torch.distributed (layerwise/stages/split/).
 
 N processes on this machine (gloo ranks on the CPU backend; with --device cuda
 and at least two GPUs, NCCL ranks, one GPU each, up to 8) stream the same
@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
-from layerwise.stages.read import held_interrupts
 from layerwise.bench.common import MB, Context, Row, Skip, Stat, SuiteResult
+from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "split"
 WORLD = {"full": 4, "quick": 2, "tiny": 2}
@@ -64,7 +64,7 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
     from torch import nn
 
     import layerwise
-    from layerwise.stages.gather import _gather
+    from layerwise.stages.split.collectives import gather as _gather
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = kind == "cuda"

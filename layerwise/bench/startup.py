@@ -18,7 +18,7 @@ host RSS growth, the wall time, and the arena bytes per streamed byte.
 
 Targets: layerwise moves exactly the non-layer bytes, in one call, for every
 order; on CUDA its device peak is non-layer + ring for every order; its host
-RSS growth stays within the largest layer + 5% of the model (DESIGN.md's host
+RSS growth stays within the largest layer + 5% of the model (docs/design.md's host
 peak; on the CPU plus the ring, which lives in host memory there).
 
 The suite runs in a fresh interpreter, so that the allocator's state left by
@@ -40,10 +40,9 @@ import psutil
 import torch
 
 import layerwise
-
-from layerwise.stages.read import held_interrupts
 from layerwise.bench import models
 from layerwise.bench.common import MB, Context, Row, Stat, SuiteResult, Target, clone_module, ratio
+from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "startup"
 OURS, NAIVE = "layerwise", "naive per-group"
@@ -214,7 +213,7 @@ def _model_rows(ctx: Context, label: str, base, runs: dict, unmap_on_free: bool)
     rows.append(Row(NAME, f"{label}: configure time, over orders", "ms", t_ours, {NAIVE: t_naive},
                     {f"/{NAIVE}": ratio(t_ours, t_naive)}))
 
-    # DESIGN.md: peak host memory during configure <= model + the largest layer
+    # docs/design.md: peak host memory during configure <= model + the largest layer
     # + a few percent, i.e. RSS growth (the model is resident before) <= the
     # largest layer + 5% of the model; on the CPU the "device" ring is host
     # memory too. Judged only where freed memory leaves the RSS.

@@ -32,10 +32,21 @@ from dataclasses import asdict, dataclass
 import torch
 
 import layerwise
-
 from layerwise.bench import baselines, h2d, models
-from layerwise.bench.common import (Context, Row, Skip, SuiteResult, Target, check_bitwise, clone_module, compare,
-                                    device_timer, inference_step, median, ratio)
+from layerwise.bench.common import (
+    Context,
+    Row,
+    Skip,
+    SuiteResult,
+    Target,
+    check_bitwise,
+    clone_module,
+    compare,
+    device_timer,
+    inference_step,
+    median,
+    ratio,
+)
 
 NAME = "stream"
 RESIDENT = "resident"

@@ -1,5 +1,5 @@
 """tune: layerwise.tune against the fixed residency policies at one device budget
-(issue 24).
+.
 
 The model is a block list whose layers alternate irregularly between big, light
 ones (a wide weight applied to one token: many bytes, little compute) and small,
@@ -11,7 +11,7 @@ matters. (With ``LAYERWISE_SIM_BUS_GBPS`` set, that bus is used as given.)
 
 The device budget is the non-layer weights + a depth-1 ring + ``EXTRA_LAYERS``
 big layers. At that budget, each at its better prefetch depth (1 or 2) and the
-largest share of resident layers that fits (as layerwise.budget plans):
+largest share of resident layers that fits (as layerwise.planning.device_budget plans):
 ``leading`` and ``strided``, and ``layerwise.tune`` (which also prints its plan
 table: resident layers and depth; predicted, measured and floor step time).
 
@@ -19,7 +19,7 @@ Rows: the step time of each placement against the resident model, timed in
 interleaved rounds (a slow moment hits every placement alike); tune's row has
 ``/leading``, ``/strided``, ``/floor`` and ``/predicted``. Targets on the CPU
 with the simulated bus: tune <= 1.0x both policies, measured within 10% of its
-prediction (issue 24). Outputs are checked bitwise against the resident model.
+prediction. Outputs are checked bitwise against the resident model.
 """
 from __future__ import annotations
 
@@ -31,12 +31,11 @@ import time
 import torch
 
 import layerwise
-from layerwise.budget import largest_share
-from layerwise.options import resolve_resident
-
 from layerwise.bench import models
 from layerwise.bench.bus import ENV, simulated_bus
 from layerwise.bench.common import Context, Row, SuiteResult, Target, check_bitwise, clone_module, inference_step, ratio
+from layerwise.options import resolve_resident
+from layerwise.planning.device_budget import largest_share
 
 NAME = "tune"
 BIG_COPY_IN_HEAVY = 3.0
@@ -49,7 +48,7 @@ PER_ROUND = {"full": 5, "quick": 5, "tiny": 2}
 
 
 def _largest_share(m, depth: int, policy: str, room: int) -> list[int]:
-    """`policy`'s resident layers of `m` at the largest share that fits `room` (as layerwise.budget plans)."""
+    """`policy`'s resident layers of `m` at the largest share that fits `room` (as layerwise.planning.device_budget plans)."""
     share = largest_share(lambda f: m._device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room)
     return resolve_resident(share or 0.0, m.num_layers, policy)
 

@@ -16,7 +16,7 @@ that owns it, found by looking, never by naming a library:
   absmax / code / offset, an int8 row scale `SCB`). They stay resident; the
   group's stats() and report() count them (`side_tensor_bytes`).
 
-Where a library rebinds the parameter's data itself, layerwise/drift.py catches it.
+Where a library rebinds the parameter's data itself, layerwise/contract/rebinds.py catches it.
 """
 from __future__ import annotations
 

@@ -331,7 +331,7 @@ class PageCacheDrop:
     is dropped, rounded out to 2 MiB: the page cache may hold a file in folios of
     up to 2 MiB, and a folio that straddles two tensors is dropped by neither
     tensor's own range. Reads stop at the next drop (`room`), so the cache holds
-    at most most(EVERY) bytes of the checkpoint at any time (layerwise.hostplan
+    at most most(EVERY) bytes of the checkpoint at any time (layerwise.planning.host_budget
     counts them; tests/test_disk_tier.py measures it)."""
 
     _FOLIO = 2 << 20
@@ -339,7 +339,7 @@ class PageCacheDrop:
     @staticmethod
     def every_for(managers) -> int:
         """EVERY for a load: 1 MiB (reads of 256 KiB without read-ahead made a cold
-        load slower; 1 MiB ones did not, within this VM's noise), or the largest
+        load slower; 1 MiB ones did not, within the noise of a 2-core VM), or the largest
         layer if that is less (a small model's small budget), at least 64 KiB."""
         largest = max((lp.nbytes for m in managers for lp in m.plan.layers), default=0)
         return max(64 << 10, min(1 << 20, -(-largest // 4096) * 4096))

@@ -1,4 +1,4 @@
-"""Stages of a layer's way to its ring slot (DESIGN.md, "Tiers and stages").
+"""Stages of a layer's way to its ring slot (docs/design.md, "Tiers and stages").
 
 The manager asks one question, "make layer i ready in slot s", of the layer's
 source and gets one result back (result.py: an event, or a deferred one; both
@@ -11,18 +11,20 @@ module of this package:
     result.py     the one result type: Deferred, then(), a group's Pending queue
     source.py     the Source protocol; ArenaSource (a payload in a host block)
     transfer.py   host -> device: the only caller of copy_async (registration splits)
-    read.py       file extents -> pinned host staging (the reader threads)
-    disk.py       DiskSource (a payload in a file: checkpoint or spill) and its
-                  staging (DiskTier): read -> transfer
     decode.py     CodecSource: the payload is encoded -> decode into the slot
-    gather.py     ShareSource: the payload is this rank's share -> all-gather
-    experts.py    ExpertSource / ExpertTier: routed experts (the layer's fetch copies
+    planning/experts.py    ExpertSource / ExpertTier: routed experts (the layer's fetch copies
                   its non-expert prefix; the experts a forward needs come from the
                   device expert cache or over the bus, from the expert hooks)
+    disk/         a payload in a file (checkpoint or spill): reader.py (file extents ->
+                  pinned staging, the reader threads), files.py, staging.py (DiskTier:
+                  read -> transfer), source.py (DiskSource)
+    split/        the payload is this rank's share -> all-gather: collectives.py (the
+                  private group and its thread, the lockstep check), validate.py,
+                  source.py (ShareStore, ShareSource)
     chain.py      one group's stages: builds each layer's source from its route
-                  (layerwise.tierplan), starts them, runs their work at the hooks
+                  (layerwise.planning.routes), starts them, runs their work at the hooks
 """
-from layerwise.stages import gather
+from layerwise.stages import split
 from layerwise.stages.chain import Chain, attached
 from layerwise.stages.decode import CodecSource, CodecTier
 from layerwise.stages.disk import DiskSource, DiskTier, ReadCopy, SpillFile
@@ -31,5 +33,5 @@ from layerwise.stages.result import Deferred, Pending, is_deferred, then
 from layerwise.stages.source import ArenaSource, Source
 from layerwise.stages.transfer import Transfer
 
-__all__ = ["ArenaSource", "Chain", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "ExpertSource", "ExpertTier", "Pending",
-           "ReadCopy", "Source", "SpillFile", "Transfer", "gather", "is_deferred", "then"]
+__all__ = ["ArenaSource", "Chain", "attached", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "ExpertSource", "ExpertTier", "Pending",
+           "ReadCopy", "Source", "SpillFile", "Transfer", "is_deferred", "split", "then"]

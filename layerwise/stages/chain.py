@@ -1,7 +1,7 @@
-"""chain: one layer group's stages (DESIGN.md, "Tiers and stages").
+"""chain: one layer group's stages (docs/design.md, "Tiers and stages").
 
 The manager packs each streamed layer and hands the chain its plan-layout
-bytes and its route (layerwise.tierplan.Route: where the true bytes live and
+bytes and its route (layerwise.planning.routes.Route: where the true bytes live and
 what happens on the way); the chain builds the layer's source, innermost
 first (stages/source.py):
 
@@ -46,7 +46,7 @@ class Chain:
         self.device = device
         self.pin_memory = pin_memory
         self.codec = CodecTier(group, device, pin_memory) if compress == "lossless" else None
-        self.split = split  # stages.gather.ShareStore, or None
+        self.split = split  # stages.split.ShareStore, or None
         self.file_store = file_store  # store(lp, payload, span, what) -> DiskSource, or None
         self.files: list = []  # the files its disk sources read (closed by close())
         self.disk_prefetch_depth = disk_prefetch_depth
@@ -58,13 +58,13 @@ class Chain:
         self._upcoming: list = []
         self._meanwhile: list = []  # per layer: what the disk stage does while the host waits (meanwhile)
         self.host_blocks = False  # a wait for a fetch blocks the host (the CPU backend's engine)
-        # routed experts (layerwise/experts.py plans them): every layer's ordinary fetch copies its
+        # routed experts (layerwise/planning/experts.py plans them): every layer's ordinary fetch copies its
         # non-expert prefix; the experts' rows are copied by this stage from the expert modules' hooks
         self.experts = ExpertTier(group, experts, device, expert_cache) if experts is not None else None
 
     @classmethod
     def for_group(cls, group: str, device, pin_memory, options, tiers) -> "Chain":
-        """The chain of a group whose tier plan is `tiers` (layerwise.tierplan.TierChoice,
+        """The chain of a group whose tier plan is `tiers` (layerwise.planning.routes.TierChoice,
         set by the planners): its codec, its share store, the store of its disk layers
         (whose files it opens: closed with it)."""
         chain = cls(group, device, pin_memory, options.compress, tiers.split_store,
@@ -305,17 +305,17 @@ class Chain:
 @contextlib.contextmanager
 def attached(managers, options, values=None):
     """The stages a group joins before it is packed, for every front door: split
-    fetch (stages.gather.attach: one collective validates every group of every rank,
-    the streamed layers' values too, `values` as in gather.layer_values; then each
+    fetch (stages.split.attach: one collective validates every group of every rank,
+    the streamed layers' values too, `values` as in split.layer_values; then each
     manager keeps only this rank's shares, so that the host budget counts them).
     The block is the rest of the front door: if it fails, what they hold is released
     (a manager that never streams keeps nothing of the split group)."""
     if options.split_fetch is None:
         yield
         return
-    from layerwise.stages import gather
+    from layerwise.stages import split
 
-    gather.attach(managers, options.split_fetch, options.device, values=values)
+    split.attach(managers, options.split_fetch, options.device, values=values)
     try:
         yield
     except BaseException:

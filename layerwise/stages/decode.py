@@ -1,7 +1,7 @@
 """decode: layers kept encoded in host memory (``compress="lossless"``), and the
 stage that brings them to their slot: copy the encoded bytes into a device
 staging buffer, then decode them into the slot, where the parameters' views
-already point (DESIGN.md, "Tiers and stages"; the format: layerwise/codec.py).
+already point (docs/design.md, "Tiers and stages"; the format: layerwise/codec/__init__.py).
 
 Which layers: the streamed (not resident) layers that have a segment of a
 coded dtype (bf16, fp16, fp32, fp8: ``codec.CODED_DTYPES``; ``select_layers``). At pack time the manager packs each into a host
@@ -57,7 +57,7 @@ import torch
 
 from layerwise import _native
 from layerwise import codec as _codec
-from layerwise.plan import BLOCK_ALIGN
+from layerwise.planning.layout import BLOCK_ALIGN
 from layerwise.stages.result import Recovered, is_deferred, then
 
 log = logging.getLogger("layerwise")
@@ -292,7 +292,7 @@ class CodecTier:
         self._timed: list = []  # (start event or None, decode event) of timed fetches
         self.decode_s = 0.0
         self.decodes_timed = 0
-        self.host_budget = None  # the host budget in force (layerwise.hostplan.HostBudget), or None
+        self.host_budget = None  # the host budget in force (layerwise.planning.host_budget.HostBudget), or None
 
     select = staticmethod(select_layers)
 

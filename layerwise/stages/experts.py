@@ -1,5 +1,5 @@
-"""experts: the routed-experts stage (DESIGN.md, "Routed experts"; the plan
-and the hooks: layerwise/experts.py).
+"""experts: the routed-experts stage (docs/design.md, "Routed experts"; the plan
+and the hooks: layerwise/planning/experts.py).
 
 A layer of a group with routed experts is laid out with its expert
 parameters last (plan.LayerPlan.layout(tail=...)). Its source is an
@@ -76,7 +76,7 @@ class ExpertSource:
     @property
     def transfer_bytes(self) -> int:
         # the prefix as it travels (encoded: its pieces); the experts' rows are counted as
-        # they are copied (layerwise/experts.py)
+        # they are copied (layerwise/planning/experts.py)
         return self.inner.range_bytes(0, self.base)
 
     def version(self) -> int:

@@ -1,4 +1,4 @@
-"""result: what every stage returns (DESIGN.md, "Tiers and stages").
+"""result: what every stage returns (docs/design.md, "Tiers and stages").
 
 A stage's result is either a native event (``layerwise._C.Event``: a copy, a
 decode, a gather, a read) or a ``Deferred``: work that cannot be queued yet

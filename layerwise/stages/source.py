@@ -1,12 +1,12 @@
 """source: where a layer's true bytes live, and how they reach its slot
-(DESIGN.md, "Tiers and stages").
+(docs/design.md, "Tiers and stages").
 
 Every streamed layer has one source: the outermost of a short chain. The
 innermost holds this rank's *payload* (the bytes it keeps for the layer: all
 of them, or its share; raw, or encoded) - a host block (``ArenaSource``) or a
 file (``stages.disk.DiskSource``). Wrappers change what the payload means:
 ``stages.decode.CodecSource`` (the payload is encoded: decode into the slot),
-``stages.gather.ShareSource`` (the payload is this rank's share: gather the
+``stages.split.ShareSource`` (the payload is this rank's share: gather the
 rest from the other ranks). So a compressed, split layer read from disk is
 ShareSource(CodecSource(DiskSource)): read -> transfer -> decode -> gather,
 each stage taking the previous one's result (stages/result.py) and returning
@@ -49,7 +49,7 @@ class Source(Protocol):
         """Replace the true bytes (plan layout, host uint8, nbytes); raises, naming
         why and what to do, where it cannot be written. A write that raises leaves
         the old bytes. `undo=True` (asked of the stages a split layer's ShareSource
-        wraps, stages/gather.py): returns a callable that puts the old bytes back
+        wraps, stages/split/): returns a callable that puts the old bytes back
         where the write failed on another rank, with no I/O and no allocation; the
         version grows again."""
 

@@ -1,5 +1,5 @@
 """transfer: host bytes -> device memory, on the copy engine's stream(s): the
-only stage that calls ``engine.copy_async`` (DESIGN.md, "Tiers and stages").
+only stage that calls ``engine.copy_async`` (docs/design.md, "Tiers and stages").
 
 Every host buffer a chain copies from (the arena, an encoded layer's block,
 this rank's shares, disk staging) is a ``HostArena`` allocation; one that had

@@ -11,7 +11,7 @@ import os
 import resource
 from dataclasses import dataclass
 
-from layerwise.budget import fmt_bytes
+from layerwise.planning.device_budget import fmt_bytes
 
 GiB = 1 << 30
 RESERVE_FRACTION = 0.05  # of a memory limit, kept for everything else the process needs
@@ -198,7 +198,7 @@ def pinnable_host_bytes(held_bytes: int = 0, cgroup_root: str | None = None,
 
 
 # ------------------------------------------------------------ what a host budget measures
-# A host budget is a promise about the process's memory (DESIGN.md, "Pitfalls"): the
+# A host budget is a promise about the process's memory (docs/design.md, "Pitfalls"): the
 # anonymous and shared-memory pages it holds (RssAnon + RssShmem of /proc/self/status:
 # smaps_rollup's Shared_* would count a forked child's copy-on-write pages twice) and
 # the page cache of the files it streams from (checkpoint, spill files), which a

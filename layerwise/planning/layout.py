@@ -129,7 +129,7 @@ class LayerPlan:
     def layout(self, tail=frozenset()) -> None:
         """Assign aligned offsets: one segment per dtype, dtypes in a fixed order.
         `tail`: ids of entries placed after all the others (routed experts,
-        layerwise/experts.py), so that the rest of the layer is one prefix of
+        layerwise/planning/experts.py), so that the rest of the layer is one prefix of
         `base_bytes`; `segments` then describes that prefix only (compress
         encodes the tail per expert: layerwise/experts.ExpertPlan.segments)."""
         self.params.sort(key=lambda e: (id(e) in tail, str(e.dtype)))  # stable: declaration order inside a dtype

@@ -1,7 +1,7 @@
 """read: a layer's bytes in a file -> a page-aligned (pinned) host staging
 buffer, on the reader threads of ``layerwise._C.Reader`` (the disk tier's first
-stage; DESIGN.md, "Tiers and stages"): the API the disk stage
-(stages/disk.py, DiskTier.stage) reads with.
+stage; docs/design.md, "Tiers and stages"): the API the disk stage
+(stages/disk/, DiskTier.stage) reads with.
 
 A layer is a list of extents ``(file_offset, length, dst_offset)``: where each
 of its tensors lies in the file and where it goes in the staging buffer.
@@ -46,7 +46,7 @@ reads.
 
 CUDA: a read's event is a host event. A CUDA copy engine cannot make its stream
 wait on it, so the H2D copy out of staging is issued once the read has
-completed: stages/disk.py (ReadCopy) does that.
+completed: stages/disk/ (ReadCopy) does that.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layerwise._native import HostArena, ReadError, Reader
+from layerwise._native import HostArena, Reader, ReadError
 
 PAGE = Reader.alignment  # 4096
 # The disk tier's reader: enough requests in flight for the drive. A layer's read is

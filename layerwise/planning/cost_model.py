@@ -7,7 +7,7 @@ A step is the sequence of layer calls measured in one representative run
 does so), with per call: the compute between the pre- and post-hook, the
 hooks' own cost, and the model's code between it and the call before. A
 placement (`Placement`) gives per group the resident layers and the prefetch
-depth. `predict` walks the calls the way the hooks do (manager.py):
+depth. `predict` walks the calls the way the hooks do (runtime/group.py):
 
 - each group's streamed layers have fixed slots (plan.assign_slots); a slot
   holds the last layer fetched into it;
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from layerwise.plan import assign_slots
+from layerwise.planning.layout import assign_slots
 
 PASSES = 3  # walks over the calls; the last one is the steady state predicted
 
@@ -187,9 +187,9 @@ def fit_bus(samples) -> tuple[float, float] | None:
 
 def candidates_by_policy(step: Step, depths, fits, policies=("leading", "strided")) -> dict:
     """{(policy, depth): Placement}: per policy and depth, the largest shared share
-    of resident layers (as layerwise.budget plans it) whose placement `fits`."""
-    from layerwise.budget import largest_share
+    of resident layers (as layerwise.planning.device_budget plans it) whose placement `fits`."""
     from layerwise.options import resolve_resident
+    from layerwise.planning.device_budget import largest_share
 
     def at(share: float, policy: str, d: int) -> Placement:
         return Placement(tuple(tuple(resolve_resident(share, g.num_layers, policy)) for g in step.groups),

@@ -2,7 +2,7 @@
 compute-stream stall, copy time), in total, per step and for the recent steps:
 what `LayerwiseOffloadManager.stats()` reports and `layerwise.report` reads.
 
-A step is one forward of the model (the root hooks, contract.py), prefetches
+A step is one forward of the model (the root hooks, contract/), prefetches
 for the next one included; for blocks called without the model's forward, it
 runs from one layer 0 to the next. On CUDA the compute-stream stall is timed
 with event pairs on one step in `STALL_SAMPLE_EVERY` (each pair costs two
@@ -81,7 +81,7 @@ class Meter:
             self.sync_loads += 1
 
     def moved(self, nbytes: int, copies: int) -> None:
-        """Copies queued beside the layers' fetches (routed experts' rows: layerwise/experts.py)."""
+        """Copies queued beside the layers' fetches (routed experts' rows: layerwise/planning/experts.py)."""
         self.bytes += nbytes
         self.bytes_raw += nbytes
         self.copies += copies
@@ -111,7 +111,7 @@ class Meter:
 
     # ------------------------------------------------------------ steps
     def follow_root(self) -> None:
-        """Steps follow the model's forward from now on (the root hooks, contract.py)."""
+        """Steps follow the model's forward from now on (the root hooks, contract/)."""
         self.root_driven = True
 
     def new_step(self) -> None:

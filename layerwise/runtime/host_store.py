@@ -1,7 +1,7 @@
-"""packing: a layer group's weights on the host side (DESIGN.md, data flow:
+"""packing: a layer group's weights on the host side (docs/design.md, data flow:
 plan -> pack -> finalise).
 
-`HostLayers.pack` packs every layer of the group by its route (layerwise.tierplan):
+`HostLayers.pack` packs every layer of the group by its route (layerwise.planning.routes):
 a plain layer into the group's arena (its block *is* its source), any other
 into a scratch block that the chain of stages keeps its way (stages/chain.py);
 every managed parameter becomes a (1,) placeholder. On failure (an exception
@@ -9,7 +9,7 @@ or a KeyboardInterrupt at any point) every parameter packed so far gets its
 exact bytes back and the others were never touched.
 
 The way back (`prepare_removal`, `give_back`, `release`) is the first phase
-of the removal transaction (manager.py): it reads every packed parameter's
+of the removal transaction (runtime/group.py): it reads every packed parameter's
 true bytes into ordinary tensors and changes nothing until `give_back`.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 
 from layerwise import _native, stages
 from layerwise.formats import aliases, quantized
-from layerwise.plan import BLOCK_ALIGN, round_up
+from layerwise.planning.layout import BLOCK_ALIGN, round_up
 
 log = logging.getLogger("layerwise")
 
@@ -205,7 +205,7 @@ class HostLayers:
                 if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
                     if scratch is None:
                         size = max(self.plan.layers[r.index].nbytes for r in routes if not _plain(r))
-                        scratch = stages.read.aligned_staging(size, pinned=False)
+                        scratch = stages.disk.reader.aligned_staging(size, pinned=False)
                     block = scratch[: lp.nbytes]
                     block.zero_()  # alignment gaps included: the layer's bytes (and CRC) are deterministic
                     self.blocks.append(None)

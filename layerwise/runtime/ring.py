@@ -1,5 +1,5 @@
 """ring: a layer group's slot ring on the device, and the record of what each
-slot holds (DESIGN.md, "The slot ring").
+slot holds (docs/design.md, "The slot ring and fixed slots").
 
 Each streamed layer has a fixed slot (plan.assign_slots), so its parameters
 stay bound to views of that slot and the hooks do O(1) work. The record says,
@@ -8,8 +8,8 @@ its true bytes (`version`), the result of that fetch (`event`), how many
 layers compute in it now (`busy`), a generation bumped at every fetch into it
 (`gen`: a tensor saved for backward checks it), and the slot's version
 counter when the record was made (`seen`: a change means someone wrote into
-the slot in place). The manager (manager.py) keeps the record in step with
-the fetches it queues; the state contract (contract.py) reads it and changes
+the slot in place). The manager (runtime/group.py) keeps the record in step with
+the fetches it queues; the state contract (contract/) reads it and changes
 it only through the methods below.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerwise.plan import assign_slots
+from layerwise.planning.layout import assign_slots
 
 
 class SlotRing:

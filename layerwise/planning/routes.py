@@ -1,6 +1,6 @@
 """The tier plan: for each layer of a group, where its true bytes live and what
 happens to them on the way to its slot, decided once, before packing, from
-the options and the budgets (DESIGN.md, "Tiers and stages"). The manager
+the options and the budgets (docs/design.md, "Tiers and stages"). The manager
 packs by it (stages/chain.py builds each layer's source from its route), the
 host and pin budgets count each layer at the size its route gives it, and
 report() shows it.
@@ -15,7 +15,7 @@ encoded   compress="lossless" and the layer has a segment of a coded dtype (bf16
           too little travels raw). A layer in the checkpoint travels raw (the
           file holds it as it is)
 split     split_fetch: (share, lo, hi), the bytes of the layer this rank keeps
-          and copies; the others come from the other ranks (stages/gather.py)
+          and copies; the others come from the other ranks (stages/split/)
 
 and the host bytes it takes: 0 on disk, else its payload page-rounded. An
 encoded layer counts at its **exact** encoded size: the codec's choices (per
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from layerwise import codec as _codec
-from layerwise.plan import BLOCK_ALIGN, round_up
+from layerwise.planning.layout import BLOCK_ALIGN, round_up
 
 _ALIGN = 16  # every codec stream starts at a multiple of 16 bytes
 
@@ -168,7 +168,7 @@ def planned_host_bytes(manager) -> int:
 class TierChoice:
     """A group's inputs to its tier plan, set by the planners before packing:
     split fetch's share store (stages/gather.attach) and the layers the host
-    budget keeps in files (layerwise.hostplan, loading). Fixed once packed."""
+    budget keeps in files (layerwise.planning.host_budget, loading). Fixed once packed."""
 
     def __init__(self, group: str):
         self.group = group
@@ -177,7 +177,7 @@ class TierChoice:
         self.disk_where = "spill"  # "spill" or "checkpoint"
         self.make_store = None  # make_store(files) -> the file store (stages/chain.py) of the disk layers
         self.experts = None  # the group's routed experts (layerwise/experts.ExpertPlan), or None
-        self.host_budget = None  # the host budget in force (layerwise.hostplan.HostBudget), or None
+        self.host_budget = None  # the host budget in force (layerwise.planning.host_budget.HostBudget), or None
         self.fixed = False
 
     def _check(self) -> None:

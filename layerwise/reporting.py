@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import textwrap
 
-from layerwise.budget import fmt_bytes, non_layer_bytes, streaming_saves_nothing
 from layerwise.configure import managers_of
+from layerwise.planning.device_budget import fmt_bytes, non_layer_bytes, streaming_saves_nothing
 
 WIDTH = 120  # the table and the plain lines stay within this many columns
 
@@ -237,7 +237,7 @@ def _recent(steps: list) -> dict:
 
 
 def _host_budget(model, managers, groups: list) -> dict | None:
-    """The host budget in force (recorded at configure by layerwise.budget.record_host_budget)
+    """The host budget in force (recorded at configure by layerwise.planning.device_budget.record_host_budget)
     and what the streamed weights use of it now: the arenas, the disk tier's staging slots
     and, on a CPU device, the non-layer weights, rings, resident layers and expert caches."""
     hb = next((m.host_budget for m in managers if getattr(m, "host_budget", None)), None)
@@ -293,7 +293,7 @@ def _row(m, s: dict) -> dict:
         "disk": s.get("disk"),
         "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,
         "disk_wait_ms_per_step": last["read_wait_s"] * 1e3 if has and s.get("disk") else None,
-        "split_fetch": s.get("split_fetch"),  # stages/gather.py: shares, bytes copied locally / gathered, waits
+        "split_fetch": s.get("split_fetch"),  # stages/split/: shares, bytes copied locally / gathered, waits
         "experts": s.get("experts"),  # experts="routed" (stages/experts.py): hits, misses, speculative bytes, cache
         "step_ms": last["wall_s"] * 1e3 if has and last.get("wall_s") is not None else None,
         "recent": _recent(s.get("recent_steps") or ([last] if has else [])),

@@ -24,8 +24,8 @@ import logging
 
 import torch
 
-from layerwise.plan import assign_slots, param_bytes
 from layerwise.options import resolve_resident
+from layerwise.planning.layout import assign_slots, param_bytes
 
 log = logging.getLogger("layerwise")
 
@@ -47,8 +47,8 @@ def non_layer_bytes(model, managers) -> int:
 def record_host_budget(managers, host_budget, budget_bytes: int) -> None:
     """Keep the host budget in force on each manager (`host_budget`: what was given,
     `budget_bytes`: what it resolved to), for layerwise.report, and in each group's
-    tier plan (layerwise.hostplan.HostBudget: checked wherever the bytes held change)."""
-    from layerwise.hostplan import HostBudget
+    tier plan (layerwise.planning.host_budget.HostBudget: checked wherever the bytes held change)."""
+    from layerwise.planning.host_budget import HostBudget
 
     source = "auto" if isinstance(host_budget, str) else "given"
     ledger = HostBudget(budget_bytes, source, managers)

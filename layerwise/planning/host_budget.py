@@ -1,5 +1,5 @@
 """Host-memory planner: which streamed layers stay in the host arena and which
-stay on disk (the disk tier, stages/disk.py) so that host memory fits
+stay on disk (the disk tier, stages/disk/) so that host memory fits
 `host_budget`.
 
 What counts against the budget: the arenas of the layers kept in memory, the
@@ -8,7 +8,7 @@ on-demand reads of experts' rows), the scratch block a layer is packed through, 
 page cache a checkpoint's reads may hold while packing (load_offloaded drops it
 as it goes: `cache_bytes`), and on a CPU device (where the "device" is host
 memory) the non-layer weights, the slot rings and the resident layers. The
-promise is about the process's memory as measured (layerwise.hostmem.
+promise is about the process's memory as measured (layerwise.planning.host_limits.
 budget_memory_bytes: anonymous + shared-memory pages + the resident pages of
 the checkpoint and spill files), not about the sum of what layerwise allocates. The layers kept in memory are spread
 evenly over each group (every k-th layer, by bytes), so that the reads of the
@@ -16,7 +16,7 @@ disk layers are spread over the step and overlap the compute of the others.
 Resident layers never go to disk.
 
 `host_budget="auto"`: the tightest of the cgroup limit and the host's available
-memory, less a reserve (layerwise.hostmem), with the weights about to be packed
+memory, less a reserve (layerwise.planning.host_limits), with the weights about to be packed
 counted as free.
 
 After configure the budget stays in force (`HostBudget`, shared by the groups it
@@ -28,17 +28,16 @@ set_residency and layerwise.tune (rings and resident layers are host memory ther
 from __future__ import annotations
 
 import functools
-
 import logging
 
-from layerwise.budget import fmt_bytes, non_layer_bytes
-from layerwise.plan import round_up
+from layerwise.planning.device_budget import fmt_bytes, non_layer_bytes
+from layerwise.planning.layout import round_up
 from layerwise.stages.disk import DiskTier, spill_store, staging_slots
 
 log = logging.getLogger("layerwise")
 
 PAGE = 4096
-CODEC_SEGMENT_EXTRA = 128 + 16  # a codec header and a 16-byte alignment (layerwise/codec.py)
+CODEC_SEGMENT_EXTRA = 128 + 16  # a codec header and a 16-byte alignment (layerwise/codec/__init__.py)
 
 
 class HostBudget:
@@ -86,7 +85,7 @@ def resolve_host_budget(host_budget, held_bytes: int = 0) -> tuple[int, str]:
     """(bytes, how it was found) for a host_budget OffloadOptions has validated: a
     number of bytes, or "auto" (the tightest of the host's and the cgroup's limits)."""
     if host_budget == "auto":
-        from layerwise.hostmem import host_limits
+        from layerwise.planning.host_limits import host_limits
 
         limits = host_limits(held_bytes, lock=False)
         tight = min(limits, key=lambda lim: lim.budget)
@@ -142,7 +141,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
                      why_not_disk=None, spill: bool = True, cache_bytes: int = 0, disk: bool = True) -> dict:
     """Choose each manager's disk layers (`m.tiers.keep_on_disk`) so that host memory
     fits the budget, each layer that stays in memory counted at the size its
-    route gives it (layerwise.tierplan: encoded, this rank's share); returns the
+    route gives it (layerwise.planning.routes: encoded, this rank's share); returns the
     plan (also logged).
 
     `cache_bytes`: the most page cache of the files read while packing that the
@@ -151,7 +150,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     `why_not_disk(manager, index) -> str | None`: a reason a layer cannot stay
     on disk (then it must be in the arena). `disk=False` (an in-memory model
     without spill_dir): every layer must fit, or a ValueError says what it needs."""
-    from layerwise.tierplan import layer_host_bytes
+    from layerwise.planning.routes import layer_host_bytes
 
     budget, how = resolve_host_budget(host_budget, held_bytes)
     enabled = [m for m in managers if m.enabled]

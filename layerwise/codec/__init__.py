@@ -340,11 +340,10 @@ def _fresh(n: int) -> torch.Tensor:
     """A new uint8 host tensor of n bytes for ``decode`` to fill. A big one is marked for
     transparent huge pages (madvise; Linux, where THP is "madvise"), and the decoder's threads
     back their parts of it before writing (``fresh=True``: MADV_POPULATE_WRITE, 2 MiB at a
-    time, the rest in 4 KiB pages once a huge page comes slowly). On this project's CI VM (a
-    firecracker guest whose balloon reports free memory to the host) a huge page freed a
-    moment before costs 0.1-0.3 ms to back, one the host took back 1-2.5 ms: huge pages alone
-    made a fresh-buffer decode of 88 MB take 16-130 ms, this 17-31 ms (BENCHMARKS.md,
-    2026-12-05)."""
+    time, the rest in 4 KiB pages once a huge page comes slowly). On a 2-core firecracker VM
+    whose balloon reports free memory to the host a huge page freed a
+    moment before costs 0.1-0.3 ms to back, one the host took back 1-2.5 ms: a fresh-buffer decode of 88 MB
+    takes 17-31 ms this way and 16-130 ms with huge pages alone (BENCHMARKS.md)."""
     out = torch.empty(n, dtype=torch.uint8)
     if n >= 2 * _HUGE and sys.platform == "linux":
         try:

@@ -1,4 +1,4 @@
-"""Derived copies are caught, never trusted (DESIGN.md, pitfalls: libraries that
+"""Derived copies are caught, never trusted (docs/design.md, pitfalls: libraries that
 rebind `weight.data` behind you).
 
 A streamed parameter stays bound to its view of its ring slot. A library may
@@ -48,9 +48,9 @@ import logging
 
 import torch
 
-from layerwise import packing
 from layerwise.formats import aliases, quantized
-from layerwise.plan import storage_span
+from layerwise.planning.layout import storage_span
+from layerwise.runtime import host_store
 
 log = logging.getLogger("layerwise")
 
@@ -195,7 +195,7 @@ def settle(manager, i: int, drifted: list, where: str, quiet: bool = False) -> N
     refused = [(e, now, why) for e, now in found for why in [_why_not(manager, i, e, now)] if why is not None]
     if refused:
         for e, _ in found:
-            packing.bind_to_slot(e, e.view_in(slot))  # its true bytes never changed
+            host_store.bind_to_slot(e, e.view_in(slot))  # its true bytes never changed
         e, now, why = refused[0]
         held = all(w is _READ_ONLY for _, _, w in refused)
         cls = type(e.owner).__qualname__
@@ -235,10 +235,10 @@ def settle(manager, i: int, drifted: list, where: str, quiet: bool = False) -> N
         for e, shape, stride, dtype, span in old:
             e.shape, e.stride, e.dtype, e.span = shape, stride, dtype, span
         for e, _ in found:
-            packing.bind_to_slot(e, e.view_in(slot))
+            host_store.bind_to_slot(e, e.view_in(slot))
         raise
     for e, now in found:
         aliases.follow(e.param, e.owner, data=now)  # a library's own references to the derived copy
-        packing.bind_to_slot(e, e.view_in(slot))
+        host_store.bind_to_slot(e, e.view_in(slot))
         log.info("layerwise: %s by %s; its new bytes are the layer's true bytes and stream from now on",
                  _describe(e, now), where)

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from layerwise.plan import local_tensor
+from layerwise.planning.layout import local_tensor
 
 log = logging.getLogger("layerwise")
 

@@ -1,17 +1,17 @@
 """LayerwiseOffloadManager: streams one block list (nn.ModuleList) through a
 device slot ring, one fetch ahead of the compute that needs it.
 
-Life cycle (Lifecycle; DESIGN.md, data flow): plan (__init__, the tier plan:
-layerwise/tierplan.py) -> pack (layerwise/packing.py: the host side, each
+Life cycle (Lifecycle; docs/design.md, data flow): plan (__init__, the tier plan:
+layerwise/planning/routes.py) -> pack (layerwise/runtime/host_store.py: the host side, each
 layer's chain of stages: layerwise/stages) -> one model.to of the non-layer
-weights -> finalise (the slot ring: layerwise/ring.py, parameters bound to
+weights -> finalise (the slot ring: layerwise/runtime/ring.py, parameters bound to
 slot views, first prefetches, hooks). The pre-hook asks the layer's source to
 make it ready in its slot and makes the compute stream wait on the result; it
 names no tier. A fetch into a slot waits for everything the compute stream has
 enqueued (the slot's last user) and for the slot's previous fetch; a slot whose
 layer computes is never a prefetch target.
 
-Robustness (the state contract, layerwise/contract.py): the record is marked
+Robustness (the state contract, layerwise/contract/): the record is marked
 `_dirty` around every call that queues work, so an exception or a
 KeyboardInterrupt in between makes the next hook resynchronise instead of
 trusting a record behind what was queued. Forwards of one model hold the
@@ -31,14 +31,24 @@ from numbers import Integral
 import torch
 from torch import nn
 
-from layerwise import _native, contract, drift, dynamo_guard, experts, gpu_checks, stages
-from layerwise.options import (OffloadOptions, manager_options, named_options, resident_arg, resolve_resident,
-                               validate_depth, validate_residency)
-from layerwise.meter import Meter
-from layerwise.packing import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
-from layerwise.plan import GroupPlan, build_group_plan, device_bytes
-from layerwise.ring import SlotRing
-from layerwise.tierplan import TierChoice
+from layerwise import _native, contract, stages
+from layerwise.contract import compile_guard, rebinds
+from layerwise.options import (
+    OffloadOptions,
+    manager_options,
+    named_options,
+    resident_arg,
+    resolve_resident,
+    validate_depth,
+    validate_residency,
+)
+from layerwise.planning import experts
+from layerwise.planning.layout import GroupPlan, build_group_plan, device_bytes
+from layerwise.planning.routes import TierChoice
+from layerwise.runtime import expert_hooks, gpu_checks
+from layerwise.runtime.host_store import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
+from layerwise.runtime.meter import Meter
+from layerwise.runtime.ring import SlotRing
 
 log = logging.getLogger("layerwise")
 
@@ -55,7 +65,7 @@ _PLAIN = {torch.Tensor, nn.Parameter}  # parameter types whose bytes are all the
 
 
 class _RingView:
-    """What drift.Bound reads of a manager (its plan, its ring), for a ring not in force yet."""
+    """What rebinds.Bound reads of a manager (its plan, its ring), for a ring not in force yet."""
 
     def __init__(self, plan, ring):
         self.plan, self.ring = plan, ring
@@ -107,20 +117,20 @@ class LayerwiseOffloadManager:
         self.num_layers = self.plan.num_layers
         self.resident = resolve_resident(options.resident_layers, self.num_layers, options.residency_policy)
         self.pin_memory = options.pin_memory  # (the other options are read from self.options)
-        self.tiers = TierChoice(layer_name)  # the tier plan's inputs, set by the planners (layerwise/tierplan.py)
-        # experts="routed": the group's expert modules, its layers laid out expert-last (layerwise/experts.py)
+        self.tiers = TierChoice(layer_name)  # the tier plan's inputs, set by the planners (layerwise/planning/routes.py)
+        # experts="routed": the group's expert modules, its layers laid out expert-last (layerwise/planning/experts.py)
         self.experts = self.tiers.experts = experts.plan_experts(self.plan, options)
         self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
         self.state = Lifecycle.PLANNED
-        self._host = HostLayers(self.plan, layer_name, self.device, self.pin_memory)  # (layerwise/packing.py)
+        self._host = HostLayers(self.plan, layer_name, self.device, self.pin_memory)  # (layerwise/runtime/host_store.py)
         self._resident_bytes = 0
         self._grad_hooks: list = []
         self._hooks = []
         self._guard_hooks = []  # the state contract's hooks on the streamed layers (installed again by set_residency)
         self.placement = None  # who chose the placement in force, when not configure (set_residency's `note`)
-        self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/ring.py), once finalised
-        self.meter = Meter(self.options.measure_stalls, self._stage_counts)  # the group's figures (layerwise/meter.py)
+        self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/runtime/ring.py), once finalised
+        self.meter = Meter(self.options.measure_stalls, self._stage_counts)  # the group's figures (layerwise/runtime/meter.py)
         if initialize:
             self.initialize()
 
@@ -198,7 +208,7 @@ class LayerwiseOffloadManager:
             if self._dirty:
                 self._resync()
             # A parameter a library (or the user) rebound since the last check is settled
-            # first (layerwise/drift.py: adopted or refused): the rebinding below would drop it.
+            # first (layerwise/rebinds.py: adopted or refused): the rebinding below would drop it.
             self.bound.check_all(self)
             old = list(self.resident)
             if new == old and depth == self.prefetch_depth:
@@ -234,7 +244,7 @@ class LayerwiseOffloadManager:
                 for i in ring.streamed:
                     binding.slot(layers[i].params, ring.slots[ring.slot_of[i]])
                 binding.check(self.layer_name)  # a wrapper torch cannot swap is refused here, not half-way
-                bound = drift.Bound(_RingView(self.plan, ring))
+                bound = rebinds.Bound(_RingView(self.plan, ring))
             self._commit_residency(ring, binding, bound, new, depth, note)
         log.info("layerwise: %s: placement changed: %d of %d layers resident (%s), prefetch depth %d",
                  self.layer_name, len(new), self.num_layers, new[:16], depth)
@@ -393,7 +403,7 @@ class LayerwiseOffloadManager:
 
     def host_bytes(self) -> int:
         """Host memory the group holds now, as a host budget in force counts it
-        (layerwise.hostplan.HostBudget; stats()' arena figure and the rest): its arena
+        (layerwise.planning.host_budget.HostBudget; stats()' arena figure and the rest): its arena
         and the blocks its stages keep, the disk tier's staging and, on a CPU device
         (whose memory is the host's), its ring, resident layers and expert cache. Its
         model's non-layer weights are not the group's (HostBudget adds them)."""
@@ -414,7 +424,7 @@ class LayerwiseOffloadManager:
 
     # ------------------------------------------------------------- tier plan
     def tier_plan(self, sizes: bool = True) -> list:
-        """Each layer's route (layerwise.tierplan.Route): where its bytes live and what
+        """Each layer's route (layerwise.planning.routes.Route): where its bytes live and what
         happens on the way to its slot. Fixed once packed; before, from the options
         and the planners' choices so far (`self.tiers`)."""
         if self._host.routes is not None:
@@ -435,7 +445,7 @@ class LayerwiseOffloadManager:
         return HostLayers.capacity(self.plan, self.tier_plan(sizes=False))
 
     def _initialize_layer_weights(self, fill=None) -> None:
-        """Pack every layer by its route (layerwise/packing.py); managed parameters
+        """Pack every layer by its route (layerwise/runtime/host_store.py); managed parameters
         become (1,) placeholders. Originals are freed as each parameter is packed, so
         host memory holds the model about once. On failure every parameter packed so
         far gets its exact bytes back. `fill(entry, block)`: as HostLayers.pack."""
@@ -465,7 +475,7 @@ class LayerwiseOffloadManager:
 
         Called by the caller's own sequence rather than a front door (managers built
         with initialize=False, each _initialize_layer_weights(), one model.to, each
-        _finalize_initialization(): the multi-group order of DESIGN.md), the group is
+        _finalize_initialization(): the multi-group order of docs/design.md), the group is
         also recorded on the model as configure records it: layerwise.managers_of,
         remove_layerwise_offload, report and the state contract's guards see it, and
         the groups finalised so far prefetch across into each other."""
@@ -497,7 +507,7 @@ class LayerwiseOffloadManager:
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
             for i in self.ring.streamed:
                 bind_layer_to_slot(layers[i].params, self.ring.slots[self.ring.slot_of[i]])
-            self.bound = drift.Bound(self)  # where each streamed parameter must still point (layerwise/drift.py)
+            self.bound = rebinds.Bound(self)  # where each streamed parameter must still point (layerwise/rebinds.py)
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
             self._chain.start(self._engine, self._src, self.ring.streamed, self.prefetch_depth, start, self.ring)
@@ -506,21 +516,21 @@ class LayerwiseOffloadManager:
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
             # tracing into the copy engine (one graph per block, no recompiles), and
             # each block takes its streamed class, so that no graph traced without
-            # the hooks runs it (layerwise/dynamo_guard.py).
+            # the hooks runs it (layerwise/compile_guard.py).
             # The pre-hook goes first, so that a user's pre-hook registered earlier
             # (weight_norm computes `weight` in one) reads the layer's own weights.
             # Registered with Ctrl-C held back: a hook whose handle was never recorded
             # could not be removed by a rollback.
             with contract.defer_interrupts():
                 for lp in layers:
-                    dynamo_guard.mark_streamed(lp.module)
-                    self._hooks.append(dynamo_guard.register_hook(
+                    compile_guard.mark_streamed(lp.module)
+                    self._hooks.append(compile_guard.register_hook(
                         lp.module.register_forward_pre_hook, functools.partial(self._pre_hook, lp.index), prepend=True))
-                    self._hooks.append(dynamo_guard.register_hook(
+                    self._hooks.append(compile_guard.register_hook(
                         lp.module.register_forward_hook, functools.partial(self._post_hook, lp.index), always_call=True))
-                self._hooks.extend(experts.install_hooks(self))  # routed experts: the expert modules' pre-hooks
+                self._hooks.extend(expert_hooks.install_hooks(self))  # routed experts: the expert modules' pre-hooks
                 self._guard_hooks = contract.install_layer_hooks(self)
-            dynamo_guard.drop_instance_graphs()
+            compile_guard.drop_instance_graphs()
         self.state = Lifecycle.STREAMING
         self._reset_stats()
         contract.register_outside_front_door(self)
@@ -861,7 +871,7 @@ class LayerwiseOffloadManager:
             h.remove()
         self._hooks, self._guard_hooks = [], []
         for lp in self.plan.layers:
-            dynamo_guard.unmark_streamed(lp.module)
+            compile_guard.unmark_streamed(lp.module)
         for _, ctx in self._grad_hooks:
             try:
                 ctx.__exit__(None, None, None)
@@ -881,7 +891,7 @@ class LayerwiseOffloadManager:
         self.state = Lifecycle.PLANNED
         if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
             del self.plan.module_list._layerwise_manager
-        dynamo_guard.drop_instance_graphs()
+        compile_guard.drop_instance_graphs()
 
     def _restore_parameters(self, original_devices: bool = False) -> None:
         """Give every packed parameter an ordinary tensor again with its true bytes

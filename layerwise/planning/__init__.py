@@ -1,0 +1,1 @@
+"""Planning: what streams where, decided once before packing."""
