@@ -1,7 +1,7 @@
 """Decode one losslessly encoded segment straight into its destination, in one launch.
 
 The format (written by the C++ encoder, ``layerwise._C.codec.encode``) is
-specified in ``layerwise/codec.py``, whose :func:`~layerwise.codec.parse_header`
+specified in ``layerwise/codec/__init__.py``, whose :func:`~layerwise.codec.parse_header`
 is the one Python parser of a header: the launcher and the reference decoder
 take the header's offsets and sizes from it.
 
