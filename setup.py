@@ -83,7 +83,9 @@ def extension():
 
 
 setup(
-    packages=["layerwise", "layerwise.bench", "layerwise.formats", "layerwise.stages", "layerwise.triton_kernels"],
+    packages=["layerwise", "layerwise.bench", "layerwise.codec", "layerwise.contract", "layerwise.formats",
+              "layerwise.planning", "layerwise.runtime", "layerwise.stages", "layerwise.stages.disk",
+              "layerwise.stages.split", "layerwise.triton_kernels"],
     package_dir={"layerwise.triton_kernels": "triton_kernels"},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
