@@ -36,7 +36,7 @@ from layerwise.options import resolve_resident
 
 from . import models
 from .bus import ENV, simulated_bus
-from .common import Context, Row, SuiteResult, Target, check_bitwise, clone_module, inference_step, ratio
+from .common import Context, Row, SuiteResult, Target, bus_gibps, check_bitwise, clone_module, inference_step, ratio
 
 NAME = "tune"
 BIG_COPY_IN_HEAVY = 3.0
@@ -125,7 +125,7 @@ def _compare(ctx, base, resident, x, bus, chosen, heavy_s, big_bytes) -> SuiteRe
                  "alternatives_ms": {k: v * 1e3 for k, v in plan.alternatives.items()}, "note": plan.note,
                  "table": str(plan)}})
     sim = bool(bus.get("gbps")) and not ctx.is_cuda
-    where = f"over the simulated bus ({bus['gbps']:.3g} GB/s)" if sim else "on this device"
+    where = f"over the simulated bus ({bus_gibps(bus['gbps']):.3g} GiB/s)" if sim else "on this device"
     for name in ("leading", "strided"):
         res, d = placements[name]
         result.rows.append(Row(NAME, f"step {where}, {name} ({len(res)} resident, depth {d})", "ms", ms[name],
