@@ -17,14 +17,15 @@ $(STAMP): scripts/setup_env.sh
 # --no-build-isolation: otherwise pip fetches a second torch into a build env.
 build: $(EXT)
 $(EXT): $(STAMP) $(SOURCES)
-	@echo "build: compiling the native extension with pip (~45-90 s on 2 idle cores, a few minutes on busy ones)"
+	@echo "build: compiling the native extension with pip (~1.5 min on 2 cores, longer on busy ones)"
 	@t0=$$(date +%s) && $(VPY) -m pip install --progress-bar on --no-build-isolation --no-deps -e . && \
 	  touch $@ && echo "build: done in $$(( $$(date +%s) - t0 )) s"
 
 test: build
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
-# On a machine without a GPU the benchmark runs its CPU suites in --quick mode.
+# On a machine without a GPU the benchmark runs its CPU suites in --quick mode
+# (~2 min on 2 cores); each suite prints its table as it finishes.
 bench: build
 	$(VPY) -m layerwise.bench $(BENCH_ARGS) $$($(VPY) -c "import torch; print('' if torch.cuda.is_available() else '--quick')")
 

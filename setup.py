@@ -6,6 +6,11 @@ Which variant is built is chosen here, never from a visible GPU:
   LAYERWISE_BUILD=cpu             CPU backend only
 The CUDA variant uses the CUDA runtime API alone, so it needs no nvcc and also
 builds against a CPU-only torch (what `make check-cuda` does).
+
+The object files carry no debug information (-g0 over the -g of Python's own
+build flags): it costs 40% of the compile time of a file that includes torch's
+headers (gcc 12 on an AMD EPYC VM) and 31 of the library's 32 MB.
+LAYERWISE_DEBUG_INFO=1 keeps it, for a debugger or a symbolized crash report.
 """
 import glob
 import os
@@ -78,6 +83,8 @@ def extension():
         kwargs["extra_compile_args"].append("-DLAYERWISE_WITH_CUDA")
         kwargs.update(include_dirs=kwargs["include_dirs"] + [inc], library_dirs=[libdir], libraries=[lib],
                       runtime_library_dirs=[libdir])
+    if os.environ.get("LAYERWISE_DEBUG_INFO", "0") in ("", "0"):
+        kwargs["extra_compile_args"].append("-g0")
     print(f"layerwise: building the {'CUDA' if use_cuda else 'CPU'} variant of layerwise._C", file=sys.stderr)
     return CppExtension("layerwise._C", sources, **kwargs)
 

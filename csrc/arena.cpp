@@ -186,8 +186,8 @@ at::Tensor HostArena::allocate(int64_t nbytes, int64_t alignment) {
   used_ = offset + static_cast<size_t>(nbytes);
   if (pin_kind_ != PinKind::None && nbytes > 0) pin_locked(offset, static_cast<size_t>(nbytes));
   auto keep = block_;
-  return torch::from_blob(static_cast<char*>(block_->base) + offset, {nbytes}, [keep](void*) {},
-                          torch::TensorOptions().dtype(torch::kUInt8));
+  return at::from_blob(static_cast<char*>(block_->base) + offset, {nbytes}, [keep](void*) {},
+                       at::TensorOptions().dtype(at::kByte));
 }
 
 void HostArena::pin_range(int64_t offset, int64_t nbytes) {

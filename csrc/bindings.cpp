@@ -5,6 +5,7 @@
 #include "reader.h"
 #include "sim_bus.h"
 
+#include <torch/extension.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>

@@ -11,8 +11,8 @@
 # Stages (STAGES below: name, limit in seconds, the files it leaves in RESULTS_DIR):
 #   build    90  the CUDA variant, with the python3 found there (+ .whl/*.whl it lacks: carry .whl)
 #   smoke    60  scripts/gpu_smoke.py -> smoke.json: build info, the device, pinned-arena
-#                H2D GB/s against torch's pinned copy_ at 64 MB and 1 GB, one bitwise
-#                stream with the GPU behind the host (raw and compressed), one decode's GB/s
+#                H2D GiB/s against torch's pinned copy_ at 64 MiB and 1 GiB, one bitwise
+#                stream with the GPU behind the host (raw and compressed), one decode's GiB/s
 #   (a stage that needs the GPU early, such as compile and CUDA graph capture, goes
 #    right after smoke: one line in STAGES and a stage_NAME function, limits rebalanced)
 #   cuda    100  the CUDA tests of the core files, in this order: native, manager, cuda
@@ -21,7 +21,7 @@
 #                the rest on the CPU backend)
 #   kernels  30  the CUDA tests of the Triton kernels: codec (decode) and scatter
 #   bench    80  python -m layerwise.bench --quick h2d compress stream
-#                -> bench.json, bench.md, stream.png (compress, the decode GB/s, before stream)
+#                -> bench.json, bench.md, stream.png (compress, the decode GiB/s, before stream)
 # Files (at most 8; the device tool returns 8): summary.txt (each stage's outcome, and
 # under smoke and bench their key figures), run.log (each stage's output, capped),
 # and the stages' own files above. A stage works in a scratch directory: when it ends,

@@ -170,10 +170,10 @@ def test_suite_specific_figures(tiny_run):
     assert len(step_rows) == 2 * sum(len(f["step"]) for f in forms.values()) > 0
     for name, f in forms.items():
         assert set(f["step"]) == set(f["bus_step"]) == set(f["bytes_per_step"]), (name, f)
-        for kind, bandwidth in (("step", quant["data"]["bandwidth_GBps"]),
-                                ("bus_step", quant["data"]["bus"]["bandwidth_GBps"])):
+        for kind, bandwidth in (("step", quant["data"]["bandwidth_GiBps"]),
+                                ("bus_step", quant["data"]["bus"]["bandwidth_GiBps"])):
             for label, d in f[kind].items():
-                transfer_ms = d["bytes_per_step"] / (bandwidth * 1e9) * 1e3
+                transfer_ms = d["bytes_per_step"] / (bandwidth * 2**30) * 1e3
                 assert d["transfer_ms"] == pytest.approx(transfer_ms)
                 assert d["floor_ms"] == pytest.approx(max(_median(d["resident_ms"]), transfer_ms)), (name, label, d)
         for label, d in f["bus_step"].items():  # the bus sleeps (as above; prefetch depth 1)
@@ -208,7 +208,7 @@ def test_suite_specific_figures(tiny_run):
         # ... against the best plain O_DIRECT read of 1, 2 and 4 threads, not one thread only
         assert disk["rows"][0]["targets"][0]["label"] == ">= 0.9x O_DIRECT best of 1/2/4 threads"
         assert {"O_DIRECT 1 thread", "O_DIRECT 2 threads", "O_DIRECT 4 threads"} <= set(disk["rows"][0]["baselines"])
-        bw = disk["data"]["bandwidth_GBps"]
+        bw = disk["data"]["bandwidth_GiBps"]
         best = max(_median(bw[k]) for k in ("O_DIRECT 1 thread", "O_DIRECT 2 threads", "O_DIRECT 4 threads"))
         assert disk["rows"][0]["ratios"]["/O_DIRECT best"] == pytest.approx(_median(bw["reader"]) / best)
         assert disk["data"]["filesystem"] not in ("tmpfs", "ramfs")
@@ -227,7 +227,7 @@ def test_suite_specific_figures(tiny_run):
             assert base["floor"] >= _median(base["resident"]) > 0, row
             copied = d["last_step"]["bytes_copied"]
             assert copied >= d["last_step"]["bytes_read"] > 0  # (layers read from disk are copied too)
-            assert base["bus floor"] == pytest.approx(copied / (d["h2d_bandwidth_GBps"] * 1e9)), (row, d)
+            assert base["bus floor"] == pytest.approx(copied / (d["h2d_bandwidth_GiBps"] * 2**30)), (row, d)
             assert row["ratios"]["/floor"] == pytest.approx(_median(row["ours"]) / base["floor"]), row
             assert row["ratios"]["/read floor"] == pytest.approx(_median(row["ours"]) / base["read floor"]), row
         assert "in memory" in steps[0]["baselines"] and "/in memory" in steps[0]["ratios"]
@@ -257,6 +257,131 @@ def test_suite_specific_figures(tiny_run):
         assert len(rss) == 1 and rss[0]["met"] is True, rss
         assert rss[0]["targets"][0]["label"].startswith("<= budget + 5%"), rss
 
+
+# ------------------------------------------------------------ units
+# sizes in MiB, bandwidths in GiB/s, nowhere a decimal MB, GB or GB/s beside them
+_DECIMAL_UNIT = re.compile(r"\b[KMGT]B(/s)?\b")
+UNITS = {"MiB", "GiB/s", "s", "ms", "us", "us/layer", "x", "B/B", ""}
+
+
+def _row_texts(row: dict) -> list[str]:
+    return [row["measure"], row["short"], row["note"], *(t["label"] for t in row["targets"]), *row["baselines"],
+            *row["ratios"]]
+
+
+def test_every_row_uses_mib_and_gib_per_second(tiny_run, tmp_path):
+    proc, json_path, _ = tiny_run
+    suites = json.loads(json_path.read_text())["suites"]
+    units = {row["unit"] for suite in suites.values() for row in suite["rows"]}
+    assert units <= UNITS, units - UNITS
+    assert {"MiB", "GiB/s"} <= units  # (sizes and bandwidths are both shown)
+    for name, suite in suites.items():
+        for row in suite["rows"]:
+            assert not [t for t in _row_texts(row) if _DECIMAL_UNIT.search(t)], (name, row)
+    shown = proc.stdout + (json_path.parent / "bench.md").read_text()
+    assert not _DECIMAL_UNIT.findall(shown), sorted({line for line in shown.splitlines() if _DECIMAL_UNIT.search(line)})
+    assert "GiB/s = 2^30 bytes per second" in " ".join(proc.stdout.split())  # the legend says so
+    # a size in a label is the bytes measured / 2^20
+    sizes = suites["h2d"]["data"]["sizes"]
+    assert [row["measure"] for row in suites["h2d"]["rows"][:len(sizes)]] == [
+        f"{size['bytes'] / 2**20:g} MiB copy" for size in sizes]
+
+
+# ------------------------------------------------------------ streaming
+def test_each_suite_prints_its_rows_as_it_finishes(tmp_path):
+    # stdout and stderr in one pipe, as a terminal shows them: each suite's progress
+    # line, then its table, before the next suite starts; the summary last
+    proc = subprocess.run(
+        [sys.executable, "-m", "layerwise.bench", "--tiny", "--device", "cpu", "h2d", "scatter", "hooks",
+         "--json", str(tmp_path / "b.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:]
+    order = []
+    for k, name in enumerate(("h2d", "scatter", "hooks"), 1):
+        start = out.index(f"[{name}] suite {k} of 3: {report.SUITE_TITLES[name]}")
+        section = re.compile(rf"^\W*{name}: " + ("skipped: " if name == "scatter" else ""), re.M)  # (in a table cell)
+        order += [start, section.search(out, start).start()]
+    summary = out.index("Summary: 3 suite(s)")
+    assert order == sorted(order) and order[-1] < summary, order
+    assert out.index("peak over sizes") < order[2]  # the h2d rows, before scatter starts
+    assert out.index("Legend:") > summary
+
+
+def test_progress_line_quotes_the_quick_duration():
+    default = {name for name in cli.SUITES if name not in cli.ON_REQUEST}
+    assert set(cli.QUICK_CPU_S) == default
+    first = next(name for name in cli.SUITES if name not in cli.ON_REQUEST)
+    assert first == "h2d"  # a figure within seconds of the start
+    cpu = torch.device("cpu")
+    assert f"about {cli.QUICK_CPU_S['stream']} s on 2 cores" in cli._expected("stream", Context(cpu, "quick"))
+    assert cli._expected("h2d", Context(cpu, "tiny")) == ""  # no figure where none was measured
+
+
+def test_an_interrupted_run_keeps_the_suites_that_finished(monkeypatch, tmp_path, capsys):
+    json_path, md_path = tmp_path / "out.json", tmp_path / "out.md"
+    seen = {}
+
+    def first(ctx):
+        return SuiteResult("first", rows=[Row("first", "a figure", "ms", 1.0, targets=[Target("< 2 ms", True)])])
+
+    def second(ctx):
+        seen["json"] = json.loads(json_path.read_text())  # written when the first suite finished
+        raise KeyboardInterrupt
+
+    def third(ctx):
+        raise AssertionError("runs after an interruption")
+
+    monkeypatch.setattr(cli, "SUITES", {"first": first, "second": second, "third": third})
+    assert cli.main(["--device", "cpu", "--tiny", "--json", str(json_path), "--markdown", str(md_path)]) == 130
+    captured = capsys.readouterr()
+    assert list(seen["json"]["suites"]) == ["first"]
+    assert list(json.loads(json_path.read_text())["suites"]) == ["first"]
+    assert "a figure" in md_path.read_text()
+    assert "interrupted during second" in captured.err
+    assert "Summary: 1 suite(s)" in captured.out and "interrupted during second" in captured.out
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_file_rewritten_after_a_suite_is_replaced_whole(monkeypatch, tmp_path):
+    # a run stopped while the JSON is rewritten keeps the previous complete file
+    path = tmp_path / "out.json"
+    one = [SuiteResult("first", rows=[Row("first", "a figure", "ms", 1.0)])]
+    report.write_json(str(path), one, {"argv": []})
+
+    def stopped(x):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "_jsonable", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_json(str(path), one + [SuiteResult("second")], {"argv": []})
+    assert list(json.loads(path.read_text())["suites"]) == ["first"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("rich", [False, True])
+def test_summary_counts_targets_and_lists_the_misses(monkeypatch, rich):
+    results = _cuda_like_results()
+    results[0].wall_s = 12.3
+    results.insert(1, SuiteResult("disk", "skipped", "no disk-backed file system"))
+    results.append(SuiteResult("quant", "error", "RuntimeError: boom"))
+    monkeypatch.setattr(report, "_has_rich", lambda: rich)
+    buf = io.StringIO()
+    report.render_summary(results, buf)
+    text = buf.getvalue()
+    assert not _too_long(text), _too_long(text)
+    flat = " ".join(text.split())
+    assert "Summary: 7 suite(s) in 12 s" in flat
+    for line in text.splitlines():  # h2d: 4 rows with a target (copies of 64 MiB and more, the peak), all met
+        if line.lstrip("│ ").startswith("h2d"):
+            assert "6 rows" in line and "4 of 4 rows" in line and "12 s" in line, line
+            break
+    else:
+        raise AssertionError(text)
+    assert "skipped: no disk-backed file system" in flat and "FAILED: RuntimeError: boom" in flat
+    assert "startup: 2 groups: peak host RSS growth, worst order: <= largest layer + 5% of model" in flat
+    assert "Legend:" in flat and "C/T = time the block's compute takes" in flat
 
 def test_failing_suite_is_reported_and_the_others_still_run(monkeypatch, tmp_path, capsys):
     def boom(ctx):
@@ -302,19 +427,19 @@ def _cuda_like_results() -> list[SuiteResult]:
     h2d = SuiteResult("h2d")
     for mb, bw in ((1, 21.5), (16, 48.2), (64, 52.7), (256, 53.1), (1024, 53.0)):
         targets = [Target.at_least(bw / 53.4, 0.95, "pinned copy_")] if mb >= 64 else []
-        h2d.rows.append(Row("h2d", f"{mb} MB copy", "GB/s", st(bw),
+        h2d.rows.append(Row("h2d", f"{mb} MiB copy", "GiB/s", st(bw),
                             {"pinned copy_": st(53.4), "pageable copy_": st(24.9)},
                             {"/pinned copy_": bw / 53.4}, targets,
                             note="" if targets else "small copy: latency-bound, no target"))
-    h2d.rows.append(Row("h2d", "peak over sizes", "GB/s", 53.1, {"pinned copy_": 53.4, "pageable copy_": 25.0},
+    h2d.rows.append(Row("h2d", "peak over sizes", "GiB/s", 53.1, {"pinned copy_": 53.4, "pageable copy_": 25.0},
                         {"/pinned copy_": 0.994}, [Target.at_least(0.994, 0.95, "pinned copy_")]))
     scatter = SuiteResult("scatter", rows=[
         Row("scatter", "layer of 200 small tensors", "us/layer", st(41.2), {"copy_ loop": st(1480.0)},
             {"speedup": 35.9}, [Target(">= 5x faster than copy_ loop", True)]),
-        Row("scatter", "100 MB into 100 contiguous tensors", "GB/s", st(1650.0),
+        Row("scatter", "100 MiB into 100 contiguous tensors", "GiB/s", st(1650.0),
             {"copy_ loop": st(1480.0), "d2d copy_": st(1890.0)}, {"/d2d copy_": 0.873},
             [Target.at_least(0.873, 0.8, "d2d copy_")]),
-        Row("scatter", "96 MB into 6 transposed tensors", "GB/s", st(1210.0), {"copy_ loop": st(1190.0)},
+        Row("scatter", "96 MiB into 6 transposed tensors", "GiB/s", st(1210.0), {"copy_ loop": st(1190.0)},
             {"/copy_ loop": 1.017}),
     ])
     rows = []
@@ -333,15 +458,15 @@ def _cuda_like_results() -> list[SuiteResult]:
     startup = SuiteResult("startup")
     for label, n in (("2 groups", 2), ("3 groups", 6)):
         startup.rows += [
-            Row("startup", f"{label}: bytes moved by model.to, worst of {n} orders", "MB", 268.4,
+            Row("startup", f"{label}: bytes moved by model.to, worst of {n} orders", "MiB", 268.4,
                 {"naive worst": 4563.0, "naive best": 805.3, "non-layer": 268.4}, {"/non-layer": 1.0},
                 [Target("= non-layer, 1 call, every order", True)]),
-            Row("startup", f"{label}: device peak during configure, worst order", "MB", 1342.2,
+            Row("startup", f"{label}: device peak during configure, worst order", "MiB", 1342.2,
                 {"naive worst": 4831.8, "naive best": 1073.7, "non-layer + ring": 1342.2}, {"/expected": 1.0},
                 [Target("= non-layer + ring, every order", True)]),
             Row("startup", f"{label}: configure time, over orders", "ms", st(1234.5, 0.1),
                 {"naive per-group": st(1450.2, 0.1)}, {"/naive per-group": 0.851}),
-            Row("startup", f"{label}: peak host RSS growth, worst order", "MB", 1088.0,
+            Row("startup", f"{label}: peak host RSS growth, worst order", "MiB", 1088.0,
                 {"naive per-group": 2210.0, "largest layer": 1073.7, "model": 4563.0}, {"/model": 0.238},
                 [Target("<= largest layer + 5% of model", False)]),
             Row("startup", f"{label}: host arena bytes per streamed byte", "B/B", 1.0, {"per model byte": 0.941}),

@@ -843,9 +843,9 @@ def test_bench_compress_tiny_on_cpu():
                                          "ratio, fp32 weight-like"}, sorted(by_short)
     assert all(row.met for row in ratios if row.targets and "weight-like" in row.short), \
         [(r.short, r.ours) for r in ratios]
-    moved = by_short["manager stream bytes/step, 4 x 1 MB bf16"]
+    moved = by_short["manager stream bytes/step, 4 x 1 MiB bf16"]
     assert moved.met and 0.3 < moved.ours <= 0.80, moved.ours
-    speeds = [row for row in res.rows if row.unit == "GB/s" and isinstance(row.ours, Stat)]
+    speeds = [row for row in res.rows if row.unit == "GiB/s" and isinstance(row.ours, Stat)]
     assert speeds and all(r.ours.median > 0 for r in speeds)
     assert all(math.isfinite(v) for r in speeds for v in r.ratios.values() if isinstance(v, float))
     assert {"Triton decode: not measured", "compressed stream: not measured"} <= set(by_short)

@@ -86,7 +86,7 @@ def test_the_smoke_test_runs_on_the_cpu_backend(tmp_path):
                              capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert figures.returncode == 0, figures.stderr
     lines = figures.stdout.splitlines()
-    for start in ("build:", "device:", "h2d 4 MB:", "h2d 16 MB:", "stream raw:", "stream lossless:", "decode "):
+    for start in ("build:", "device:", "h2d 4 MiB:", "h2d 16 MiB:", "stream raw:", "stream lossless:", "decode "):
         assert any(line.startswith(start) for line in lines), (start, lines)
     assert not any("FAILED" in line or "not read" in line or "not reached" in line for line in lines), lines
 

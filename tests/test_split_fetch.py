@@ -164,5 +164,5 @@ def test_split_bench_suite_tiny():
     link = rows["host-link MiB/step/rank, split (2 ranks)"]
     assert link.ratios["/all"] == pytest.approx(0.5, abs=0.02)
     assert rows["GPU split fetch: not measured"].ours is None
-    assert rows["all-gather GB/s (2 ranks, gloo, CPU)"].ours > 0
+    assert rows["all-gather GiB/s (2 ranks, gloo, CPU)"].ours > 0
     assert res.data["runs"]["split"][0]["gathers"] > 0

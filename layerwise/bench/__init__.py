@@ -12,9 +12,12 @@ Suites (none named = all of them; see each module's docstring):
 
 The device defaults to CUDA when torch sees one and layerwise was built with CUDA,
 else the CPU; suites that cannot run there are reported as skipped, with the
-reason. ``--quick`` sizes the run for minutes on a small machine (``make bench``
-on a CPU); without it, problems are sized for a large GPU. The exit status is
-non-zero when a suite raised; a missed target is not a failure, the table marks it.
+reason. ``--quick`` sizes the run for about two minutes on 2 CPU cores (``make
+bench`` on a CPU); without it, problems are sized for a large GPU. Each suite
+prints its table as it finishes, a summary closes the run; sizes are in MiB,
+bandwidths in GiB/s. The exit status is non-zero when a suite raised (130 when
+interrupted: the files hold the suites that finished); a missed target is not a
+failure, the table marks it.
 """
 from layerwise.bench.cli import SUITES, main
 

@@ -33,10 +33,12 @@ import layerwise
 from layerwise.bench import h2d, models
 from layerwise.bench.common import (
     Context,
+    GiB,
     Row,
     Skip,
     SuiteResult,
     Target,
+    bus_gibps,
     check_bitwise,
     clone_module,
     compare,
@@ -50,7 +52,9 @@ NAME = "bus"
 ENV = "LAYERWISE_SIM_BUS_GBPS"
 TARGET_RESIDENT, TARGET_FLOOR = 1.05, 1.10
 
-SWEEPS = {"full": Sweep(1024, 8, (1, 16, 128, 1024), 5, 1), "quick": Sweep(512, 8, (1, 16, 128, 1024), 5, 1),
+# quick: 512 tokens at most (the bus then at the geometric mean of 1 and 512 tokens' compute, the sweep
+# still spans transfer-bound to compute-bound): the largest point's compute is most of the suite's time
+SWEEPS = {"full": Sweep(1024, 8, (1, 16, 128, 1024), 5, 1), "quick": Sweep(512, 8, (1, 16, 128, 512), 5, 1),
           "tiny": Sweep(128, 6, (1, 1024), 2, 1)}  # (6 layers: more than a depth-2 ring holds)
 
 
@@ -91,7 +95,7 @@ def transfer_bandwidth(ctx: Context, nbytes: int) -> float:
 @contextlib.contextmanager
 def simulated_bus(gbps: float | None):
     """CPU copy engines created inside copy across a simulated bus of `gbps` GB/s
-    (None: the bus LAYERWISE_SIM_BUS_GBPS gives, if any). Every CPU engine reads the
+    (decimal, as LAYERWISE_SIM_BUS_GBPS; None: the bus that variable gives, if any). Every CPU engine reads the
     bus when it is created and the bus is one per process (the last engine created
     sets it for every engine), so on the way out the environment is restored and an
     engine created: the engines that follow copy as they did before. Yields the bus
@@ -162,7 +166,7 @@ def _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen) -> SuiteResu
     bus = dict(layerwise._native._C.sim_bus())
     result = SuiteResult(NAME, data={"config": asdict(sw), "layer_bytes": layer_bytes, "bus": bus,
                                      "bus_source": "given" if given else "chosen against the measured compute",
-                                     "bandwidth_GBps": bandwidth / 1e9, "points": []})
+                                     "bandwidth_GiBps": bandwidth / GiB, "points": []})
     with ctx.progress(len(sw.tokens) * (sw.repeats + 1), NAME) as bar:
         for tokens in sw.tokens:
             steps = {name: inference_step(m, xs[tokens]) for name, m in methods.items()}
@@ -185,8 +189,8 @@ def _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen) -> SuiteResu
                 if not all(t.met for t in targets):
                     note = miss_note(last[name]["stall_s"], transfer_ms, ms["resident"].median)
                 rows_short = f"{tokens} tok, C/T {c:.2g}, {name.removeprefix('layerwise ')}"
-                result.rows.append(Row(NAME, f"step over the simulated bus ({bus['gbps']:.3g} GB/s), {tokens} tok "
-                                             f"(C/T {c:.2g}, {kind}), {name}", "ms", ours,
+                result.rows.append(Row(NAME, f"step over the simulated bus ({bus_gibps(bus['gbps']):.3g} GiB/s), "
+                                             f"{tokens} tok (C/T {c:.2g}, {kind}), {name}", "ms", ours,
                                        {"resident": ms["resident"], "floor": floor_ms}, ratios, targets, note=note,
                                        short=rows_short))
     return result

@@ -1,6 +1,9 @@
 """Command line of ``python -m layerwise.bench``: pick the device and the sizes,
 run the suites one after another (a suite that raises is reported and the
-others still run), print the table, write the JSON and the plot."""
+others still run). Each suite announces itself on stderr with its expected
+duration and prints its table on stdout as it finishes; the JSON, Markdown
+and plot are rewritten after every suite (an interrupted run keeps the suites
+that finished); a summary and the legend close the run."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +33,9 @@ from layerwise.bench import (
 from layerwise.bench.common import Context, Skip, SuiteResult
 from layerwise.runtime.gpu_checks import cuda_unusable
 
-SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, bus, tune, startup, hooks, disk, quant, moe, pipeline,
+# The default order puts a figure on the screen within seconds (h2d), then the
+# headline sweep (stream), then the other suites shortest first.
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, hooks, tune, startup, bus, moe, quant, disk, pipeline,
                                    compress, split)}
 # Run only when named: it needs diffusers and transformers, and starts a fresh
 # interpreter per method (python -m layerwise.bench pipeline).
@@ -38,6 +43,12 @@ SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, bus, tune, startup, hook
 # compressed layers and the stream sweep can compare both.
 # split (python -m layerwise.bench split) starts N processes per method.
 ON_REQUEST = {pipeline.NAME, compress.NAME, split.NAME}
+
+# Seconds a suite takes with --quick on the CPU, quoted by its progress line (2 cores of
+# an AMD EPYC VM, torch 2.13 CPU, load average about 3: 2 min in all); no figure is
+# quoted for other sizes and devices (scatter: CUDA only).
+QUICK_CPU_S = {h2d.NAME: 2, scatter.NAME: 0, stream.NAME: 15, hooks.NAME: 4, tune.NAME: 5, startup.NAME: 8,
+               bus.NAME: 18, moe.NAME: 24, quant.NAME: 25, disk.NAME: 26}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,8 +78,16 @@ def _cuda_usable() -> tuple[bool, str]:
     return why is None, why or ""
 
 
-def _run_suite(name: str, ctx: Context) -> SuiteResult:
-    print(f"[{name}] running ...", file=sys.stderr, flush=True)
+def _expected(name: str, ctx: Context) -> str:
+    if ctx.scale == "quick" and not ctx.is_cuda and QUICK_CPU_S.get(name):
+        return f"; about {QUICK_CPU_S[name]} s on 2 cores"
+    return ""
+
+
+def _run_suite(name: str, ctx: Context, k: int, n: int) -> SuiteResult:
+    title = report.SUITE_TITLES.get(name, "")
+    print(f"[{name}] suite {k} of {n}" + (f": {title}" if title else "") + _expected(name, ctx) + " ...",
+          file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         res = SUITES[name](ctx)
@@ -135,15 +154,27 @@ def main(argv: list[str] | None = None) -> int:
             if args.plot and sweep is None:
                 print("no plot: the stream suite did not run", file=sys.stderr)
 
+    names = args.suites or [name for name in SUITES if name not in ON_REQUEST]
+    interrupted = ""
     try:
-        for name in args.suites or [name for name in SUITES if name not in ON_REQUEST]:
-            results.append(_run_suite(name, ctx))
+        for k, name in enumerate(names, 1):
+            try:
+                res = _run_suite(name, ctx, k, len(names))
+            except KeyboardInterrupt:
+                interrupted = name
+                break
+            results.append(res)
+            report.render_suite(res, wide=args.wide)
             write_files(final=False)
     finally:
         torch.set_num_threads(threads)
-    report.render_table(results, wide=args.wide)
+    report.render_summary(results, wide=args.wide, interrupted=interrupted)
     failed += [r.name for r in results if r.status == "error"]
     write_files(final=True)
+    if interrupted:
+        print(f"interrupted during {interrupted}: the output holds the {len(results)} suite(s) before it",
+              file=sys.stderr)
+        return 130
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -20,8 +20,18 @@ import numpy as np
 import torch
 from torch import nn
 
-MB = 1 << 20
-GB = 1e9  # bandwidths are reported in decimal GB/s, like PCIe figures
+# One convention in every row, label and note: sizes in MiB, bandwidths in GiB/s
+# (the sizes measured are powers of two: a 64 MiB copy, 16 MiB layers, 2 MiB
+# allocator blocks).
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def bus_gibps(gbps: float) -> float:
+    """The simulated bus's bandwidth in GiB/s: LAYERWISE_SIM_BUS_GBPS and
+    ``_C.sim_bus()["gbps"]`` give it in decimal GB/s, as the library reports
+    its own copy rates."""
+    return gbps * 1e9 / GiB
 
 
 class Skip(Exception):

@@ -7,7 +7,7 @@ A test file (256 MiB; --quick 128 MiB) is written on a disk-backed file system:
 directory - the first that is not a memory file system (tmpfs would measure
 memory copies, not a disk) - fsynced, and dropped from the page cache
 (``posix_fadvise(POSIX_FADV_DONTNEED)``) before every cold sample. Methods,
-interleaved (round-robin, rotating start), medians of GB/s:
+interleaved (round-robin, rotating start), medians of GiB/s:
 
   reader            the disk tier's reader (Reader(num_threads=READER_THREADS,
                     chunk_bytes=READ_CHUNK_BYTES), O_DIRECT): the file as layers of
@@ -30,9 +30,9 @@ interleaved (round-robin, rotating start), medians of GB/s:
 Target: reader >= 0.9x the best O_DIRECT read of 1, 2 and 4 threads (docs/design.md,
 "disk tier read (3rd wave)").
 The figures depend on the disk: a virtual disk of a shared VM is noisy. Seen on
-a 2-core VM (virtio-blk, max_segments 254): the same O_DIRECT read ran at 0.87
-GB/s into a 16 MiB buffer whose pages were all physically apart and at 1.25
-GB/s into one with half as many breaks, so comparing methods that read into
+a 2-core VM (virtio-blk, max_segments 254): the same O_DIRECT read ran at 0.81
+GiB/s into a 16 MiB buffer whose pages were all physically apart and at 1.16
+GiB/s into one with half as many breaks, so comparing methods that read into
 different buffers measured the buffers, not the methods (ratios from 0.7x to
 1.6x from one process to the next before all methods shared the slots).
 """
@@ -43,7 +43,7 @@ import shutil
 import tempfile
 import time
 
-from layerwise.bench.common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, ratio
+from layerwise.bench.common import Context, GiB, MiB, Row, Skip, SuiteResult, Target, compare, ratio
 from layerwise.stages.disk.reader import (
     READ_CHUNK_BYTES,
     READER_THREADS,
@@ -58,7 +58,7 @@ NAME = "disk"
 
 FILE_MB = {"full": 256, "quick": 128, "tiny": 8}
 LAYER_MB = {"full": 16, "quick": 16, "tiny": 1}
-REPEATS = {"full": 9, "quick": 7, "tiny": 2}
+REPEATS = {"full": 9, "quick": 5, "tiny": 2}
 SLOTS = 4  # staging slots the baselines read into
 TIER_SLOTS = 2  # staging slots of the disk tier at prefetch_depth=1 (a second reader row, no target)
 DIRECT_THREADS = (1, 2, 4)  # the baseline: the best of these (each divides SLOTS)
@@ -82,7 +82,7 @@ def bench_dir() -> str:
 
 
 def write_test_file(path: str, nbytes: int) -> None:
-    chunk = os.urandom(4 * MB)  # incompressible, in case the file system compresses
+    chunk = os.urandom(4 * MiB)  # incompressible, in case the file system compresses
     with open(path, "wb") as f:
         left = nbytes
         while left:
@@ -130,8 +130,8 @@ def pread_all(fd: int, bufs, nbytes: int, chunk: int, threads: int = 1) -> None:
 
 
 def run(ctx: Context) -> SuiteResult:
-    nbytes = FILE_MB[ctx.scale] * MB
-    layer = LAYER_MB[ctx.scale] * MB
+    nbytes = FILE_MB[ctx.scale] * MiB
+    layer = LAYER_MB[ctx.scale] * MiB
     repeats = REPEATS[ctx.scale]
     where = bench_dir()
     work = None
@@ -213,7 +213,7 @@ def run(ctx: Context) -> SuiteResult:
         stats = readers["reader"].stats()
         if stats["runs_direct"] == 0 or stats["failed"]:
             raise RuntimeError(f"the reader did not read with O_DIRECT here: {stats}")
-        bw = {k: s.map(lambda t: nbytes / t / GB) for k, s in times.items()}
+        bw = {k: s.map(lambda t: nbytes / t / GiB) for k, s in times.items()}
         with held_interrupts():
             while fds:
                 os.close(fds.pop())
@@ -231,16 +231,16 @@ def run(ctx: Context) -> SuiteResult:
             shutil.rmtree(work, ignore_errors=True)
 
     fs = filesystem_type(where)
-    size = f"{nbytes // MB} MiB file, {layer // MB} MiB layers"
+    size = f"{nbytes // MiB} MiB file, {layer // MiB} MiB layers"
     r = ratio(bw["reader"], bw[best])
     result = SuiteResult(NAME, data={
         "dir": where, "filesystem": fs, "file_bytes": nbytes, "layer_bytes": layer, "slots": SLOTS,
         "tier_slots": TIER_SLOTS, "reader_threads": READER_THREADS, "reader_chunk_bytes": READ_CHUNK_BYTES,
-        "reader_stats": stats, "bandwidth_GBps": bw, "direct_best": best,
+        "reader_stats": stats, "bandwidth_GiBps": bw, "direct_best": best,
     })
     result.rows.append(Row(
-        NAME, f"reader, O_DIRECT, {READER_THREADS} threads, {READ_CHUNK_BYTES // MB} MiB pieces, {SLOTS} "
-              f"staging slots, cold cache ({size}, {fs})", "GB/s", bw["reader"],
+        NAME, f"reader, O_DIRECT, {READER_THREADS} threads, {READ_CHUNK_BYTES // MiB} MiB pieces, {SLOTS} "
+              f"staging slots, cold cache ({size}, {fs})", "GiB/s", bw["reader"],
         {k: bw[k] for k in (*DIRECT, "buffered cold", "page cache warm")},
         {"/O_DIRECT best": r, "/page cache": ratio(bw["reader"], bw["page cache warm"])},
         [Target.at_least(r, 0.9, "O_DIRECT best of 1/2/4 threads")], short="reader (O_DIRECT, cold)",
@@ -249,13 +249,13 @@ def run(ctx: Context) -> SuiteResult:
     ))
     result.rows.append(Row(
         NAME, f"reader, O_DIRECT, {TIER_SLOTS} staging slots as the disk tier has at prefetch_depth=1, cold cache "
-              f"({size}, {fs})", "GB/s", bw["reader, 2 slots"], {best: bw[best]},
+              f"({size}, {fs})", "GiB/s", bw["reader, 2 slots"], {best: bw[best]},
         {"/O_DIRECT best": ratio(bw["reader, 2 slots"], bw[best])}, [], short="reader, 2 slots (O_DIRECT, cold)",
         note="a read into a slot waits for the previous read into it: fewer reads queued ahead; no target (the "
              "step row's /read floor is the disk tier's own figure)",
     ))
     result.rows.append(Row(
-        NAME, f"reader, buffered fallback (direct=False), cold cache ({size}, {fs})", "GB/s", bw["reader buffered"],
+        NAME, f"reader, buffered fallback (direct=False), cold cache ({size}, {fs})", "GiB/s", bw["reader buffered"],
         {"buffered cold": bw["buffered cold"]}, {"/buffered": ratio(bw["reader buffered"], bw["buffered cold"])},
         [], short="reader (buffered, cold)",
         note="the path taken on tmpfs, where O_DIRECT is refused, or for extents not placed congruent with the "
@@ -263,7 +263,7 @@ def run(ctx: Context) -> SuiteResult:
     ))
     for k in DIRECT:
         result.rows.append(Row(
-            NAME, f"plain O_DIRECT read, {k[len('O_DIRECT '):]} ({size}, {fs})", "GB/s", bw[k],
+            NAME, f"plain O_DIRECT read, {k[len('O_DIRECT '):]} ({size}, {fs})", "GiB/s", bw[k],
             short=f"{k} (baseline)" + (", best" if k == best else ""),
         ))
     result.rows += stream_rows

@@ -52,7 +52,19 @@ import textwrap
 import torch
 
 from layerwise.bench import bus
-from layerwise.bench.common import GB, MB, Context, Row, Target, compare, device_timer, inference_step, median, ratio
+from layerwise.bench.common import (
+    Context,
+    GiB,
+    MiB,
+    Row,
+    Target,
+    bus_gibps,
+    compare,
+    device_timer,
+    inference_step,
+    median,
+    ratio,
+)
 from layerwise.bench.models import DiTStack, build
 from layerwise.bench.stream import regime
 
@@ -107,7 +119,7 @@ def smallest_budget(hidden: int, layers: int, ckpt: str, device) -> int:
         layerwise.remove_layerwise_offload(probe)
         return True
 
-    hi = MB // 4
+    hi = MiB // 4
     while not fits(hi):
         hi *= 2
     lo = hi // 2
@@ -148,12 +160,12 @@ def _link(ctx: Context) -> str:
     if ctx.is_cuda:
         return "host -> device"
     gbps = layerwise._native._C.sim_bus()["gbps"]
-    return f"simulated bus ({gbps:.3g} GB/s)" if gbps else "host memcpy (the CPU backend: no bus)"
+    return f"simulated bus ({bus_gibps(gbps):.3g} GiB/s)" if gbps else "host memcpy (the CPU backend: no bus)"
 
 
-def _timed(ctx: Context, models: dict, x, repeats: int, bar, direct_gbps: float) -> tuple[dict, dict, dict]:
+def _timed(ctx: Context, models: dict, x, repeats: int, bar, direct_gibps: float) -> tuple[dict, dict, dict]:
     """The step times of `models` (interleaved), the disk tier's stats, and its floors:
-    the read floor (disk bytes at `direct_gbps`, None without it) and the bus floor
+    the read floor (disk bytes at `direct_gibps`, None without it) and the bus floor
     (copied bytes at the bandwidth measured here, across whatever bus the copies cross
     now)."""
     import layerwise
@@ -164,9 +176,9 @@ def _timed(ctx: Context, models: dict, x, repeats: int, bar, direct_gbps: float)
     times = compare(samplers, repeats=repeats, warmup=1, bar=bar)
     st = mgr.stats(sync=True)
     last = st["last_step"]
-    read_floor = last["bytes_read"] / (direct_gbps * GB) if direct_gbps else None
+    read_floor = last["bytes_read"] / (direct_gibps * GiB) if direct_gibps else None
     return times, st, {"read floor": read_floor, "bus floor": last["bytes_copied"] / bandwidth,
-                       "h2d_bandwidth_GBps": bandwidth / 1e9, "link": _link(ctx)}
+                       "h2d_bandwidth_GiBps": bandwidth / GiB, "link": _link(ctx)}
 
 
 def _step_row(measure: str, short: str, times: dict, f: dict, last: dict, targets: bool = False) -> Row:
@@ -203,7 +215,7 @@ def _step_row(measure: str, short: str, times: dict, f: dict, last: dict, target
     return Row("disk", measure, "s", ours, base, ratios, checks, short=short, note=note)
 
 
-def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row], dict]:
+def run(ctx: Context, work: str, direct_gibps: float, fs: str) -> tuple[list[Row], dict]:
     import layerwise
 
     hidden, layers, tokens = ctx.pick(SHAPES)
@@ -226,9 +238,9 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
     # On the CPU without a simulated bus: the same step again over one, its speed such that the step's copies
     # take BUS_OVER times its read floor or its resident step, the longer: the step is then transfer-bound,
     # and shows whether the reads and the compute hide behind the bus.
-    over_bus = not ctx.is_cuda and not os.environ.get(bus.ENV) and direct_gbps > 0
+    over_bus = not ctx.is_cuda and not os.environ.get(bus.ENV) and direct_gibps > 0
     with ctx.progress((repeats + 1) * (2 if over_bus else 1), "disk stream") as bar:
-        times, st, floors = _timed(ctx, models, x, repeats, bar, direct_gbps)
+        times, st, floors = _timed(ctx, models, x, repeats, bar, direct_gibps)
         disk, last = st["disk"], st["last_step"]
         for name in ("in memory", "disk tier"):
             layerwise.remove_layerwise_offload(models.pop(name))
@@ -239,12 +251,12 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
             gbps = last["bytes_copied"] / (BUS_OVER * longer) / 1e9
             with bus.simulated_bus(gbps) as cfg:
                 models["disk tier"] = load("disk tier over the simulated bus", host_budget=budget)
-                bus_times, bus_st, bus_floors = _timed(ctx, models, x, repeats, bar, direct_gbps)
+                bus_times, bus_st, bus_floors = _timed(ctx, models, x, repeats, bar, direct_gibps)
                 layerwise.remove_layerwise_offload(models.pop("disk tier"))
             bus_data = {"bus": cfg, "bus_over": BUS_OVER, "chosen_for_s": longer,
                         "step_s": {k: v.median for k, v in bus_times.items()}, "last_step": bus_st["last_step"],
                         "read_floor_s": bus_floors["read floor"], "bus_floor_s": bus_floors["bus floor"],
-                        "h2d_bandwidth_GBps": bus_floors["h2d_bandwidth_GBps"]}
+                        "h2d_bandwidth_GiBps": bus_floors["h2d_bandwidth_GiBps"]}
     models.clear()
     del resident
     ctx.free_memory()
@@ -253,31 +265,32 @@ def run(ctx: Context, work: str, direct_gbps: float, fs: str) -> tuple[list[Row]
     data = {"model_bytes": model_bytes, "host_budget": budget, "disk_layers": disk["layers"],
             "disk_bytes_per_step": last["bytes_read"], "bytes_copied_per_step": last["bytes_copied"],
             "read_gbps_per_read": disk["read_gbps"], "read_wait_s_total": disk["read_wait_s"],
-            "bytes_direct": disk["bytes_direct"], "h2d_bandwidth_GBps": floors["h2d_bandwidth_GBps"],
+            "bytes_direct": disk["bytes_direct"], "h2d_bandwidth_GiBps": floors["h2d_bandwidth_GiBps"],
             "step_s": {k: v.median for k, v in times.items()}, "read_floor_s": floors["read floor"],
             "bus_floor_s": floors["bus floor"], "last_step": last, "over_bus": bus_data, "rss": rss}
 
-    shape = f"DiTStack {layers}x{hidden} bf16, {model_bytes / MB:.0f} MiB, {tokens} tokens, {fs}"
+    shape = f"DiTStack {layers}x{hidden} bf16, {model_bytes / MiB:.0f} MiB, {tokens} tokens, {fs}"
     pct = 100 * budget / model_bytes
     what = f"host_budget {pct:.0f}% of the model ({disk['layers']} of {layers} layers read from the checkpoint every " \
            f"step; {shape})"
     rows = [_step_row(f"step, {what}", f"step, host_budget {pct:.0f}%", times, floors, last)]
     if bus_data is not None:
         g = bus_data["bus"]["gbps"]
-        rows.append(_step_row(f"step over the simulated bus ({g:.3g} GB/s: its copies {BUS_OVER:g}x the read floor or "
-                              f"the resident step), {what}", f"bus step, host_budget {pct:.0f}%", bus_times,
-                              bus_floors, bus_data["last_step"], targets=True))
+        rows.append(_step_row(f"step over the simulated bus ({bus_gibps(g):.3g} GiB/s: its copies {BUS_OVER:g}x the "
+                              f"read floor or the resident step), {what}", f"bus step, host_budget {pct:.0f}%",
+                              bus_times, bus_floors, bus_data["last_step"], targets=True))
     if rss["disk tier"] is not None:
         r = rss["disk tier"]
         limit = budget * 1.05
         rows.append(Row(
             "disk", f"host memory of load + 3 steps (anonymous + shared pages + the checkpoint's page cache, peak), "
-                    f"host_budget {budget / MB:.0f} MiB ({pct:.0f}% of {model_bytes / MB:.0f} MiB)", "MiB",
-            r["worst"] / MB, {"budget": budget / MB, "model": model_bytes / MB},
+                    f"host_budget {budget / MiB:.0f} MiB ({pct:.0f}% of {model_bytes / MiB:.0f} MiB)", "MiB",
+            r["worst"] / MiB, {"budget": budget / MiB, "model": model_bytes / MiB},
             {"/budget": r["worst"] / budget},
-            [Target(f"<= budget + 5% ({limit / MB:.0f} MiB)", bool(r["worst"] <= limit))],
+            [Target(f"<= budget + 5% ({limit / MiB:.0f} MiB)", bool(r["worst"] <= limit))],
             short="host memory, disk tier",
-            note="layerwise.planning.host_limits.MemoryMeter in a fresh process after a warm-up: the larger of the sampled peak "
+            note="layerwise.planning.host_limits.MemoryMeter in a fresh process after a warm-up: the larger of "
+                 "the sampled peak "
                  "of RssAnon + RssShmem + the checkpoint's resident pages, and the VmHWM growth",
         ))
     return rows, data

@@ -7,7 +7,7 @@ Baselines on CUDA: ``dst.copy_(src, non_blocking=True)`` from a torch pinned
 tensor and from pageable memory. On the CPU the engine copies host -> host on
 its worker thread and is compared with ``dst.copy_(src)`` of the same bytes.
 
-Targets: CUDA, copies of 64 MB and more: >= 0.95x the pinned ``copy_``; CPU:
+Targets: CUDA, copies of 64 MiB and more: >= 0.95x the pinned ``copy_``; CPU:
 >= 0.8x torch's ``copy_``.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 
 import layerwise
 from layerwise.bench.common import (
-    GB,
-    MB,
     Context,
+    GiB,
+    MiB,
     Row,
     SuiteResult,
     Target,
@@ -30,7 +30,7 @@ from layerwise.bench.common import (
 
 NAME = "h2d"
 
-SIZES_MB = {
+SIZES_MB = {  # MiB
     ("full", "cuda"): [1, 4, 16, 64, 256, 1024],
     ("quick", "cuda"): [1, 16, 256],
     ("tiny", "cuda"): [1, 4],
@@ -40,9 +40,9 @@ SIZES_MB = {
 }
 # Back-to-back copies in one sample: at least this many bytes, so that launch
 # latency is amortised for small copies.
-BYTES_PER_SAMPLE = {"cuda": 256 * MB, "cpu": 32 * MB}
+BYTES_PER_SAMPLE = {"cuda": 256 * MiB, "cpu": 32 * MiB}
 REPEATS = {"full": 30, "quick": 40, "tiny": 3}
-GPU_TARGET_MIN_BYTES = 64 * MB  # below this, per-copy latency dominates: no target
+GPU_TARGET_MIN_BYTES = 64 * MiB  # below this, per-copy latency dominates: no target
 
 
 def engine_copy(ctx: Context, engine, dst: torch.Tensor, src: torch.Tensor):
@@ -72,7 +72,7 @@ def arena_bandwidth(ctx: Context, nbytes: int, repeats: int = 5) -> float:
 
 
 def run(ctx: Context) -> SuiteResult:
-    sizes = [mb * MB for mb in ctx.pick(SIZES_MB)]
+    sizes = [mb * MiB for mb in ctx.pick(SIZES_MB)]
     repeats = ctx.pick(REPEATS)
     biggest = max(sizes)
     arena = layerwise.HostArena(biggest, pinned=True, cuda=ctx.is_cuda)
@@ -105,7 +105,7 @@ def run(ctx: Context) -> SuiteResult:
             inner = inner_copies(ctx, n)
             times = compare({k: device_timer(ctx, f, inner=inner) for k, f in copies.items()},
                             repeats=repeats, warmup=2, bar=bar)
-            bw = {k: s.map(lambda t, n=n: n / t / GB) for k, s in times.items()}
+            bw = {k: s.map(lambda t, n=n: n / t / GiB) for k, s in times.items()}
             for k, s in bw.items():
                 peaks[k] = max(peaks.get(k, 0.0), s.median)
             r = ratio(bw["arena"], bw[ref])
@@ -113,15 +113,15 @@ def run(ctx: Context) -> SuiteResult:
                 targets = [Target.at_least(r, 0.95, ref)] if n >= GPU_TARGET_MIN_BYTES else []
             else:
                 targets = [Target.at_least(r, 0.8, ref)]
-            result.rows.append(Row(NAME, f"{n // MB} MB copy", "GB/s", bw["arena"],
+            result.rows.append(Row(NAME, f"{n // MiB} MiB copy", "GiB/s", bw["arena"],
                                    {k: bw[k] for k in base_names}, {f"/{ref}": r}, targets,
                                    note=unpinned or ("" if targets else "small copy: latency-bound, no target")))
-            result.data["sizes"].append({"bytes": n, "inner_copies": inner, "bandwidth_GBps": bw})
+            result.data["sizes"].append({"bytes": n, "inner_copies": inner, "bandwidth_GiBps": bw})
     engine.synchronize()
 
     r = peaks["arena"] / peaks[ref]
     targets = [Target.at_least(r, 0.95 if ctx.is_cuda else 0.8, ref)]
-    result.rows.append(Row(NAME, "peak over sizes", "GB/s", peaks["arena"], {k: peaks[k] for k in base_names},
+    result.rows.append(Row(NAME, "peak over sizes", "GiB/s", peaks["arena"], {k: peaks[k] for k in base_names},
                            {f"/{ref}": r}, targets))
-    result.data["peak_GBps"] = peaks
+    result.data["peak_GiBps"] = peaks
     return result

@@ -40,7 +40,7 @@ PARAM_COUNTS = (8, 200)
 # On CUDA a naive forward of 200 parameters costs ~200 synchronous copies per layer
 # (milliseconds), so the layer count stays moderate.
 LAYERS = {"full": 64, "quick": 64, "tiny": 16}
-REPEATS = {"full": 25, "quick": 40, "tiny": 5}
+REPEATS = {"full": 25, "quick": 25, "tiny": 5}
 FLATNESS_LIMIT = 1.5
 LAYER_BYTES = 200 * 256  # the same for every parameter count
 

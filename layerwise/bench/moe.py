@@ -33,12 +33,12 @@ import torch
 
 import layerwise
 from layerwise.bench import bus
-from layerwise.bench.common import MB, Context, Row, Skip, SuiteResult, Target, clone_module
+from layerwise.bench.common import Context, MiB, Row, Skip, SuiteResult, Target, clone_module
 
 NAME = "moe"
 TARGET_ROUTED = 1.1
 BUS_CT_INVERSE = 10
-SIZES = {"full": (512, 1024, 16, 8, 24), "quick": (256, 512, 8, 8, 12), "tiny": (64, 128, 8, 4, 4)}
+SIZES = {"full": (512, 1024, 16, 8, 24), "quick": (256, 512, 8, 8, 8), "tiny": (64, 128, 8, 4, 4)}
 # hidden, expert intermediate, experts, layers, decode steps
 WARM = {"full": 6, "quick": 4, "tiny": 1}
 PROMPT = 64
@@ -187,23 +187,23 @@ def _rows(mname, wname, label, wd, tokens, nbytes, ideal, ms, res_ms, st) -> lis
     rows = []
     ratios, base, targets = {}, {}, []
     if ideal:
-        base["ideal"] = ideal / tokens / MB
+        base["ideal"] = ideal / tokens / MiB
         ratios["/ideal"] = nbytes / ideal
         if wname == "decode, batch 1" and label == "routed":
             targets.append(Target.at_most(ratios["/ideal"], TARGET_ROUTED, "ideal"))
         if wname == "decode, batch 1" and label == "routed+cache":
             targets.append(Target("< 1x ideal", bool(ratios["/ideal"] < 1.0)))
     if "all" in wd and label != "all":
-        base["all"] = wd["all"]["bytes_per_step"] / tokens / MB
+        base["all"] = wd["all"]["bytes_per_step"] / tokens / MiB
         ratios["/all"] = nbytes / wd["all"]["bytes_per_step"]
     ex = st.get("experts") or {}
     note = ""
     if ex:
         note = (f"hits {ex['hits']} (cache {ex['cache_hits']}), misses {ex['misses']}"
-                + (f", speculative {ex['speculative_bytes'] / MB:.2f} MB of which wasted "
-                   f"{ex['speculative_wasted_bytes'] / MB:.2f} MB" if ex["speculative_bytes"] else "")
+                + (f", speculative {ex['speculative_bytes'] / MiB:.2f} MiB of which wasted "
+                   f"{ex['speculative_wasted_bytes'] / MiB:.2f} MiB" if ex["speculative_bytes"] else "")
                 + " (whole run)")
-    rows.append(Row(NAME, f"bytes/token, {mname}, {wname}, {label}", "MB", nbytes / tokens / MB, base, ratios,
+    rows.append(Row(NAME, f"bytes/token, {mname}, {wname}, {label}", "MiB", nbytes / tokens / MiB, base, ratios,
                     targets, note=note, short=f"bytes/token, {mname}, {wname}, {label}"))
     rows.append(Row(NAME, f"step, {mname}, {wname}, {label}", "ms", ms, {"resident": res_ms},
                     {"/resident": ms / res_ms}, [], short=f"step, {mname}, {wname}, {label}"))

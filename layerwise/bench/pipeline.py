@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from layerwise.bench.common import MB, Context, Row, Stat, SuiteResult, Target, ratio
+from layerwise.bench.common import Context, MiB, Row, Stat, SuiteResult, Target, ratio
 from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "pipeline"
@@ -321,25 +321,25 @@ def _rows(ctx: Context, runs: dict, skipped: dict) -> list[Row]:
     total, largest = ours["pipeline_bytes"], ours["largest_layer_bytes"]
     allowed = largest + 0.05 * total + (0 if ctx.is_cuda else ours["ring_bytes"])
     judged = ours.get("unmap_on_free", False)
-    rows.append(Row(NAME, "peak host RSS growth during set-up", "MB", ours["setup_rss_growth"] / MB,
-                    {"pipeline": total / MB, "largest layer": largest / MB,
-                     **{m: runs[m]["setup_rss_growth"] / MB for m in others}},
+    rows.append(Row(NAME, "peak host RSS growth during set-up", "MiB", ours["setup_rss_growth"] / MiB,
+                    {"pipeline": total / MiB, "largest layer": largest / MiB,
+                     **{m: runs[m]["setup_rss_growth"] / MiB for m in others}},
                     {"/pipeline": ours["setup_rss_growth"] / total},
                     [Target("<= largest layer + 5%" + ("" if ctx.is_cuda else " + ring"),
                             ours["setup_rss_growth"] <= allowed)] if judged else [],
                     note="" if judged else "freed memory stays resident here: no target"))
-    rows.append(Row(NAME, "peak host RSS growth, set-up + images", "MB", ours["rss_growth"] / MB,
-                    {m: runs[m]["rss_growth"] / MB for m in others},
+    rows.append(Row(NAME, "peak host RSS growth, set-up + images", "MiB", ours["rss_growth"] / MiB,
+                    {m: runs[m]["rss_growth"] / MiB for m in others},
                     {"/resident": ratio(ours["rss_growth"], runs[RESIDENT]["rss_growth"])}))
-    rows.append(Row(NAME, "host arena pinned", "MB", ours["pinned_bytes"] / MB,
-                    {"arena": ours["arena_bytes"] / MB, "pin budget": ours["pin_budget"] / MB},
+    rows.append(Row(NAME, "host arena pinned", "MiB", ours["pinned_bytes"] / MiB,
+                    {"arena": ours["arena_bytes"] / MiB, "pin budget": ours["pin_budget"] / MiB},
                     note="pinned = mlock'ed on a CPU device"))
     if ctx.is_cuda:
-        rows.append(Row(NAME, "peak device memory", "MB", ours["device_peak_bytes"] / MB,
-                        {m: runs[m]["device_peak_bytes"] / MB for m in others},
+        rows.append(Row(NAME, "peak device memory", "MiB", ours["device_peak_bytes"] / MiB,
+                        {m: runs[m]["device_peak_bytes"] / MiB for m in others},
                         {"/resident": ratio(ours["device_peak_bytes"], runs[RESIDENT]["device_peak_bytes"])}))
     else:
-        rows.append(Row(NAME, "peak device memory", "MB", None, note="not measured: the device is host memory"))
+        rows.append(Row(NAME, "peak device memory", "MiB", None, note="not measured: the device is host memory"))
     rows.append(Row(NAME, "image bitwise equal to resident", "1=yes", float(ours["equal"]),
                     {m: float(runs[m]["equal"]) for m in others if m != RESIDENT},
                     targets=[Target("= resident image", ours["equal"])]))

@@ -55,12 +55,14 @@ import torch
 import layerwise
 from layerwise.bench import bus, models
 from layerwise.bench.common import (
-    MB,
     Context,
+    GiB,
+    MiB,
     Row,
     Skip,
     SuiteResult,
     Target,
+    bus_gibps,
     check_bitwise,
     clone_module,
     compare,
@@ -72,7 +74,7 @@ from layerwise.bench.stream import regime
 NAME = "quant"
 BYTES_TARGET = 1.15  # bytes per step / quantized bytes
 SIZES = {"full": (2048, 8, 64), "quick": (512, 6, 16), "tiny": (128, 4, 4)}  # hidden, layers, tokens
-REPEATS = {"full": 7, "quick": 5, "tiny": 2}
+REPEATS = {"full": 7, "quick": 4, "tiny": 2}
 BUS_BF16_CT_INVERSE = 10  # the chosen bus: one step's bf16 bytes cross it in 10x the resident bf16 step
 
 
@@ -168,7 +170,7 @@ def _layer_bytes(model) -> int:
 
 
 def _choose_bus(ctx: Context, base, x, bf16_bytes: int) -> float:
-    """GB/s of a simulated bus over which one step's bf16 bytes take
+    """GB/s (decimal, as LAYERWISE_SIM_BUS_GBPS) of a simulated bus over which one step's bf16 bytes take
     BUS_BF16_CT_INVERSE times the resident bf16 step (measured here)."""
     resident_s = bus.resident_ms(ctx, base, {"bf16": x}, 3)["bf16"] / 1e3
     return bf16_bytes / (BUS_BF16_CT_INVERSE * resident_s) / 1e9
@@ -184,14 +186,14 @@ def run(ctx: Context) -> SuiteResult:
     bandwidth = bus.transfer_bandwidth(ctx, bf16_bytes // layers)
     result = SuiteResult(NAME, data={"config": {"hidden": hidden, "layers": layers, "tokens": tokens,
                                                 "bf16_layer_bytes": bf16_bytes},
-                                     "bandwidth_GBps": bandwidth / 1e9, "forms": {}, "skipped": {}})
+                                     "bandwidth_GiBps": bandwidth / GiB, "forms": {}, "skipped": {}})
     over_bus = None  # the chosen bus: (GB/s, bandwidth measured across it)
     if not ctx.is_cuda and not given:
         gbps = _choose_bus(ctx, base, x, bf16_bytes)
         with bus.simulated_bus(gbps) as cfg:
             over_bus = (gbps, bus.bus_bandwidth(bf16_bytes // layers))
         result.data["bus"] = {**cfg, "source": f"chosen: bf16 at C/T 1/{BUS_BF16_CT_INVERSE}",
-                              "bandwidth_GBps": over_bus[1] / 1e9}
+                              "bandwidth_GiBps": over_bus[1] / GiB}
     elif given:
         result.data["bus"] = {**layerwise._native._C.sim_bus(), "source": "given"}
     usable = {}
@@ -209,7 +211,7 @@ def run(ctx: Context) -> SuiteResult:
             make = lambda q=quantize: q(clone_module(base))  # noqa: E731
             result.rows += _form(ctx, result, name, make, x, bf16_bytes, repeats, bar, bandwidth, given, over_bus)
     for name, why in result.data["skipped"].items():
-        result.rows.append(Row(NAME, f"bytes per step, {name}", "MB", None, {}, {}, note=f"not measured: {why}",
+        result.rows.append(Row(NAME, f"bytes per step, {name}", "MiB", None, {}, {}, note=f"not measured: {why}",
                                short=f"bytes/step, {name}"))
     return result
 
@@ -262,7 +264,7 @@ def _step_row(name: str, label: str, ms: dict, stats: dict, bandwidth: float, wi
                              f"decoding on the copy worker ({decode:.2f} ms a step), hook time and the copies' "
                              "memcpy on the shared cores" if decode else "")
     compressed = ", compress" if "compress" in label else ""
-    where = f"step over the simulated bus ({gbps:.3g} GB/s)" if gbps else "step"
+    where = f"step over the simulated bus ({bus_gibps(gbps):.3g} GiB/s)" if gbps else "step"
     row = Row(NAME, f"{where}, {name}, {label} (C/T {c:.2g}, {kind})", "ms", ms[label],
               {"resident": ms["resident"], "floor": floor_ms}, ratios, targets, note=note,
               short=f"{'bus step' if gbps else 'step'}, {name}{compressed}, C/T {c:.2g}")
@@ -297,8 +299,8 @@ def _form(ctx: Context, result: SuiteResult, name: str, make, x, bf16_bytes: int
         data["bytes_per_step"][label] = copied
         per_q = copied / q_bytes
         rows.append(Row(
-            NAME, f"bytes per step, {name}, {label}", "MB", copied / MB,
-            {"bf16 layers": bf16_bytes / MB, "quantized": q_bytes / MB},
+            NAME, f"bytes per step, {name}, {label}", "MiB", copied / MiB,
+            {"bf16 layers": bf16_bytes / MiB, "quantized": q_bytes / MiB},
             {"/bf16": copied / bf16_bytes, "/quantized": per_q},
             [Target.at_most(per_q, BYTES_TARGET, "quantized")],
             short=f"bytes/step, {name}{', compress' if 'compress' in label else ''}"))

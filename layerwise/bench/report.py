@@ -1,7 +1,13 @@
-"""Output of a run: the final table (rich when importable, else plain text),
-the JSON file with every figure and the environment, and the stream plot."""
+"""Output of a run: each suite's table as the suite finishes, a summary of
+every suite and the legend at the end (rich when importable, else plain
+text), the Markdown and JSON files with every figure and the environment
+(rewritten after every suite), and the stream plot.
+
+Units: sizes in MiB (2^20 bytes), bandwidths in GiB/s (2^30 bytes per
+second), so a bandwidth is the MiB it moved / 1024 over the seconds it took."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -33,7 +39,8 @@ SUITE_TITLES = {
     "stream": "step time of a DiT-like stack whose layers are streamed",
     "startup": "configuring a multi-group model: bytes moved, memory, time",
     "hooks": "CPU time of the offload hooks per layer",
-    "compress": "lossless compression of weights: ratio vs ZipNN and the entropy bounds, C++ encode/decode, Triton decode",
+    "compress": ("lossless compression of weights: ratio vs ZipNN and the entropy bounds, C++ encode/decode, "
+                 "Triton decode"),
     "bus": "the stream sweep over the CPU backend's simulated bus (its speed set from the compute)",
     "tune": "layerwise.tune against the leading and strided policies at one device budget",
     "quant": "a quantized model streamed as its quantized bytes (torchao, optimum-quanto), beside bf16",
@@ -121,7 +128,7 @@ def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str
         "always within the measured range); a figure without a range is a single value (a count, a peak, a "
         "worst case).",
         ("ratio" if wide else "vs baseline") + ": ours divided by the named baseline's figure (\"0.810 /torch "
-        "copy_\": 0.81 times what torch's copy_ achieved); for times below 1 is better, for GB/s above 1."
+        "copy_\": 0.81 times what torch's copy_ achieved); for times below 1 is better, for GiB/s above 1."
         + ("" if wide else " A row without a ratio shows the baselines' own figures."),
         "met: yes = every target of the row holds, NO = one is missed"
         + (" (its footnote names it)" if not wide else "") + ", n/a = no target for this row on this device.",
@@ -147,8 +154,8 @@ def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str
         items.append("resident: the whole model kept on the device, no streaming.")
     if "RSS" in text:
         items.append("RSS: resident set size, the host memory the process holds.")
-    glossary = [("us", "microseconds"), ("ms", "milliseconds"), ("GB/s", "10^9 bytes per second"),
-                ("MB", "2^20 bytes"), ("B/B", "bytes per byte"), ("x", "times (a ratio)")]
+    glossary = [("us", "microseconds"), ("ms", "milliseconds"), ("s", "seconds"), ("GiB/s", "2^30 bytes per second"),
+                ("MiB", "2^20 bytes"), ("B/B", "bytes per byte"), ("x", "times (a ratio)")]
     tokens = {row.unit for row in rows} | {row.unit.split("/")[0] for row in rows}
     used = [f"{u} = {meaning}" for u, meaning in glossary if u in tokens]
     if used:
@@ -168,8 +175,10 @@ def _targets_items(results: list[SuiteResult]) -> list[str]:
     return items
 
 
-def _below(results: list[SuiteResult], notes: _Notes | None, text: str, wide: bool, bullet: str) -> list[str]:
-    """The lines under the table: footnotes, targets, legend, each entry wrapped to WIDTH."""
+def _below(results: list[SuiteResult], notes: _Notes | None, text: str, wide: bool, bullet: str,
+           legend: bool = True) -> list[str]:
+    """The lines under the table: footnotes, targets, legend (unless not `legend`),
+    each entry wrapped to WIDTH."""
     lines: list[str] = []
     if notes is not None and notes.texts:
         lines += ["", "Notes:"]
@@ -180,6 +189,8 @@ def _below(results: list[SuiteResult], notes: _Notes | None, text: str, wide: bo
         lines += ["", "Targets (the met column):"]
         for item in targets:
             lines += _wrap(item, indent=bullet)
+    if not legend:
+        return lines
     lines += ["", "Legend:"]
     items = _legend_items(results, text, wide)
     if notes is not None and notes.cut:
@@ -190,23 +201,125 @@ def _below(results: list[SuiteResult], notes: _Notes | None, text: str, wide: bo
 
 
 # ------------------------------------------------------------------ table
+def _has_rich() -> bool:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def render_table(results: list[SuiteResult], file=None, wide: bool = False) -> None:
     """Every row of every suite, then notes, targets and the legend. The default
     table fits WIDTH columns; `wide`: every column, as wide as it takes."""
     file = file or sys.stdout
-    try:
-        import rich  # noqa: F401
-    except ImportError:
-        render_plain(results, file, wide)
-        return
-    render_rich(results, file, wide)
+    (render_rich if _has_rich() else render_plain)(results, file, wide)
+
+
+def render_suite(res: SuiteResult, file=None, wide: bool = False) -> None:
+    """One suite's table, printed as soon as the suite finishes: its section, its
+    rows, its notes and the targets behind its met column (the legend comes once,
+    with the summary). Flushed, so a pipe sees it now."""
+    file = file or sys.stdout
+    if _has_rich():
+        render_rich([res], file, wide, title=None, legend=False, fixed=True)
+    else:
+        render_plain([res], file, wide, legend=False)
+    print(file=file)
+    file.flush()
+
+
+SUMMARY_COLUMNS = ("suite", "result", "targets met", "time")
+SUMMARY_CAPS = (10, 80, 16, 8)  # 114 + 3 gaps of 2 = 120
+
+
+def _summary_cells(res: SuiteResult) -> list[str]:
+    n = len(res.rows)
+    result = {"ok": f"{n} row{'' if n == 1 else 's'}", "skipped": f"skipped: {res.reason}",
+              "error": f"FAILED: {res.reason}"}[res.status]
+    judged = [row for row in res.rows if row.met is not None]
+    met = f"{sum(row.met for row in judged)} of {len(judged)} row{'' if len(judged) == 1 else 's'}" if judged \
+        else "no target here"
+    return [res.name, result, met, f"{res.wall_s:.0f} s"]
+
+
+def _missed(results: list[SuiteResult]) -> list[str]:
+    return [f"{res.name}: {row.short or row.measure}: " + "; ".join(t.label for t in row.targets if not t.met)
+            for res in results for row in res.rows if row.met is False]
+
+
+def render_summary(results: list[SuiteResult], file=None, wide: bool = False, interrupted: str = "") -> None:
+    """After the last suite (or an interruption): one line per suite (rows, how
+    many met their targets, time), the rows that missed a target, then the legend
+    of every table printed before."""
+    file = file or sys.stdout
+    cells = [_summary_cells(res) for res in results]
+    total = sum(res.wall_s for res in results)
+    title = f"Summary: {len(results)} suite(s) in {total:.0f} s" + (
+        f", interrupted during {interrupted} (the suites before it are kept)" if interrupted else "")
+    if _has_rich():
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        console = Console(file=file, width=min(Console(file=file).width, WIDTH) if file.isatty() else WIDTH)
+        console.print(escape(title), soft_wrap=False)
+        table = Table(width=console.width)
+        for c, cap in zip(SUMMARY_COLUMNS, SUMMARY_CAPS):
+            table.add_column(c, overflow="fold", max_width=cap, ratio=cap)
+        for res, row in zip(results, cells):
+            marked = [escape(c) for c in row]
+            style = {"ok": "", "error": "bold red", "skipped": "yellow"}[res.status]
+            if style:
+                marked[1] = f"[{style}]{marked[1]}[/{style}]"
+            if _missed([res]):
+                marked[2] = f"[bold red]{marked[2]}[/bold red]"
+            table.add_row(*marked)
+        console.print(table)
+    else:
+        for line in _wrap(title):
+            print(line, file=file)
+        _plain_rows([list(SUMMARY_COLUMNS)] + cells, SUMMARY_CAPS, file, header=True)
+    missed = _missed(results)
+    lines = ["", "Targets missed:" if missed else "Targets missed: none."]
+    for item in missed:
+        lines += _wrap(item, indent="  ")
+    # the legend explains what the tables above showed
+    notes = None if wide else _Notes()
+    shown = [_wide_cells(row, "; ") if wide else _cells(row, notes) for res in results for row in res.rows]
+    lines += ["", "Legend:"]
+    for item in _legend_items(results, _table_text(results, shown), wide):
+        lines += _wrap(item, indent="  ")
+    for line in lines:
+        print(line, file=file)
+    file.flush()
+
+
+def _plain_rows(rows: list[list[str]], caps, file, header: bool = False) -> None:
+    """Rows of cells as plain text, each cell wrapped to its column's width (at most
+    its cap; continuations of the first cell indented), a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    if caps is not None:
+        widths = [min(w, cap) for w, cap in zip(widths, caps)]
+    for k, cells in enumerate(rows):
+        wrapped = [textwrap.wrap(c, w, subsequent_indent="    " if i == 0 else "", break_on_hyphens=False) or [""]
+                   for i, (c, w) in enumerate(zip(cells, widths))]
+        for j in range(max(len(w) for w in wrapped)):
+            parts = [(w[j] if j < len(w) else "").ljust(width) for w, width in zip(wrapped, widths)]
+            print("  ".join(parts).rstrip(), file=file)
+        if header and k == 0:
+            print("  ".join("-" * w for w in widths), file=file)
 
 
 def _table_text(results: list[SuiteResult], cells: list[list[str]]) -> str:
     return " ".join([_section(res) for res in results] + [c for row in cells for c in row])
 
 
-def render_rich(results: list[SuiteResult], file, wide: bool = False) -> None:
+def render_rich(results: list[SuiteResult], file, wide: bool = False, title: str | None = "layerwise benchmark",
+                legend: bool = True, fixed: bool = False) -> None:
+    """The table with rich; `fixed`: as wide as the console allows (at most WIDTH),
+    every column but the label at its CAPS width, so that the tables of one suite
+    after another line up."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -216,10 +329,14 @@ def render_rich(results: list[SuiteResult], file, wide: bool = False) -> None:
         console = Console(file=file, width=None if tty else 1000)
     else:
         console = Console(file=file, width=min(Console(file=file).width, WIDTH) if tty else WIDTH)
-    table = Table(title="layerwise benchmark", show_lines=True)
     columns, caps = (WIDE_COLUMNS, [None] * len(WIDE_COLUMNS)) if wide else (COLUMNS, CAPS)
+    fixed = fixed and not wide
+    table = Table(title=title, show_lines=True, width=console.width if fixed else None)
     for c, cap in zip(columns, caps):
-        table.add_column(escape(c), overflow="fold", max_width=cap)
+        # (fixed: the label column takes what the others, at their widest, leave)
+        shares = fixed and c == "measured"
+        table.add_column(escape(c), overflow="fold", max_width=cap, ratio=cap if shares else None,
+                         width=cap if fixed and not shares else None)
     notes = None if wide else _Notes()
     shown = []
     for res in results:
@@ -237,11 +354,11 @@ def render_rich(results: list[SuiteResult], file, wide: bool = False) -> None:
             marked[-1] = {"yes": "[green]yes[/green]", "NO": "[bold red]NO[/bold red]"}.get(cells[-1], marked[-1])
             table.add_row(*marked)
     console.print(table)
-    for line in _below(results, notes, _table_text(results, shown), wide, "  "):
+    for line in _below(results, notes, _table_text(results, shown), wide, "  ", legend):
         print(line, file=file)
 
 
-def render_plain(results: list[SuiteResult], file, wide: bool = False) -> None:
+def render_plain(results: list[SuiteResult], file, wide: bool = False, legend: bool = True) -> None:
     """The table as plain text (no rich). Default: a suite's line, then its rows
     indented under it, every cell wrapped to CAPS (continuations indented)."""
     columns = WIDE_COLUMNS if wide else COLUMNS
@@ -278,7 +395,7 @@ def render_plain(results: list[SuiteResult], file, wide: bool = False) -> None:
                 print(line, file=file)
         else:
             emit(cells)
-    for line in _below(results, notes, _table_text(results, shown), wide, "  "):
+    for line in _below(results, notes, _table_text(results, shown), wide, "  ", legend):
         print(line, file=file)
 
 
@@ -320,7 +437,7 @@ def write_markdown(path: str, results: list[SuiteResult], env: dict, wide: bool 
                     notes.cut = True
             lines.append(text)
     lines += _below(results, notes, _table_text(results, shown), wide, "- ")
-    with open(path, "w") as f:
+    with _replacing(path) as tmp, open(tmp, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -384,9 +501,22 @@ def write_json(path: str, results: list[SuiteResult], env: dict) -> None:
             for r in results
         },
     }
-    with open(path, "w") as f:
+    with _replacing(path) as tmp, open(tmp, "w") as f:
         json.dump(_jsonable(doc), f, indent=1, allow_nan=False)
         f.write("\n")
+
+
+@contextlib.contextmanager
+def _replacing(path: str):
+    """A temporary name beside `path`, moved over `path` once written: a run stopped
+    while a file is rewritten after a suite keeps the previous complete file."""
+    tmp = f"{path}.tmp"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 # ------------------------------------------------------------------- plot
@@ -411,7 +541,7 @@ def write_plot(path: str, stream: SuiteResult, title: str) -> None:
         ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=3, label=name,
                     lw=2.2 if name.startswith("layerwise") else 1.4)
     ax.plot(x, [p["transfer_ms"] for p in points], ":", color="0.4", lw=1.2,
-            label=f"transfer at {stream.data['h2d_bandwidth_GBps']:.1f} GB/s")
+            label=f"transfer at {stream.data['h2d_bandwidth_GiBps']:.1f} GiB/s")
     for xi, p in zip(x, points):
         ax.annotate(f"{p['tokens']} tok", (xi, 0), xycoords=("data", "axes fraction"), textcoords="offset points",
                     xytext=(0, 4), ha="center", fontsize=7, color="0.35")
@@ -430,5 +560,6 @@ def write_plot(path: str, stream: SuiteResult, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    with _replacing(path) as tmp:
+        fig.savefig(tmp, format=os.path.splitext(path)[1][1:] or "png")
     plt.close(fig)

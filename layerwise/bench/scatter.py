@@ -1,13 +1,13 @@
 """scatter (CUDA only): the Triton kernel that writes one received segment into
 the parameter tensors it feeds, in one launch.
 
-  contiguous   a 100 MB bf16 segment into 100 contiguous destinations, GB/s,
+  contiguous   a 100 MiB bf16 segment into 100 contiguous destinations, GiB/s,
                against one device-to-device ``copy_`` of the same bytes
                (target >= 0.8x);
   small layer  a layer of 200 small tensors (norms, biases, small matrices), time
                per layer, against a Python loop of 200 ``copy_`` calls
                (target >= 5x faster);
-  transposed   destinations that are transposed views (strides (1, rows)), GB/s,
+  transposed   destinations that are transposed views (strides (1, rows)), GiB/s,
                against ``dst.copy_(src.view(shape))`` per tensor (no target).
 
 The kernel module is imported inside the suite; when it is missing or Triton
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from layerwise.bench.common import GB, MB, Context, Row, Skip, SuiteResult, Target, compare, device_timer, ratio
+from layerwise.bench.common import Context, GiB, MiB, Row, Skip, SuiteResult, Target, compare, device_timer, ratio
 
 NAME = "scatter"
 DTYPE = torch.bfloat16
@@ -79,7 +79,7 @@ def run(ctx: Context) -> SuiteResult:
     seg_mb = 4 if ctx.scale == "tiny" else 100
     cases = {
         # name: (shapes, transposed, inner calls per sample)
-        "contiguous": ([(MB // 2,)] * seg_mb, False, 20),  # 1 MB of bf16 each
+        "contiguous": ([(MiB // 2,)] * seg_mb, False, 20),  # 1 MiB of bf16 each
         "small layer": ([(1024,) if i % 4 == 0 else (128, 64 + 16 * (i % 8)) for i in range(200)], False, 10),
         "transposed": ([(2048, 4096 if ctx.scale != "tiny" else 256)] * (seg_mb // 16 or 1), True, 20),
     }
@@ -107,11 +107,11 @@ def run(ctx: Context) -> SuiteResult:
                                        {"speedup": speedup},
                                        [Target(">= 5x faster than copy_ loop", bool(speedup >= 5))]))
                 continue
-            bw = {k: s.map(lambda t, n=nbytes: n / t / GB) for k, s in times.items()}
+            bw = {k: s.map(lambda t, n=nbytes: n / t / GiB) for k, s in times.items()}
             ref = "d2d copy_" if what == "contiguous" else "copy_ loop"
             r = ratio(bw["triton scatter"], bw[ref])
             targets = [Target.at_least(r, 0.8, ref)] if what == "contiguous" else []
-            result.rows.append(Row(NAME, f"{nbytes // MB} MB into {len(dsts)} {what} tensors", "GB/s",
+            result.rows.append(Row(NAME, f"{nbytes // MiB} MiB into {len(dsts)} {what} tensors", "GiB/s",
                                    bw["triton scatter"], {k: v for k, v in bw.items() if k != "triton scatter"},
                                    {f"/{ref}": r}, targets))
     return result

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from layerwise.bench.common import MB, Context, Row, Skip, Stat, SuiteResult
+from layerwise.bench.common import Context, GiB, MiB, Row, Skip, Stat, SuiteResult
 from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "split"
@@ -169,15 +169,16 @@ def _launch(world: int, modes: str, layers: int, d: int, steps: int, timeout: fl
     return res
 
 
-def _model_note(world: int, ag_gbs: float | None, measured: bool) -> str:
+def _model_note(world: int, ag_gibs: float | None, measured: bool) -> str:
     n = 8 if world < 2 else world
-    bw_ag = ag_gbs if measured and ag_gbs else 300.0
-    eff = 1.0 / ((1.0 / n) / 50.0 + ((n - 1) / n) / bw_ag)
-    src = "measured here" if measured and ag_gbs else "assumed (NVLink class), not measured"
+    pcie = 50e9 / GiB  # one GPU's host link: 50 GB/s (assumed)
+    bw_ag = ag_gibs if measured and ag_gibs else 300e9 / GiB  # NVLink class: 300 GB/s (assumed)
+    eff = 1.0 / ((1.0 / n) / pcie + ((n - 1) / n) / bw_ag)
+    src = "measured here" if measured and ag_gibs else "assumed (NVLink class), not measured"
     return (f"model: per layer of B bytes, split fetch takes (B/N)/BW_pcie + B(N-1)/N/BW_allgather against "
-            f"B/BW_pcie; with N={n}, BW_pcie=50 GB/s (assumed) and an all-gather at {bw_ag:.0f} GB/s ({src}): "
-            f"B/{eff:.0f} GB/s, {eff / 50.0:.1f}x the host link of one GPU when the transfer is the bottleneck; "
-            "host memory per node 1x the model instead of Nx")
+            f"B/BW_pcie; with N={n}, BW_pcie={pcie:.1f} GiB/s (assumed) and an all-gather at {bw_ag:.0f} GiB/s "
+            f"({src}): B/{eff:.0f} GiB/s, {eff / pcie:.1f}x the host link of one GPU when the transfer is the "
+            "bottleneck; host memory per node 1x the model instead of Nx")
 
 
 def run(ctx: Context) -> SuiteResult:
@@ -205,31 +206,31 @@ def run(ctx: Context) -> SuiteResult:
     per_step = {mode: runs[mode][0]["bytes_per_step"] for mode in runs}
     streamed = runs["all"][0]["streamed_bytes"]
     ag = Stat.of(ranks[0]["allgather_s"])
-    ag_gbs = ranks[0]["allgather_bytes"] / ag.median / 1e9
+    ag_gibs = ranks[0]["allgather_bytes"] / ag.median / GiB
     backend = "NCCL, GPU" if kind == "cuda" else "gloo, CPU"
-    tag = f"{world} ranks, {layers} layers x {streamed / layers / MB:.1f} MiB"
+    tag = f"{world} ranks, {layers} layers x {streamed / layers / MiB:.1f} MiB"
     result.data = {"kind": kind, "world": world, "layers": layers, "hidden": d, "streamed_bytes": streamed,
-                   "runs": runs, "allgather_gbs": ag_gbs}
+                   "runs": runs, "allgather_gibps": ag_gibs}
     note = ("host memcpy + loopback TCP all-gather on a shared CPU: not a GPU figure" if kind == "cpu"
-            else _model_note(world, ag_gbs, measured=True))
+            else _model_note(world, ag_gibs, measured=True))
     result.rows.append(Row(NAME, f"step time, split fetch, {tag} ({backend})", "s", step["split"],
                            {"every rank fetches all": step["all"]},
                            {"/all": step["split"].median / step["all"].median}, note=note,
                            short=f"step, split fetch ({world} ranks, {backend})"))
-    result.rows.append(Row(NAME, f"host bytes per rank, split fetch, {tag}", "MiB", host["split"] / MB,
-                           {"every rank fetches all": host["all"] / MB},
+    result.rows.append(Row(NAME, f"host bytes per rank, split fetch, {tag}", "MiB", host["split"] / MiB,
+                           {"every rank fetches all": host["all"] / MiB},
                            {"/all": host["split"] / host["all"],
                             f"x{world} ranks /all": host["split"] * world / host["all"]},
                            short=f"host MiB per rank, split ({world} ranks)"))
     if per_step["split"] is not None and per_step["all"]:
         result.rows.append(Row(NAME, f"bytes over the host link per rank per step, split fetch, {tag}", "MiB",
-                               per_step["split"] / MB, {"every rank fetches all": per_step["all"] / MB},
+                               per_step["split"] / MiB, {"every rank fetches all": per_step["all"] / MiB},
                                {"/all": per_step["split"] / per_step["all"]},
                                short=f"host-link MiB/step/rank, split ({world} ranks)"))
-    result.rows.append(Row(NAME, f"all-gather of one layer ({ranks[0]['allgather_bytes'] / MB:.1f} MiB received per "
-                                 f"rank / time), {backend}, {world} ranks", "GB/s", ag_gbs,
+    result.rows.append(Row(NAME, f"all-gather of one layer ({ranks[0]['allgather_bytes'] / MiB:.1f} MiB received per "
+                                 f"rank / time), {backend}, {world} ranks", "GiB/s", ag_gibs,
                            note="loopback TCP on this machine; NCCL over NVLink is another world"
-                           if kind == "cpu" else "", short=f"all-gather GB/s ({world} ranks, {backend})"))
+                           if kind == "cpu" else "", short=f"all-gather GiB/s ({world} ranks, {backend})"))
     if kind == "cpu":
         why = (f"needs at least two GPUs (this run: {'1 GPU' if gpus == 1 else 'CPU'}). "
                + _model_note(8, None, measured=False))

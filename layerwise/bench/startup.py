@@ -41,7 +41,7 @@ import torch
 
 import layerwise
 from layerwise.bench import models
-from layerwise.bench.common import MB, Context, Row, Stat, SuiteResult, Target, clone_module, ratio
+from layerwise.bench.common import Context, MiB, Row, Stat, SuiteResult, Target, clone_module, ratio
 from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "startup"
@@ -55,7 +55,7 @@ SIZES = {
     "quick": (512, {"small_blocks": (4, 256), "large_blocks": (4, 1024), "extra_blocks": (4, 512)}),
     "tiny": (128, {"small_blocks": (2, 64), "large_blocks": (2, 256), "extra_blocks": (2, 128)}),
 }
-ROUNDING = 2 * MB  # the CUDA caching allocator rounds each large block up to 2 MiB
+ROUNDING = 2 * MiB  # the CUDA caching allocator rounds each large block up to 2 MiB
 
 
 def _unmap_on_free() -> bool:
@@ -63,7 +63,7 @@ def _unmap_on_free() -> bool:
     True if applied). Call it before anything large is allocated.
 
     glibc serves allocations below a dynamic mmap threshold (which grows up to
-    32 MB as large blocks are freed), and any that fit a free chunk of its
+    32 MiB as large blocks are freed), and any that fit a free chunk of its
     heap, from that heap and keeps them there when freed: the RSS would not
     fall as configure frees each original, and the growth would show the
     allocator's retention, not what the packer holds. Hence a fixed 64 KiB
@@ -185,9 +185,9 @@ def _model_rows(ctx: Context, label: str, base, runs: dict, unmap_on_free: bool)
 
     exact = all(r["to_calls_bytes"] == [non_layer] for r in ours)
     worst = max(r["moved_bytes"] for r in ours)
-    rows.append(Row(NAME, f"{label}: bytes moved by model.to, worst of {n} orders", "MB", worst / MB,
-                    {"naive worst": max(r["moved_bytes"] for r in naive) / MB,
-                     "naive best": min(r["moved_bytes"] for r in naive) / MB, "non-layer": non_layer / MB},
+    rows.append(Row(NAME, f"{label}: bytes moved by model.to, worst of {n} orders", "MiB", worst / MiB,
+                    {"naive worst": max(r["moved_bytes"] for r in naive) / MiB,
+                     "naive best": min(r["moved_bytes"] for r in naive) / MiB, "non-layer": non_layer / MiB},
                     {"/non-layer": worst / non_layer},
                     [Target("= non-layer, 1 call, every order", exact)]))
 
@@ -197,14 +197,14 @@ def _model_rows(ctx: Context, label: str, base, runs: dict, unmap_on_free: bool)
         # of each device tensor (slots, non-layer parameters, placeholders).
         tensors = len(base.non_layer_parameters())
         expected = [non_layer + r["ring_bytes"] + r["resident_bytes"] for r in ours]
-        ok = all(r["device_peak_bytes"] <= r["device_after_bytes"] + MB
+        ok = all(r["device_peak_bytes"] <= r["device_after_bytes"] + MiB
                  and abs(r["device_after_bytes"] - e) <= ROUNDING * (r["slots"] + tensors + len(r["order"]))
                  for r, e in zip(ours, expected))
         worst = max(r["device_peak_bytes"] for r in ours)
-        rows.append(Row(NAME, f"{label}: device peak during configure, worst order", "MB", worst / MB,
-                        {"naive worst": max(r["device_peak_bytes"] for r in naive) / MB,
-                         "naive best": min(r["device_peak_bytes"] for r in naive) / MB,
-                         "non-layer + ring": max(expected) / MB},
+        rows.append(Row(NAME, f"{label}: device peak during configure, worst order", "MiB", worst / MiB,
+                        {"naive worst": max(r["device_peak_bytes"] for r in naive) / MiB,
+                         "naive best": min(r["device_peak_bytes"] for r in naive) / MiB,
+                         "non-layer + ring": max(expected) / MiB},
                         {"/expected": worst / max(expected)},
                         [Target("= non-layer + ring, every order", ok)]))
 
@@ -224,9 +224,9 @@ def _model_rows(ctx: Context, label: str, base, runs: dict, unmap_on_free: bool)
              + (0 if ctx.is_cuda else r["ring_bytes"] + r["resident_bytes"]) for r in ours)
     label_ring = "" if ctx.is_cuda else " + ring"
     targets = [Target(f"<= largest layer{label_ring} + 5% of model", ok)] if unmap_on_free else []
-    rows.append(Row(NAME, f"{label}: peak host RSS growth, worst order", "MB", rss / MB,
-                    {NAIVE: rss_naive / MB, "largest layer": base.largest_layer_bytes() / MB,
-                     "model": model_bytes / MB},
+    rows.append(Row(NAME, f"{label}: peak host RSS growth, worst order", "MiB", rss / MiB,
+                    {NAIVE: rss_naive / MiB, "largest layer": base.largest_layer_bytes() / MiB,
+                     "model": model_bytes / MiB},
                     {"/model": rss / model_bytes}, targets,
                     note="" if unmap_on_free else "freed memory stays resident here: no target"))
 

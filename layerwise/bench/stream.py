@@ -35,6 +35,7 @@ import layerwise
 from layerwise.bench import baselines, h2d, models
 from layerwise.bench.common import (
     Context,
+    GiB,
     Row,
     Skip,
     SuiteResult,
@@ -64,14 +65,14 @@ class Sweep:
 
 
 SWEEPS = {
-    # H200, bf16: a 4096-wide layer is 268 MB (about 5.4 ms at 50 GB/s); 65536 tokens
+    # H200, bf16: a 4096-wide layer is 256 MiB (about 5.4 ms at 46.6 GiB/s); 65536 tokens
     # compute about 5x longer than that, 256 tokens about 50x shorter.
     ("full", "cuda"): Sweep(4096, 16, (256, 1024, 4096, 16384, 65536), 5, 2),
     ("quick", "cuda"): Sweep(2048, 16, (256, 4096, 65536), 4, 2),
     ("tiny", "cuda"): Sweep(256, 4, (16, 256), 2, 1),
-    # 2 CPU cores, fp32: a 512-wide layer is 8.4 MB; compute covers its copy near 30 tokens.
+    # 2 CPU cores, fp32: a 512-wide layer is 8 MiB; compute covers its copy near 30 tokens.
     ("full", "cpu"): Sweep(1024, 8, (4, 32, 256), 5, 1),
-    ("quick", "cpu"): Sweep(512, 8, (2, 16, 64, 256), 9, 2),
+    ("quick", "cpu"): Sweep(512, 8, (2, 16, 64, 256), 7, 1),
     ("tiny", "cpu"): Sweep(128, 4, (4, 64), 2, 1),
 }
 
@@ -126,7 +127,7 @@ def run(ctx: Context) -> SuiteResult:
 
     result = SuiteResult(NAME, data={
         "config": {**asdict(sw), "dtype": str(dtype), "layer_bytes": layer_bytes},
-        "h2d_bandwidth_GBps": bandwidth / 1e9, "methods": list(methods), "skipped_methods": skipped,
+        "h2d_bandwidth_GiBps": bandwidth / GiB, "methods": list(methods), "skipped_methods": skipped,
         "points": []})
     others = [m for m in methods if m != RESIDENT and not m.startswith("layerwise")]
     diffusers = next((m for m in others if m.startswith("diffusers")), None)

@@ -33,7 +33,17 @@ import torch
 import layerwise
 from layerwise.bench import models
 from layerwise.bench.bus import ENV, simulated_bus
-from layerwise.bench.common import Context, Row, SuiteResult, Target, check_bitwise, clone_module, inference_step, ratio
+from layerwise.bench.common import (
+    Context,
+    Row,
+    SuiteResult,
+    Target,
+    bus_gibps,
+    check_bitwise,
+    clone_module,
+    inference_step,
+    ratio,
+)
 from layerwise.options import resolve_resident
 from layerwise.planning.device_budget import largest_share
 
@@ -42,13 +52,15 @@ BIG_COPY_IN_HEAVY = 3.0
 EXTRA_LAYERS = 3
 HONEST = 0.10
 KINDS = "HBHHBHBBHHHBHB"
-SIZES = {"full": (512, 8192, 4, 512), "quick": (256, 4096, 4, 256), "tiny": (64, 1024, 2, 32)}  # hidden, wide, reps, tokens
+# (hidden, wide, reps, tokens)
+SIZES = {"full": (512, 8192, 4, 512), "quick": (256, 4096, 4, 256), "tiny": (64, 1024, 2, 32)}
 ROUNDS = {"full": 5, "quick": 3, "tiny": 1}
 PER_ROUND = {"full": 5, "quick": 5, "tiny": 2}
 
 
 def _largest_share(m, depth: int, policy: str, room: int) -> list[int]:
-    """`policy`'s resident layers of `m` at the largest share that fits `room` (as layerwise.planning.device_budget plans)."""
+    """`policy`'s resident layers of `m` at the largest share that fits `room`
+    (as layerwise.planning.device_budget plans)."""
     share = largest_share(lambda f: m._device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room)
     return resolve_resident(share or 0.0, m.num_layers, policy)
 
@@ -124,7 +136,7 @@ def _compare(ctx, base, resident, x, bus, chosen, heavy_s, big_bytes) -> SuiteRe
                  "alternatives_ms": {k: v * 1e3 for k, v in plan.alternatives.items()}, "note": plan.note,
                  "table": str(plan)}})
     sim = bool(bus.get("gbps")) and not ctx.is_cuda
-    where = f"over the simulated bus ({bus['gbps']:.3g} GB/s)" if sim else "on this device"
+    where = f"over the simulated bus ({bus_gibps(bus['gbps']):.3g} GiB/s)" if sim else "on this device"
     for name in ("leading", "strided"):
         res, d = placements[name]
         result.rows.append(Row(NAME, f"step {where}, {name} ({len(res)} resident, depth {d})", "ms", ms[name],
@@ -135,7 +147,8 @@ def _compare(ctx, base, resident, x, bus, chosen, heavy_s, big_bytes) -> SuiteRe
               "/floor": ratio(ms["tune"], plan.floor_s * 1e3), "/predicted": ratio(ms["tune"], plan.predicted_s * 1e3)}
     targets = []
     if sim:
-        targets = [Target.at_most(ratios["/leading"], 1.0, "leading"), Target.at_most(ratios["/strided"], 1.0, "strided"),
+        targets = [Target.at_most(ratios["/leading"], 1.0, "leading"),
+                   Target.at_most(ratios["/strided"], 1.0, "strided"),
                    Target.at_most(ratios["/predicted"], 1 + HONEST, "predicted"),
                    Target.at_least(ratios["/predicted"], 1 - HONEST, "predicted")]
     note = f"tune's plan: {plan.summary()}" + (f"; {plan.note}" if plan.note else "")
