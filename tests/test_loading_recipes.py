@@ -406,7 +406,8 @@ def test_bad_dtype_is_refused(tmp_path):
 
 # ----------------------------------------------------------- README recipes
 def _readme_recipes(disk=False):
-    text = README.read_text()
+    # (the recipes the README showed live in docs/: the loading recipes and the disk tier's)
+    text = (README.parent / "docs" / ("disk-tier.md" if disk else "loading.md")).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     return [b for b in blocks if "load_offloaded(" in b and "from_config" in b and ("host_budget" in b) == disk
             and "quantize_(" not in b]  # (the quantized recipe: tests/test_quantized.py runs it)
@@ -425,7 +426,7 @@ def _from_pretrained(path, transformers_model: bool):
 
 @pytest.mark.parametrize("sharded", [True, False])
 def test_readme_recipes_run_as_written(tmp_path, sharded):
-    """The loading recipes of the README, run as written (device "cuda" -> "cpu"), on
+    """The loading recipes of docs/loading.md, run as written (device "cuda" -> "cpu"), on
     the folder save_pretrained wrote in bf16, sharded (an index JSON) or a single
     file: bitwise equal to from_pretrained(path, dtype=torch.bfloat16) itself."""
     recipes = _readme_recipes()
@@ -459,7 +460,7 @@ def test_readme_recipes_run_as_written(tmp_path, sharded):
 
 
 def test_readme_disk_tier_recipe_runs_as_written(tmp_path):
-    """The "Larger than host memory" recipe, as written (device "cuda" -> "cpu", the
+    """The disk tier's recipe (docs/disk-tier.md), as written (device "cuda" -> "cpu", the
     budget a quarter of the model's bytes, or the least that works if more), against
     from_pretrained(path, dtype=torch.bfloat16)."""
     (code,) = _readme_recipes(disk=True)

@@ -657,7 +657,7 @@ def test_torch_compile_of_a_streamed_quantized_model_is_exact(kind):
 
 # ------------------------------------------------------------- README recipes
 def test_readme_quantized_recipes_run_as_written(tmp_path, monkeypatch):
-    """The README's "Quantized models" recipes, run as written (device "cuda" -> "cpu",
+    """The recipes of docs/quantized.md, run as written (device "cuda" -> "cpu",
     the hub path -> a tiny Flux saved by save_pretrained, in a temporary directory):
     quantize then configure, and load_offloaded of the torchao safetensors checkpoint
     into an empty model quantized the same way; both bitwise equal to the quantized
@@ -668,9 +668,8 @@ def test_readme_quantized_recipes_run_as_written(tmp_path, monkeypatch):
     diffusers = pytest.importorskip("diffusers")
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## Quantized models"):text.index("## Supported while offloaded")]
-    recipes = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "quantized.md").read_text()
+    recipes = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(recipes) == 2, recipes
     torch.manual_seed(0)
     config = dict(patch_size=1, in_channels=8, num_layers=3, num_single_layers=4, attention_head_dim=32,
