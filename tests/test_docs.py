@@ -234,7 +234,6 @@ def test_the_test_folders_design_md_names_exist():
 
 
 # ------------------------------------------------------------------ citations
-@pytest.mark.xfail(strict=True, reason="the restructure replaces the citations")
 def test_no_file_in_the_package_cites_a_design_file_outside_the_repository():
     citing = []
     files = [p for top in ("layerwise", "csrc", "triton_kernels", "scripts") for p in (ROOT / top).rglob("*")]
