@@ -41,7 +41,9 @@ _STREAMING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _release_if_none_streams() -> None:
-    if not _STREAMING:
+    # Iterated, not len(): the finalizer of a dropped model runs before the WeakSet's own
+    # callback discards the dead reference, so len() still counts it; iteration skips it.
+    if next(iter(_STREAMING), None) is None:
         edits.release_registration_hook()
 
 
