@@ -121,7 +121,7 @@ HostArena::HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda, int 
 #else
   TORCH_CHECK(!(pinned && cuda.value_or(false)),
               "HostArena(cuda=True): layerwise was built without CUDA; rebuild with "
-              "LAYERWISE_BUILD=cuda (see docs/api.md, \"Build\")");
+              "LAYERWISE_BUILD=cuda (see docs/api.md, \"Build and kernels\")");
 #endif
   pin_kind_ = !pinned ? PinKind::None : (use_cuda ? PinKind::Cuda : PinKind::Mlock);
 

@@ -260,7 +260,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                e.impl = make_cuda_engine(d.has_index() ? d.index() : 0, num_streams);
 #else
                TORCH_CHECK(false, "CopyEngine('", device,
-                           "'): layerwise was built without CUDA; rebuild with LAYERWISE_BUILD=cuda (see docs/api.md, \"Build\")");
+                           "'): layerwise was built without CUDA; rebuild with LAYERWISE_BUILD=cuda (see docs/api.md, \"Build and kernels\")");
 #endif
              } else {
                TORCH_CHECK_VALUE(false, "CopyEngine: unsupported device '", device, "' (use 'cpu' or 'cuda[:N]')");
