@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.layerwise-setup
 EXT    := layerwise/.built
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h) setup.py pyproject.toml
 
-.PHONY: setup build test bench check-cuda clean
+.PHONY: setup build test lint bench check-cuda clean
 
 # Each step says what it does and how long it usually takes; pip shows its own
 # progress where a step takes minutes (the torch install, the C++ build).
@@ -23,6 +23,11 @@ $(EXT): $(STAMP) $(SOURCES)
 
 test: build
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# pyflakes, pycodestyle, import order, and SLF001 (no module reads another object's
+# private attributes) on the package; the tests' and scripts' allowance is in pyproject.toml.
+lint: $(STAMP)
+	$(VPY) -m ruff check layerwise scripts tests
 
 # On a machine without a GPU the benchmark runs its CPU suites in --quick mode
 # (~2 min on 2 cores); each suite prints its table as it finishes.
