@@ -294,3 +294,24 @@ def test_every_file_the_layout_table_names_exists():
             if not any((ROOT / folder).rglob(name)):
                 missing.append(f"{folder}{name}")
     assert not missing, f"docs/design.md, Where things live, names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", _documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_dotted_name_a_document_cites_resolves(doc):
+    """`layerwise.codec.parse_header`, `layerwise.planning.host_limits.budget_memory_bytes`:
+    a module, then attributes, that exist."""
+    wrong = []
+    for name in sorted(set(re.findall(r"`(layerwise(?:\.[A-Za-z_]\w*)+)", doc.read_text()))):
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:k]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[k:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                wrong.append(name)
+            break
+    assert not wrong, f"{doc.relative_to(ROOT)} names what the package does not have: {wrong}"
