@@ -1,8 +1,8 @@
 """The documents against the code: docs/api.md names every argument of every
 front door with the default the code declares, every relative link in README.md
-and docs/ leads to a file (and a heading) that exists, the tests docs/design.md
-names as invariants exist, and the code cites docs/, not a design file that is
-not in the repository."""
+and docs/ leads to a file (and a heading) that exists, every repository path the
+documents cite exists, the tests docs/design.md names as invariants exist, and
+the code cites docs/, not a design file that is not in the repository."""
 from __future__ import annotations
 
 import dataclasses
@@ -248,3 +248,70 @@ def test_no_file_in_the_package_cites_a_design_file_outside_the_repository():
         if n:
             citing.append(f"{path.relative_to(ROOT)} ({n})")
     assert not citing, f"these files cite DESIGN.md, which is not in the repository (cite docs/design.md): {citing}"
+
+
+# ---------------------------------------------------------------- cited paths
+_TOP = ("layerwise", "csrc", "triton_kernels", "scripts", "bench", "tests")
+_PACKAGE = ("planning", "runtime", "contract", "stages", "codec", "formats")
+_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(_TOP + _PACKAGE))
+
+
+def _cited_paths(doc: pathlib.Path) -> list[str]:
+    """The repository paths a document names (`layerwise/stages/source.py`, and a
+    path inside the package written from its folder down, `stages/disk/source.py`).
+    A test folder (`tests/runtime/`) is the design's layout, checked on its own
+    (test_the_test_folders_design_md_names_exist)."""
+    return sorted({p for p in _PATH.findall(doc.read_text())
+                   if not (p.startswith("tests/") and p.endswith("/"))})
+
+
+def _exists(cited: str) -> bool:
+    top = cited.split("/", 1)[0]
+    root = ROOT if top in _TOP else ROOT / "layerwise"
+    return (root / cited.rstrip("/")).exists()
+
+
+@pytest.mark.parametrize("doc", _documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_a_document_cites_exists(doc):
+    missing = [p for p in _cited_paths(doc) if not _exists(p)]
+    assert not missing, f"{doc.relative_to(ROOT)} cites paths that do not exist: {missing}"
+
+
+def test_the_cited_path_check_sees_paths():
+    cited = _cited_paths(DOCS / "design.md")
+    assert "layerwise/options.py" in cited and "stages/disk/source.py" in cited, cited
+    assert not _exists("layerwise/no_such_module.py") and not _exists("stages/no_such_stage.py")
+
+
+def test_every_file_the_layout_table_names_exists():
+    """docs/design.md, "Where things live": a folder's row names its files bare
+    (`reader.py`); each one is in that folder (or a folder below it)."""
+    text = (DOCS / "design.md").read_text()
+    section = text.split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for folder, cell in re.findall(r"^\|\s*`([\w/]+/)`\s*\|(.*)\|\s*$", section, flags=re.M):
+        for name in re.findall(r"`([\w.]+\.(?:py|cpp|h|cu))`", cell):
+            if not any((ROOT / folder).rglob(name)):
+                missing.append(f"{folder}{name}")
+    assert not missing, f"docs/design.md, Where things live, names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", _documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_dotted_name_a_document_cites_resolves(doc):
+    """`layerwise.codec.parse_header`, `layerwise.planning.host_limits.budget_memory_bytes`:
+    a module, then attributes, that exist."""
+    wrong = []
+    for name in sorted(set(re.findall(r"`(layerwise(?:\.[A-Za-z_]\w*)+)", doc.read_text()))):
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:k]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[k:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                wrong.append(name)
+            break
+    assert not wrong, f"{doc.relative_to(ROOT)} names what the package does not have: {wrong}"
