@@ -516,7 +516,7 @@ class LayerwiseOffloadManager:
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
             # tracing into the copy engine (one graph per block, no recompiles), and
             # each block takes its streamed class, so that no graph traced without
-            # the hooks runs it (layerwise/compile_guard.py).
+            # the hooks runs it (layerwise/contract/compile_guard.py).
             # The pre-hook goes first, so that a user's pre-hook registered earlier
             # (weight_norm computes `weight` in one) reads the layer's own weights.
             # Registered with Ctrl-C held back: a hook whose handle was never recorded
