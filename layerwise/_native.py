@@ -22,6 +22,8 @@ Event = _C.Event
 Reader = _C.Reader
 ReadError = _C.ReadError
 codec = _C.codec  # lossless codec of float segments (csrc/codec.h); layerwise/codec/__init__.py wraps it
+sim_bus = _C.sim_bus  # the CPU backend's simulated bus as the copy engines read it (csrc/sim_bus.h; the bench)
+host_event = _C.host_event  # an event a host thread completes (a split gather on a CPU device)
 
 # Copy worker threads (and disk reader threads) must be finished and joined while the interpreter is still
 # whole: a thread that outlives it is ended mid-way by finalisation (SIGABRT,
@@ -104,5 +106,5 @@ def dedicated_cuda_stream(device: torch.device) -> "torch.cuda.ExternalStream":
     index = device.index if device.index is not None else torch.cuda.current_device()
     owner = CopyEngine(f"cuda:{index}")
     stream = torch.cuda.ExternalStream(owner.stream_handle(0), device=torch.device("cuda", index))
-    stream._layerwise_owner = owner
+    stream.layerwise_owner = owner  # (keeps the engine, and so the stream, alive)
     return stream

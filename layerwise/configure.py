@@ -105,7 +105,7 @@ def configure_layerwise_offload(
     fails half way, the model is put back as it was.
     """
     options = OffloadOptions.build(caller="configure_layerwise_offload", **named_options(locals()))
-    managers = _prepare(model, layer_names, options)
+    managers = prepare_groups(model, layer_names, options)
     contract.check_configurable(model, managers)
     dev = options.device
     if options.device_budget is not None:
@@ -119,10 +119,10 @@ def configure_layerwise_offload(
             plan = plan_spill(model, managers, dev, options.host_budget, options.spill_dir,
                               options.disk_prefetch_depth, held)
             record_host_budget(managers, options.host_budget, plan["budget"])
-        return _build(model, managers, dev)
+        return build_groups(model, managers, dev)
 
 
-def _prepare(model, layer_names, options: OffloadOptions) -> list[LayerwiseOffloadManager]:
+def prepare_groups(model, layer_names, options: OffloadOptions) -> list[LayerwiseOffloadManager]:
     """Plan every group with `options` (validated: OffloadOptions.build); changes
     nothing in the model."""
     if not isinstance(model, nn.Module):
@@ -151,7 +151,7 @@ def _prepare(model, layer_names, options: OffloadOptions) -> list[LayerwiseOfflo
     return [LayerwiseOffloadManager(model, path, initialize=False, options=options) for path in names]
 
 
-def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> list[LayerwiseOffloadManager]:
+def build_groups(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> list[LayerwiseOffloadManager]:
     """Pack (largest group first), one non-layer move, finalise (declaration order).
 
     `fill(entry, block)`, if given, writes a parameter into its host block
@@ -162,13 +162,13 @@ def _build(model, managers, dev, fill=None, place_non_layer=None, undo=None) -> 
     with contract.rollback_on_failure([(model, managers)], undo, finish=lambda: _log_summary(model, managers, dev)):
         # Largest group first: weights that arrived on the device are copied back
         # to the host group by group, so the biggest share of memory frees first.
-        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
-            m._initialize_layer_weights(fill)
+        for m in sorted(enabled, key=lambda m: -m.managed_parameter_bytes()):
+            m.pack(fill)
         if place_non_layer is not None:
             place_non_layer()
         move_non_layer_weights(model, dev)
         for m in managers:
-            m._finalize_initialization()
+            m.finalize()
     return managers
 
 
@@ -194,13 +194,13 @@ def configure_models(parts, dev, finish=None, warn_saves_nothing: bool = True) -
 
     with contract.rollback_on_failure(parts, finish=log_all):
         enabled = [m for _, managers in parts for m in managers if m.enabled]
-        for m in sorted(enabled, key=lambda m: -m._managed_parameter_bytes()):
-            m._initialize_layer_weights()
+        for m in sorted(enabled, key=lambda m: -m.managed_parameter_bytes()):
+            m.pack()
         for model, _ in parts:
             move_non_layer_weights(model, dev)
         for _, managers in parts:
             for m in managers:
-                m._finalize_initialization()
+                m.finalize()
 
 
 def _log_summary(model, managers, dev, warn_saves_nothing: bool = True) -> None:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from layerwise import contract, stages
-from layerwise.configure import _build, _prepare
+from layerwise.configure import build_groups, prepare_groups
 from layerwise.empty import (
     dtype_at_load,
     from_pretrained_rule,
@@ -120,7 +120,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
                 raise ValueError(f"checkpoint: tensor {key!r} is in both {stored[key].path} and {path}")
             stored[key] = s
 
-    managers = _prepare(model, layer_names, options)  # (a configured model, bad paths) before anything changes
+    managers = prepare_groups(model, layer_names, options)  # (a configured model, bad paths) before anything changes
     keep = None  # what from_pretrained keeps in fp32; None: dtype= is model.to(dtype)
     if dtype is not None:
         for name, p in model.named_parameters():
@@ -141,7 +141,7 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
         if dtype is not None:
             changed = retype(model, dtype, keep) or changed
         if changed:
-            managers = _prepare(model, layer_names, options)
+            managers = prepare_groups(model, layer_names, options)
         forms = quantized.checkpoint_forms(sft.read_metadata(path) for path in files)
         return _load(model, managers, options, files, stored, strict, dtype, forms, keep)
     except BaseException:
@@ -377,10 +377,11 @@ def _load(model, managers, options: OffloadOptions, files, stored, strict, dtype
                     st.fd = fds[st.path]
                     st.evict = evict
             except BaseException:
-                with contract.defer_interrupts():  # (_build's rollback has not started: the swaps above go back here)
+                # (build_groups' rollback has not begun: the swaps above go back here)
+                with contract.defer_interrupts():
                     undo()
                 raise
-            return _build(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
+            return build_groups(model, managers, dev, fill=fill, place_non_layer=place_non_layer, undo=undo)
         finally:
             try:
                 if evict is not None:
@@ -425,9 +426,11 @@ def _plan_disk(model, managers, options: OffloadOptions, stored, entry_key) -> N
     for m in managers:
         if m.tiers.disk_layers:
             if spill_dir is not None:
-                m.tiers.keep_on_disk(m.tiers.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
+                store = functools.partial(spill_store, m.layer_name, spill_dir)
+                m.tiers.keep_on_disk(m.tiers.disk_layers, "spill", store)
             else:
-                m.tiers.keep_on_disk(m.tiers.disk_layers, "checkpoint", functools.partial(_checkpoint_store, stored, entry_key))
+                store = functools.partial(_checkpoint_store, stored, entry_key)
+                m.tiers.keep_on_disk(m.tiers.disk_layers, "checkpoint", store)
 
 
 def _same_layout(path: str, expected: dict):

@@ -49,7 +49,8 @@ class OffloadOptions:
     spill_dir: str | None = None  # a writable directory (needs host_budget)
     disk_prefetch_depth: int | None = None  # staging slots of the disk tier (None: prefetch_depth + 1, >= 2)
     split_fetch: object = field(default=None, compare=False)  # a torch.distributed ProcessGroup, or None
-    experts: str = "all"  # "all" | "routed": only the experts the router picked cross the bus (layerwise/planning/experts.py)
+    # "all" | "routed": only the experts the router picked cross the bus (layerwise/planning/experts.py)
+    experts: str = "all"
     expert_modules: object = field(default=None, compare=False)  # None | (names in a layer) | predicate(name, module)
     expert_cache: int | str | None = None  # bytes | "auto" | None: device cache of recently used experts
     expert_prefetch: bool = False  # copy the experts each MoE layer used last, while the one before computes

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from layerwise import contract, stages
-from layerwise.configure import _prepare, configure_models, managers_of
+from layerwise.configure import configure_models, managers_of, prepare_groups
 from layerwise.options import OffloadOptions, named_options, validate_bytes
 from layerwise.planning.device_budget import (
     apply_device_budget,
@@ -338,7 +338,7 @@ def _plan_device_budget(parts: list[Component], options: OffloadOptions) -> None
     def minimum(c: Component) -> int:
         depth = max((m.prefetch_depth for m in c.managers), default=0)
         # (an expert_cache="auto" takes a share of what is left: room=0 gives the least it holds, none)
-        return non_layer_bytes(c.module, c.managers) + sum(m._device_bytes([], depth) + m.expert_cache_bytes([], room=0)
+        return non_layer_bytes(c.module, c.managers) + sum(m.device_bytes([], depth) + m.expert_cache_bytes([], room=0)
                                                            for m in c.managers if m.enabled)
 
     need = {c.name: minimum(c) for c in streamed}
@@ -425,7 +425,7 @@ def _offload(pipe, options: OffloadOptions, components, pin_budget, uses, warmup
         if c.layer_names is None:
             contract.check_configurable(c.module, [])
             continue
-        c.managers = _prepare(c.module, c.layer_names, options)
+        c.managers = prepare_groups(c.module, c.layer_names, options)
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)
@@ -473,7 +473,7 @@ def _plan_and_configure(pipe, parts, kept, streamed_managers, options: OffloadOp
         for g in c.groups:  # each group's own pin_memory, in its options too
             g.manager.options = dataclasses.replace(g.manager.options, pin_memory=g.pin)
             g.manager.pin_memory = g.pin
-        c.devices = contract._snapshot_devices(c.module)
+        c.devices = contract.snapshot_devices(c.module)
 
     state = PipelineState(dev, parts, budget, options.pin_memory, {}, [c.name for c in kept])
 
@@ -579,7 +579,7 @@ def _refuse(pipe, name: str, state: PipelineState):
                                f"layerwise.offload_pipeline: {remedy}. Nothing was changed.")
 
     functools.update_wrapper(guarded, original)
-    guarded._layerwise = True
+    guarded.layerwise_guard = True
     return guarded
 
 
@@ -791,7 +791,7 @@ def _host_budget_use(state: PipelineState) -> dict | None:
     components' weights take of it now: their arenas and disk staging slots, and on
     a CPU device their non-layer weights, rings and resident layers."""
     managers = [m for c in state.components for m in c.managers]
-    hb = next((m.host_budget for m in managers if getattr(m, "host_budget", None)), None)
+    hb = next((m.host_budget for m in managers if m.host_budget is not None), None)
     if hb is None:
         return None
     stats = [m.stats() for m in managers]

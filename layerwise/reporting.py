@@ -110,11 +110,8 @@ class NotOffloaded(dict):
         return self["text"]
 
 
-def _pin_error(manager, s: dict):
-    err = s.get("arena_pin_error", s.get("pin_error"))
-    if err is None:
-        err = getattr(getattr(manager, "_arena", None), "pin_error", None)
-    return err or None
+def _pin_error(s: dict):
+    return s.get("arena_pin_error", s.get("pin_error")) or None
 
 
 def _summary(r: dict) -> str:
@@ -237,10 +234,10 @@ def _recent(steps: list) -> dict:
 
 
 def _host_budget(model, managers, groups: list) -> dict | None:
-    """The host budget in force (recorded at configure by layerwise.planning.device_budget.record_host_budget)
+    """The host budget in force (a group's host_budget: layerwise.planning.device_budget.record_host_budget)
     and what the streamed weights use of it now: the arenas, the disk tier's staging slots
     and, on a CPU device, the non-layer weights, rings, resident layers and expert caches."""
-    hb = next((m.host_budget for m in managers if getattr(m, "host_budget", None)), None)
+    hb = next((m.host_budget for m in managers if m.host_budget is not None), None)
     if hb is None:
         return None
     arena = sum(g["arena_bytes"] for g in groups)
@@ -282,7 +279,7 @@ def _row(m, s: dict) -> dict:
         "sync_loads": s["sync_loads"], "bytes_copied": s["bytes_copied"], "copies": s["copies"],
         "stall_s": s["stall_s"],
         "arena_bytes": s["arena_bytes"], "arena_mib": s["arena_bytes"] / 2**20, "arena_pinned": s["arena_pinned"],
-        "pin_memory": getattr(m, "pin_memory", None), "pin_error": _pin_error(m, s),
+        "pin_memory": getattr(m, "pin_memory", None), "pin_error": _pin_error(s),
         "ring_bytes": s["ring_bytes"], "ring_mib": s["ring_bytes"] / 2**20,
         # compress="lossless": bytes the same loads hold uncompressed, and the codec's figures
         "raw_bytes_per_step": last.get("bytes_raw") if has else None,
@@ -299,7 +296,7 @@ def _row(m, s: dict) -> dict:
         "recent": _recent(s.get("recent_steps") or ([last] if has else [])),
         "saves_nothing": streaming_saves_nothing(m),
         "placement": s.get("placement"),
-        "host_budget": getattr(m, "host_budget", None),
+        "host_budget": m.host_budget,
     }
     row["summary"] = _summary(row)
     return row

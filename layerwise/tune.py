@@ -98,8 +98,8 @@ class Probe:
         self.thread = threading.get_ident()  # whose calls are the run's
         self.calls: list = []  # [group, layer, pre_in, pre_out, post_in, post_out]
         self.others = 0  # layer calls of other threads since the last reset
-        self._open: list = []
-        self._handles = []
+        self._open: list = []  # the run's layer calls still inside (their post-hook not yet run)
+        self._handles = []  # the hooks' handles, removed by close()
         try:
             for gi, m in enumerate(managers):
                 m.meter.listen(True)
@@ -151,6 +151,10 @@ class Probe:
             m.stats(sync=True)  # every copy done and its timing resolved
             out.append(list(m.meter.copy_log or []))
         return out
+
+    def reset(self) -> None:
+        """Forget what was recorded: a new run begins."""
+        self.calls, self._open, self.others = [], [], 0
 
     def close(self) -> None:
         for h in self._handles:
@@ -292,7 +296,7 @@ def _measure(run, obj, managers, clock: _Clock, repeats: int) -> pm.Step:
     runs, walls = [], []
     try:
         for _ in range(repeats):
-            probe.calls, probe._open, probe.others = [], [], 0
+            probe.reset()
             clock.sync()
             start = clock.mark()
             run(obj)
@@ -374,7 +378,7 @@ def _host_rooms(managers) -> list:
         b = m.tiers.host_budget
         if b is not None and m.device.type == "cpu":
             out.setdefault(id(b), (b, []))[1].append(k)
-    return [(b.room(), idx, {k: managers[k]._device_bytes() for k in idx}) for b, idx in out.values()]
+    return [(b.room(), idx, {k: managers[k].device_bytes() for k in idx}) for b, idx in out.values()]
 
 
 def _why(plan: TunePlan, before: pm.Step, after: pm.Step | None, predicted: pm.Prediction, stall_s) -> str:
@@ -444,17 +448,18 @@ def tune(model_or_pipe, run, device_budget=None, *, depths=(1, 2), repeats: int 
         if fixed + p.device_bytes(step) > budget:
             return False
         # On a CPU device the rings and resident layers are host memory: within the host budget too.
-        return all(sum(managers[k]._device_bytes(p.resident[k], p.depth[k]) - now[k] for k in idx) <= room
+        return all(sum(managers[k].device_bytes(p.resident[k], p.depth[k]) - now[k] for k in idx) <= room
                    for room, idx, now in hosts)
 
     cands = pm.candidates(step, current, depths, fits)
     if not cands:
+        bare = pm.Placement(tuple(() for _ in managers), tuple(min(depths) for _ in managers))  # nothing resident
         raise RuntimeError(
             f"layerwise.tune: no placement fits a device budget of {fmt_bytes(budget)} ({budget} bytes): the "
             f"non-layer weights take {fmt_bytes(fixed - caches)}"
             + (f", the expert caches {fmt_bytes(caches)}" if caches else "")
             + f" and the rings at depth {min(depths)} with nothing resident "
-            f"{fmt_bytes(pm.Placement(tuple(() for _ in managers), tuple(min(depths) for _ in managers)).device_bytes(step))}"
+            f"{fmt_bytes(bare.device_bytes(step))}"
             + (f"; on this CPU device the host budget leaves {fmt_bytes(sum(r for r, _, _ in hosts))} for more rings "
                "and resident layers than it holds now" if hosts else ""))
     best, preds = pm.choose(step, cands, fits)
@@ -512,12 +517,9 @@ def _forget_abandoned_forward(m) -> None:
     """run() returned or raised: no forward of this thread is in flight, so a layer
     still marked computing (and the lock still held) was left so by a forward that
     an exception or an interrupt abandoned (as the model's root pre-hook clears it)."""
-    lock = m._lock
-    while lock._is_owned():
-        lock.release()
-    with lock:
-        if m.ring.computing() or any(o == threading.get_ident() for o, _ in m._grad_hooks):
-            m._reset_entered()
+    m.lock.release_all()
+    with m.lock:
+        m.forget_abandoned_forward()
 
 
 def _restore(managers, which, old, notes) -> None:

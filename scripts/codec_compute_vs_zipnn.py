@@ -52,7 +52,8 @@ def main(repeats: int = 21) -> None:
                 codec.decode(enc, slot, threads)
                 ours.append(time.perf_counter() - t)
             o, z_ = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-            print(f"  {name:8s} {threads} thread(s): ours {o:6.1f} ms, ZipNN {z_:6.1f} ms, ours/ZipNN time {o / z_:.2f}")
+            print(f"  {name:8s} {threads} thread(s): ours {o:6.1f} ms, ZipNN {z_:6.1f} ms, "
+                  f"ours/ZipNN time {o / z_:.2f}")
 
 
 if __name__ == "__main__":

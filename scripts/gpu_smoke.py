@@ -84,7 +84,7 @@ def h2d_section(device) -> dict:
     import torch
 
     import layerwise
-    from layerwise.bench.common import GiB, MiB, Context, compare, device_timer, stream_handle
+    from layerwise.bench.common import Context, GiB, MiB, compare, device_timer, stream_handle
 
     ctx = Context(device, "quick", show_progress=False)
     cuda = device.type == "cuda"
@@ -221,7 +221,7 @@ def decode_section(device) -> dict:
     import torch
 
     from layerwise import codec
-    from layerwise.bench.common import GiB, MiB, Context, compare, device_timer
+    from layerwise.bench.common import Context, GiB, MiB, compare, device_timer
     from layerwise.bench.compress import weight_like
 
     mb = SIZES[device.type][2]

@@ -392,8 +392,8 @@ def scenario_refused_load(rank, world):
     # the layer-level check (peft merges and edits go through it): a refused write of
     # layer 3, and an edit of what read() gave, leave the truth as it was
     m = layerwise.contract.managers_of(model)[0]
-    m._src[3].read().add_(1)  # a copy: editing it changes nothing
-    expect_split_error(rank, lambda: m._write_layer(3, lambda block: block.add_(rank + 1)),
+    m.sources[3].read().add_(1)  # a copy: editing it changes nothing
+    expect_split_error(rank, lambda: m.write_layer(3, lambda block: block.add_(rank + 1)),
                        ["ranks wrote different values", "blocks[3]", "Nothing was changed"])
     for k, v in model.blocks[3].state_dict().items():  # layer 3 read first (what a one-entry cache would give)
         assert torch.equal(v, before[f"blocks.3.{k}"]), (rank, k)
@@ -859,7 +859,7 @@ def scenario_read_fails(rank, world, tmp):
         (path,) = [os.path.join(spill, f) for f in os.listdir(spill)]
         original = open(path, "rb").read()
         if rank == 0:  # the same size, other bytes in the region of a layer read from disk
-            disk_src = [h for src in m._src for h in src.holders() if h.kind == "disk"]
+            disk_src = [h for src in m.sources for h in src.holders() if h.kind == "disk"]
             with open(path, "r+b") as f:
                 f.seek(disk_src[-1].spill_offset + 64)
                 f.write(bytes(256))

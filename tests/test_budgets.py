@@ -124,7 +124,7 @@ def test_configure_counts_the_expert_cache_in_its_device_budget(auto):
     ref = copy.deepcopy(model)
     probe = copy.deepcopy(model)
     (p,) = _configure(probe)
-    fixed, ring, layer = non_layer_bytes(probe, [p]), p._device_bytes([], 1), max(lp.nbytes for lp in p.plan.layers)
+    fixed, ring, layer = non_layer_bytes(probe, [p]), p.device_bytes([], 1), max(lp.nbytes for lp in p.plan.layers)
     layerwise.remove_layerwise_offload(probe)
     cache = _expert_bytes(model, [0, 1])
     budget = fixed + ring + 3 * layer  # three layers resident, were it not for the cache
@@ -158,7 +158,7 @@ def test_tune_counts_the_expert_cache_in_its_device_budget(slow_bus):
     cache = m.stats()["experts"]["cache_bytes"]
     fixed = non_layer_bytes(model, [m])
     layer = max(lp.nbytes for lp in m.plan.layers)
-    budget = fixed + m._device_bytes([], 1) + cache + layer  # the cache and one layer resident
+    budget = fixed + m.device_bytes([], 1) + cache + layer  # the cache and one layer resident
     plan = layerwise.tune(model, lambda mm: mm(ids), device_budget=budget, depths=(1,), repeats=1)
     held = _device_held(model, m)
     assert held <= budget and plan.device_bytes == held

@@ -89,7 +89,7 @@ def test_an_encoded_spill_file_modified_then_restored_streams_exactly_again(disk
     assert_exact(model, ref, xs)
     (path,) = spill_files(disk_dir)
     original = open(path, "rb").read()
-    src = next(s for s in m._src if s.kind == "lossless" and s.inner.kind == "disk")
+    src = next(s for s in m.sources if s.kind == "lossless" and s.inner.kind == "disk")
     with open(path, "r+b") as f:  # same size, other bytes in an encoded layer's region
         f.seek(src.inner.spill_offset + 64)
         f.write(bytes(256))

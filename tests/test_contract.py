@@ -17,7 +17,7 @@ from torch import nn
 import layerwise
 from layerwise.runtime import group as manager_mod
 from layerwise.runtime import host_store as packing_mod
-from layerwise.configure import _prepare, managers_of
+from layerwise.configure import managers_of, prepare_groups
 from models import Block, TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
@@ -67,7 +67,7 @@ def no_trace_of_layerwise(model):
 
 # ------------------------------------------------------------- rollback
 def _count_params(model):
-    managers = _prepare(model, GROUPS, layerwise.OffloadOptions.build(device="cpu", pin_memory=True))
+    managers = prepare_groups(model, GROUPS, layerwise.OffloadOptions.build(device="cpu", pin_memory=True))
     return sum(len(lp.params) for m in managers for lp in m.plan.layers)
 
 
@@ -447,7 +447,7 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
     sys.path.insert(0, {tests!r})
     torch.set_num_threads(1)
     import layerwise
-    from layerwise.configure import _prepare, managers_of
+    from layerwise.configure import managers_of, prepare_groups
     from models import TwoGroupModel
     GROUPS = ["transformer_blocks", "single_transformer_blocks"]
     mode, target = sys.argv[1], int(sys.argv[2])
@@ -542,7 +542,7 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
         def configure(m):
             layerwise.configure_layerwise_offload(m, GROUPS, device="cpu", prefetch_depth=depth, **opts)
             if disk_mode:
-                assert sum(s.kind == "disk" for mg in managers_of(m) for s in mg._src) >= 4
+                assert sum(s.kind == "disk" for mg in managers_of(m) for s in mg.sources) >= 4
 
         xs = [torch.randn(2, d) for _ in range(4)]
         with torch.no_grad():
@@ -754,7 +754,7 @@ def test_cuda_graph_capture_is_refused_clearly(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("where", ["_commit", "_log_summary"])
+@pytest.mark.parametrize("where", ["commit_configure", "_log_summary"])
 @pytest.mark.parametrize("entry", ["configure", "load_offloaded"])
 def test_ctrl_c_while_a_configure_completes_is_delivered_on_a_whole_model(monkeypatch, tmp_path, where, entry):
     # A real SIGINT that arrives once every group is packed and finalised (while the
@@ -768,14 +768,14 @@ def test_ctrl_c_while_a_configure_completes_is_delivered_on_a_whole_model(monkey
     src = make(seed=3)
     ref = copy.deepcopy(src)
     xs = inputs()
-    if where == "_commit":
-        orig = manager_mod.LayerwiseOffloadManager._commit
+    if where == "commit_configure":
+        orig = manager_mod.LayerwiseOffloadManager.commit_configure
 
         def interrupted(self):
             os.kill(os.getpid(), signal.SIGINT)
             return orig(self)
 
-        monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_commit", interrupted)
+        monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "commit_configure", interrupted)
     else:
         orig = configure_mod._log_summary
         monkeypatch.setattr(configure_mod, "_log_summary",

@@ -104,7 +104,7 @@ def test_copies_split_at_registration_boundaries_stay_exact(cuts, compress):
     model, ref = configured(debug_copy_delay_us=300, prefetch_depth=2, compress=compress)
     for m in managers_of(model):
         for i in m.ring.streamed:
-            for h in m._src[i].holders():
+            for h in m.sources[i].holders():
                 if hasattr(h, "cuts"):
                     h.cuts = tuple(c for c in cuts if 0 < c < h.block.numel())
         for s in range(m.ring.num_slots):
@@ -608,7 +608,7 @@ def test_the_next_copy_overlaps_a_decode_that_waits_for_its_slot(device, monkeyp
         assert torch.equal(model(xs[0]), ref(xs[0]))  # warm: kernels compiled, staging in use
     m.stats(sync=True)
     assert m._engine.num_streams == 1
-    a, b = (m._src[i] for i in m.ring.streamed[1:3])
+    a, b = (m.sources[i] for i in m.ring.streamed[1:3])
     assert a.encoded and b.encoded
     copies = []
     real = Transfer.copy

@@ -45,14 +45,14 @@ def offload(kind, ref, disk_dir, **kw):
 
 
 def disk_layers(m):
-    out = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    out = [i for i, s in enumerate(m.sources) if s.kind == "disk"]
     assert len(out) >= 3, out
     return out
 
 
 def region(m, i):
     """(path, offset) of the first bytes of layer i in its file."""
-    part = m._src[i].parts[0]
+    part = m.sources[i].parts[0]
     return part.file.path, part.extents[0][0]
 
 
@@ -105,7 +105,7 @@ def test_a_restored_file_streams_exactly_again(disk_dir, monkeypatch, kind, wher
     disk = disk_layers(m)
     assert_exact(model, ref, x)
     # The layer changed: one that is neither in its ring slot nor staged after a forward.
-    cold = [i for i in disk if m.ring.holder[m.ring.slot_of[i]] != i and not m._src[i].tier._staged(m._src[i])]
+    cold = [i for i in disk if m.ring.holder[m.ring.slot_of[i]] != i and not m.sources[i].tier._staged(m.sources[i])]
     assert cold and cold[-1] > disk[0], (disk, cold)
     k = cold[-1]
     path, off = region(m, k)

@@ -106,7 +106,7 @@ def test_spill_streams_bitwise_and_files_come_and_go(disk_dir, device, depth, re
         model, "blocks", device=device, prefetch_depth=depth, resident_layers=resident, host_budget=budget_,
         spill_dir=disk_dir, disk_prefetch_depth=disk_depth)
     m = managers[0]
-    kinds = [s.kind for s in m._src]
+    kinds = [s.kind for s in m.sources]
     assert kinds.count("disk") >= 3, kinds
     assert len(spill_files(disk_dir)) == 1
     assert all(kinds[i] == "arena" for i in m.resident)
@@ -116,7 +116,7 @@ def test_spill_streams_bitwise_and_files_come_and_go(disk_dir, device, depth, re
     st = m.stats()
     disk_layers = [i for i, k in enumerate(kinds) if k == "disk"]
     assert st["disk"]["layers"] == len(disk_layers)
-    assert st["last_step"]["bytes_read"] == sum(m._src[i].read_bytes for i in disk_layers)
+    assert st["last_step"]["bytes_read"] == sum(m.sources[i].read_bytes for i in disk_layers)
     assert st["disk"]["bytes_direct"] > 0  # ext4: O_DIRECT straight into staging
     layerwise.remove_layerwise_offload(model)
     assert spill_files(disk_dir) == []
@@ -170,7 +170,7 @@ def test_a_budget_that_holds_everything_uses_no_disk(disk_dir):
     model = make()
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=1 << 40,
                                                  spill_dir=disk_dir)
-    assert all(s.kind == "arena" for s in m._src) and m.stats()["disk"] is None
+    assert all(s.kind == "arena" for s in m.sources) and m.stats()["disk"] is None
     assert spill_files(disk_dir) == []
     layerwise.remove_layerwise_offload(model)
 
@@ -228,7 +228,7 @@ def test_load_state_dict_into_spilled_layers(disk_dir):
     model = make()
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 2),
                                                  spill_dir=disk_dir, debug_read_delay_us=300)
-    assert sum(s.kind == "disk" for s in m._src) >= 4
+    assert sum(s.kind == "disk" for s in m.sources) >= 4
     model(xs[0])
     model.load_state_dict(other.state_dict())
     for x in xs:
@@ -289,16 +289,16 @@ def test_checkpoint_layers_stream_from_the_file(disk_dir, device, depth):
     model = meta_model()
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device=device, prefetch_depth=depth,
                                     host_budget=budget(ref, 2, depth, device=device), debug_read_delay_us=200)
-    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    disk = [i for i, s in enumerate(m.sources) if s.kind == "disk"]
     assert len(disk) >= 4
     # One vectored read per layer: its tensors are one run in the file.
-    src = m._src[disk[0]]
+    src = m.sources[disk[0]]
     assert len(src.parts) == 1 and {p.file.path for p in src.parts} == {ckpt}
     for _ in range(2):
         for x in xs:
             assert torch.equal(model(x.to(device)).cpu(), ref(x))
     st = m.stats()
-    assert st["last_step"]["bytes_read"] == sum(m._src[i].read_bytes for i in disk)
+    assert st["last_step"]["bytes_read"] == sum(m.sources[i].read_bytes for i in disk)
     assert st["disk"]["reads"] >= len(disk) * 2
     assert spill_files(disk_dir) == []
     # Read-only: load_state_dict into a layer on disk is refused, naming the way out.
@@ -320,8 +320,8 @@ def test_checkpoint_with_spill_dir_is_writable_and_casts(disk_dir):
     model = meta_model(torch.float32)
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", dtype=torch.bfloat16,
                                     host_budget=budget(ref, 2), spill_dir=disk_dir)
-    assert sum(s.kind == "disk" for s in m._src) >= 4
-    assert all(s.spill is not None for s in m._src if s.kind == "disk")
+    assert sum(s.kind == "disk" for s in m.sources) >= 4
+    assert all(s.spill is not None for s in m.sources if s.kind == "disk")
     for x in inputs():
         assert torch.equal(model(x), ref(x))
     other = make(seed=5)
@@ -384,7 +384,7 @@ def test_modified_checkpoint_raises_until_restored(disk_dir):
     original = open(ckpt, "rb").read()
     model = meta_model()
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
-    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    disk = [i for i, s in enumerate(m.sources) if s.kind == "disk"]
     x = inputs()[0]
     assert torch.equal(model(x), ref(x))
     # Same size, other bytes in a layer that streams from disk.
@@ -589,7 +589,7 @@ def test_auto_budget_reads_the_memory_left(disk_dir, monkeypatch, caplog):
     model = meta_model()
     with caplog.at_level(logging.INFO, logger="layerwise"):
         (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget="auto")
-    assert sum(s.kind == "disk" for s in m._src) >= 4
+    assert sum(s.kind == "disk" for s in m.sources) >= 4
     assert any("auto: host" in r.getMessage() and "on disk" in r.getMessage() for r in caplog.records)
     for x in inputs():
         assert torch.equal(model(x), ref(x))
@@ -669,7 +669,7 @@ def test_peft_merge_into_a_checkpoint_layer_is_refused_before_it_runs(disk_dir):
     ckpt = save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
     model = meta_model(torch.float32)
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
-    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    disk = [i for i, s in enumerate(m.sources) if s.kind == "disk"]
     model = peft.inject_adapter_in_model(peft.LoraConfig(target_modules=["fc"], init_lora_weights=False), model)
     x = inputs(torch.float32)[0]
     before = model(x)
@@ -751,7 +751,7 @@ def test_rewritten_in_place_with_the_same_size_and_mtime_is_caught(disk_dir):
     st = os.stat(ckpt)
     model = meta_model()
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
-    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    disk = [i for i, s in enumerate(m.sources) if s.kind == "disk"]
     x = inputs()[0]
     assert torch.equal(model(x), ref(x))
     _rewrite(ckpt, tensor_offset(ckpt, f"blocks.{disk[-1]}.fc.weight"), bytes(256))

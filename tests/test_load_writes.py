@@ -108,7 +108,7 @@ def offload(tier, model, tmp_path, routed=False):
     (m,) = layerwise.configure_layerwise_offload(model, "layers", device="cpu", **kw)
     want = {"lossless": ["CodecSource", "ArenaSource"], "spill": ["DiskSource"],
             "lossless+spill": ["CodecSource", "DiskSource"]}[tier]
-    assert all(chain(src) == (["ExpertSource"] if routed else []) + want for src in m._src)
+    assert all(chain(src) == (["ExpertSource"] if routed else []) + want for src in m.sources)
     return m
 
 
@@ -126,8 +126,8 @@ class Writes:
     decoded / read from its file, and re-encoded / rewritten)."""
 
     def __init__(self, m, monkeypatch):
-        self.reads, self.writes = [0] * len(m._src), [0] * len(m._src)
-        for i, src in enumerate(m._src):
+        self.reads, self.writes = [0] * len(m.sources), [0] * len(m.sources)
+        for i, src in enumerate(m.sources):
             assert src.host is None  # (every layer is encoded or in a file: each write rewrites it)
             monkeypatch.setattr(src, "read", self._count(self.reads, i, src.read))
             monkeypatch.setattr(src, "write", self._count(self.writes, i, src.write))

@@ -482,7 +482,7 @@ def test_readme_disk_tier_recipe_runs_as_written(tmp_path):
             budget += model_bytes // 16
     model = scope["model"]
     (m,) = layerwise.contract.managers_of(model)
-    assert sum(s.kind == "disk" for s in m._src) >= m.num_layers // 2
+    assert sum(s.kind == "disk" for s in m.sources) >= m.num_layers // 2
     assert all(torch.equal(x, y) for x, y in zip(generate(model), generate(ref)))
     assert_bitwise(state(model), state(ref))
     assert m.stats()["last_step"]["bytes_read"] > 0

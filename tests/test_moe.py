@@ -519,10 +519,10 @@ def _encoded_ideal(m, used):
     """What one decode step moves at best, encoded: each streamed layer's prefix as
     it travels, plus the encoded rows of each expert used."""
     streamed = set(m.ring.streamed)
-    out = sum(m._src[i].transfer_bytes for i in streamed)
+    out = sum(m.sources[i].transfer_bytes for i in streamed)
     for i, name, x in used:
         (xm,) = [xm for xm in m.experts.layers[i] if xm.name == name]
-        out += sum(m._src[i].range_bytes(lo, hi) for lo, hi in xm.spans([x]))
+        out += sum(m.sources[i].range_bytes(lo, hi) for lo, hi in xm.spans([x]))
     return out
 
 
@@ -542,7 +542,7 @@ def test_compressed_routed_experts_are_bitwise_and_move_encoded_bytes(arch, cach
     for i, mods in m.experts.layers.items():
         for xm in mods:
             for x in range(xm.num_experts):
-                enc = sum(m._src[i].range_bytes(lo, hi) for lo, hi in xm.spans([x]))
+                enc = sum(m.sources[i].range_bytes(lo, hi) for lo, hi in xm.spans([x]))
                 assert 0 < enc < 0.85 * xm.unit_bytes
     if cache is None:  # (a warm cache moves less than the ideal)
         used = [set()]
@@ -570,14 +570,14 @@ def test_compressed_load_state_dict_into_one_expert_re_encodes(cache):
     ids = _ids(batch=2)
     (m,) = _configure(model, compress="lossless", expert_cache=cache)
     _run(model, ids)
-    before = m._src[1].version()
+    before = m.sources[1].version()
     key = "model.layers.1.mlp.experts.gate_up_proj"
     with torch.no_grad():
         for e in range(8):
             ref.model.layers[1].mlp.experts.gate_up_proj[e].mul_(1.5)
         ref.model.layers[1].mlp.experts.gate_up_proj[3].mul_(1e4)  # another exponent histogram
     model.load_state_dict({key: ref.state_dict()[key]}, strict=False)
-    assert m._src[1].version() != before  # re-encoded
+    assert m.sources[1].version() != before  # re-encoded
     assert m.stats()["compress"]["layers_raw"] == []
     want, got = _run(ref, ids), _run(model, ids)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
@@ -601,7 +601,7 @@ def test_compressed_routed_host_bytes_are_planned_exactly():
     for lp in mm.plan.layers:
         planned[lp.index] = routes.encoded_layer_bytes(lp, mm.experts)
     for i, n in planned.items():
-        assert n == m._src[i].stored_bytes, (i, n, m._src[i].stored_bytes)
+        assert n == m.sources[i].stored_bytes, (i, n, m.sources[i].stored_bytes)
     assert [r.host_bytes for r in mm.tier_plan()] == [round_up(n, BLOCK_ALIGN) for n in planned.values()]
 
 
@@ -651,7 +651,7 @@ def _check_disk(ref, model, m, ids):
     disk, rows = _disk_steps(model, m)
     assert disk
     whole = sum(m.plan.layers[i].nbytes for i in disk)
-    slack = len(m._chain.disk.slots) * max(m.plan.layers[i].base_bytes for i in disk)  # reads ahead across steps
+    slack = len(m.chain.disk.slots) * max(m.plan.layers[i].base_bytes for i in disk)  # reads ahead across steps
     assert sum(r for _, r, _ in rows) <= 1.1 * sum(ideal for _, _, ideal in rows) + slack, rows
     assert all(r < 0.8 * whole for _, r, _ in rows[1:]), (rows, whole)  # never the whole layers
     return disk
@@ -764,13 +764,13 @@ def _toy_steps(model, m, xs):
             (i, k, x) for x in expert_hooks.chosen_experts(xm.routed(a, kw), xm.num_experts)),
         with_kwargs=True) for i, mods in m.experts.layers.items() for k, xm in enumerate(mods)]
     streamed = set(m.ring.streamed)
-    prefix = sum(m._src[i].transfer_bytes for i in streamed)
+    prefix = sum(m.sources[i].transfer_bytes for i in streamed)
     out = []
     with torch.no_grad():
         for x in xs:
             used.append(set())
             model(x)
-            ideal = prefix + sum(sum(m._src[i].range_bytes(lo, hi) for lo, hi in m.experts.layers[i][k].spans([e]))
+            ideal = prefix + sum(sum(m.sources[i].range_bytes(lo, hi) for lo, hi in m.experts.layers[i][k].spans([e]))
                                  for i, k, e in used[-1] if i in streamed)
             out.append((m.stats(sync=True)["last_step"]["bytes_copied"], ideal))
     for h in hooks:

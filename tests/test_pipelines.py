@@ -336,14 +336,14 @@ def test_every_component_is_packed_before_any_model_to(order, monkeypatch):
     log = []
     _watch(holder, order, log, monkeypatch)
     # Record the planned managers so that the `to` wrapper can check their placeholders.
-    orig_prepare = pipelines._prepare
+    orig_prepare = pipelines.prepare_groups
 
     def prepare(model, *args, **kwargs):
         managers = orig_prepare(model, *args, **kwargs)
         model.__dict__["_pending_managers"] = managers
         return managers
 
-    monkeypatch.setattr(pipelines, "_prepare", prepare)
+    monkeypatch.setattr(pipelines, "prepare_groups", prepare)
     layerwise.offload_pipeline(holder, device="cpu", components={n: (None if n == "vae" else "auto")
                                                                    for n in order})
     packs = [e for e in log if e[0] == "pack"]
@@ -576,8 +576,8 @@ def test_ctrl_c_while_the_pipeline_completes_is_delivered_on_a_whole_pipeline(pi
     from layerwise.runtime import group as manager_mod
 
     before = state_dicts(pipe)
-    orig = manager_mod.LayerwiseOffloadManager._commit
-    monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "_commit",
+    orig = manager_mod.LayerwiseOffloadManager.commit_configure
+    monkeypatch.setattr(manager_mod.LayerwiseOffloadManager, "commit_configure",
                         lambda self: (os.kill(os.getpid(), signal.SIGINT), orig(self))[1])
     with pytest.raises(KeyboardInterrupt):
         layerwise.offload_pipeline(pipe, device="cpu")
@@ -622,7 +622,7 @@ def test_host_budget_with_spill_dir_keeps_layers_on_disk(pipe, reference, tmp_pa
             break
         except ValueError:
             budget += budget // 8
-    on_disk = sum(s.kind == "disk" for ms in managers.values() for m in ms for s in m._src)
+    on_disk = sum(s.kind == "disk" for ms in managers.values() for m in ms for s in m.sources)
     assert on_disk >= 4
     assert sum(m.stats()["arena_bytes"] for ms in managers.values() for m in ms) < sizes
     assert glob.glob(str(tmp_path / "layerwise-*.spill"))
@@ -637,7 +637,7 @@ def test_host_budget_with_spill_dir_keeps_layers_on_disk(pipe, reference, tmp_pa
 def _kept_bytes(m):
     """Host bytes a packed group holds, each block page-rounded: its arena and its encoded blocks."""
     page = 4096
-    own = sum(-(-max(s.stored_bytes, 1) // page) * page for s in m._src if s.kind == "lossless")
+    own = sum(-(-max(s.stored_bytes, 1) // page) * page for s in m.sources if s.kind == "lossless")
     return m._host.arena.capacity + own
 
 

@@ -31,7 +31,7 @@ def layer_bytes(model):
 def needs(model, depth):
     """(non-layer bytes, ring bytes with nothing resident at `depth`) of the two groups."""
     probe = [layerwise.LayerwiseOffloadManager(model, g, device="cpu", initialize=False) for g in GROUPS]
-    return non_layer_bytes(model, probe), sum(m._device_bytes([], depth) for m in probe)
+    return non_layer_bytes(model, probe), sum(m.device_bytes([], depth) for m in probe)
 
 
 def warnings_of(caplog):

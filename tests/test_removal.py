@@ -29,7 +29,7 @@ def _configure(model, mode, tmp_path, **kw):
         kw["resident_layers"] = 2
     layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", debug_copy_delay_us=50, **kw)
     if mode == "spill":
-        assert sum(s.kind == "disk" for m in managers_of(model) for s in m._src) >= 4
+        assert sum(s.kind == "disk" for m in managers_of(model) for s in m.sources) >= 4
     return model
 
 
@@ -65,7 +65,7 @@ def _smallest_budget(model, tmp_path):
 
 def _still_streaming_exactly(model, expect, sd_ref):
     assert managers_of(model), "the model is no longer offloaded after a removal that failed"
-    assert all(m._finalized for m in managers_of(model))
+    assert all(m.streaming for m in managers_of(model))
     for out, want in zip(run(model, inputs()), expect):
         assert torch.equal(out, want)
     sd = model.state_dict()
@@ -128,7 +128,7 @@ def test_a_layer_that_cannot_be_read_fails_the_removal_and_the_model_keeps_strea
     expect = run(ref, inputs())
     sd_ref = {k: v.clone() for k, v in ref.state_dict().items()}
     model = _configure(make(), "spill", tmp_path)
-    n_disk = sum(s.kind == "disk" for m in managers_of(model) for s in m._src)
+    n_disk = sum(s.kind == "disk" for m in managers_of(model) for s in m.sources)
     layerwise.remove_layerwise_offload(model)
     orig = disk_mod.DiskSource.read
     for k in range(n_disk):
@@ -160,14 +160,14 @@ def test_a_checkpoint_cut_short_fails_the_removal_clearly_and_a_retry_after_rest
     expect = [ref(x) for x in xs]
     model = meta_model()
     layerwise.load_offloaded(model, path, "blocks", device="cpu", host_budget=budget(ref, 1))
-    assert sum(s.kind == "disk" for m in managers_of(model) for s in m._src) >= 3
+    assert sum(s.kind == "disk" for m in managers_of(model) for s in m.sources) >= 3
     assert all(torch.equal(model(x), e) for x, e in zip(xs, expect))
     original = open(path, "rb").read()
     with open(path, "r+b") as f:  # its layers' bytes are gone
         f.truncate(len(original) // 3)
     with pytest.raises(OSError, match="model.safetensors"):
         layerwise.remove_layerwise_offload(model)
-    assert managers_of(model) and all(m._finalized for m in managers_of(model))
+    assert managers_of(model) and all(m.streaming for m in managers_of(model))
     with open(path, "wb") as f:
         f.write(original)
     assert all(torch.equal(model(x), e) for x, e in zip(xs, expect))  # the file is back: exact again
@@ -414,11 +414,11 @@ from models import TwoGroupModel
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # a program that lets Ctrl-C end it
 model = TwoGroupModel()
 layerwise.configure_layerwise_offload(model, ["transformer_blocks", "single_transformer_blocks"], device="cpu")
-orig = mm.LayerwiseOffloadManager._commit_removal
+orig = mm.LayerwiseOffloadManager.commit_removal
 def commit(self, prepared):
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands while the removal commits
     return orig(self, prepared)
-mm.LayerwiseOffloadManager._commit_removal = commit
+mm.LayerwiseOffloadManager.commit_removal = commit
 layerwise.remove_layerwise_offload(model)
 print("still running: the Ctrl-C was dropped", flush=True)
 """

@@ -84,7 +84,7 @@ def test_every_placement_is_bitwise_and_sized_as_planned(delay, device):
             assert placement(m)[:2] == (res, depth)
             st = m.stats()
             assert st["resident_layers"] == res and st["prefetch_depth"] == depth
-            assert st["ring_bytes"] + st["resident_bytes"] == m._device_bytes(), spec
+            assert st["ring_bytes"] + st["resident_bytes"] == m.device_bytes(), spec
         for _ in range(2):
             assert same(outputs_on(model, xs, device), want), (spec, depth)
     # a count or a fraction, spread by the group's residency policy

@@ -123,7 +123,7 @@ def test_a_checkpoint_layer_changed_while_resident_is_refused_with_the_way_out(t
     ckpt = save_checkpoint(ref, str(tmp_path / "model.safetensors"))
     model = meta_model()
     (m,) = layerwise.load_offloaded(model, ckpt, "blocks", device="cpu", host_budget=budget(ref, 1))
-    disk = [i for i, s in enumerate(m._src) if s.kind == "disk"]
+    disk = [i for i, s in enumerate(m.sources) if s.kind == "disk"]
     k = disk[1]
     m.set_residency([k], 1)
     key = f"blocks.{k}.fc.weight"

@@ -339,7 +339,7 @@ def largest_share(m, depth, policy, room):
     from layerwise.planning.device_budget import largest_share as share
     from layerwise.options import resolve_resident
 
-    return share(lambda f: m._device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room) or 0.0
+    return share(lambda f: m.device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room) or 0.0
 
 
 def test_tune_on_the_simulated_bus_is_bitwise_within_budget_and_predicts_honestly():

@@ -34,7 +34,7 @@ def test_a_run_that_fails_after_the_placement_was_applied_leaves_the_old_one():
     ms = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
     ms[0].set_residency([0, 1, 2], 1)
     old = [(list(m.resident), m.prefetch_depth, m.placement) for m in ms]
-    budget = non_layer_bytes(model) + sum(m._device_bytes([], 1) for m in ms)  # the old one does not fit
+    budget = non_layer_bytes(model) + sum(m.device_bytes([], 1) for m in ms)  # the old one does not fit
     calls = [0]
 
     def run(mm):
@@ -93,7 +93,7 @@ def test_tune_never_leaves_a_placement_under_which_the_model_fails():
     with torch.no_grad():
         assert torch.equal(model(x), want)
     try:
-        layerwise.tune(model, lambda mm: mm(x), device_budget=m._device_bytes([6], 1) + non_layer_bytes(model),
+        layerwise.tune(model, lambda mm: mm(x), device_budget=m.device_bytes([6], 1) + non_layer_bytes(model),
                        repeats=1)
     except RuntimeError as err:
         assert "still computing" in str(err)

@@ -30,6 +30,7 @@ from dataclasses import asdict
 import torch
 
 import layerwise
+from layerwise._native import sim_bus
 from layerwise.bench import h2d, models
 from layerwise.bench.common import (
     Context,
@@ -87,7 +88,7 @@ def transfer_bandwidth(ctx: Context, nbytes: int) -> float:
     (h2d.arena_bandwidth)."""
     if not ctx.is_cuda:
         layerwise.CopyEngine("cpu")  # (the bus as the environment gives it now)
-        if layerwise._native._C.sim_bus()["gbps"] > 0:
+        if sim_bus()["gbps"] > 0:
             return bus_bandwidth(nbytes)
     return h2d.arena_bandwidth(ctx, nbytes)
 
@@ -105,7 +106,7 @@ def simulated_bus(gbps: float | None):
         if gbps is not None:
             os.environ[ENV] = f"{gbps:.6g}"
         layerwise.CopyEngine("cpu")
-        yield dict(layerwise._native._C.sim_bus())
+        yield dict(sim_bus())
     finally:
         if saved is None:
             os.environ.pop(ENV, None)
@@ -163,7 +164,7 @@ def _sweep(ctx, sw, base, resident, xs, layer_bytes, given, chosen) -> SuiteResu
     methods = {"resident": resident}
     managers = layerwise_methods(ctx, base, methods)
     bandwidth = bus_bandwidth(layer_bytes)
-    bus = dict(layerwise._native._C.sim_bus())
+    bus = dict(sim_bus())
     result = SuiteResult(NAME, data={"config": asdict(sw), "layer_bytes": layer_bytes, "bus": bus,
                                      "bus_source": "given" if given else "chosen against the measured compute",
                                      "bandwidth_GiBps": bandwidth / GiB, "points": []})

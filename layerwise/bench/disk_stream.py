@@ -155,11 +155,11 @@ def _load(ckpt: str, hidden: int, layers: int, device, x, want, name: str, **kw)
 
 def _link(ctx: Context) -> str:
     """What the copies to the device crossed in this run, for a note."""
-    import layerwise
+    from layerwise._native import sim_bus
 
     if ctx.is_cuda:
         return "host -> device"
-    gbps = layerwise._native._C.sim_bus()["gbps"]
+    gbps = sim_bus()["gbps"]
     return f"simulated bus ({bus_gibps(gbps):.3g} GiB/s)" if gbps else "host memcpy (the CPU backend: no bus)"
 
 
@@ -289,8 +289,7 @@ def run(ctx: Context, work: str, direct_gibps: float, fs: str) -> tuple[list[Row
             {"/budget": r["worst"] / budget},
             [Target(f"<= budget + 5% ({limit / MiB:.0f} MiB)", bool(r["worst"] <= limit))],
             short="host memory, disk tier",
-            note="layerwise.planning.host_limits.MemoryMeter in a fresh process after a warm-up: the larger of "
-                 "the sampled peak "
-                 "of RssAnon + RssShmem + the checkpoint's resident pages, and the VmHWM growth",
+            note="layerwise.planning.host_limits.MemoryMeter in a fresh process after a warm-up: the larger of the "
+                 "sampled peak of RssAnon + RssShmem + the checkpoint's resident pages, and the VmHWM growth",
         ))
     return rows, data

@@ -123,7 +123,7 @@ def generate(pipe, size: PipelineSize, seed: int = 0, output_type: str = "pt") -
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 1000, (1, size.text_tokens), generator=g)
     ids[0, -1] = 2  # CLIP pools at the end-of-text token
-    device = pipe._execution_device
+    device = pipe._execution_device  # noqa: SLF001 - diffusers' own: where the pipeline runs its modules
     with torch.inference_mode():
         pooled = pipe.text_encoder(ids.to(device)).pooler_output
         embeds = pipe.text_encoder_2(ids.to(device))[0]
@@ -237,9 +237,9 @@ def measure_method(method: str, device: torch.device, size: PipelineSize) -> dic
 
 
 def _child() -> None:
-    from layerwise.bench.startup import _unmap_on_free
+    from layerwise.bench.startup import unmap_freed_memory
 
-    unmap = _unmap_on_free()
+    unmap = unmap_freed_memory()
     method, device, scale, threads, out = sys.argv[1:]
     torch.set_num_threads(int(threads))
     ctx = Context(torch.device(device), scale)

@@ -53,6 +53,7 @@ import os
 import torch
 
 import layerwise
+from layerwise._native import sim_bus
 from layerwise.bench import bus, models
 from layerwise.bench.common import (
     Context,
@@ -195,7 +196,7 @@ def run(ctx: Context) -> SuiteResult:
         result.data["bus"] = {**cfg, "source": f"chosen: bf16 at C/T 1/{BUS_BF16_CT_INVERSE}",
                               "bandwidth_GiBps": over_bus[1] / GiB}
     elif given:
-        result.data["bus"] = {**layerwise._native._C.sim_bus(), "source": "given"}
+        result.data["bus"] = {**sim_bus(), "source": "given"}
     usable = {}
     for name, (library, quantize) in FORMS.items():
         why = _importable(library)

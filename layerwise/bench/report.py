@@ -39,8 +39,8 @@ SUITE_TITLES = {
     "stream": "step time of a DiT-like stack whose layers are streamed",
     "startup": "configuring a multi-group model: bytes moved, memory, time",
     "hooks": "CPU time of the offload hooks per layer",
-    "compress": ("lossless compression of weights: ratio vs ZipNN and the entropy bounds, C++ encode/decode, "
-                 "Triton decode"),
+    "compress": "lossless compression of weights: ratio vs ZipNN and the entropy bounds, C++ encode/decode, "
+                "Triton decode",
     "bus": "the stream sweep over the CPU backend's simulated bus (its speed set from the compute)",
     "tune": "layerwise.tune against the leading and strided policies at one device budget",
     "quant": "a quantized model streamed as its quantized bytes (torchao, optimum-quanto), beside bf16",

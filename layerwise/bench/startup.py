@@ -22,7 +22,7 @@ RSS growth stays within the largest layer + 5% of the model (docs/design.md's ho
 peak; on the CPU plus the ring, which lives in host memory there).
 
 The suite runs in a fresh interpreter, so that the allocator's state left by
-earlier suites does not blur the host-memory figures (see _unmap_on_free).
+earlier suites does not blur the host-memory figures (see unmap_freed_memory).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ SIZES = {
 ROUNDING = 2 * MiB  # the CUDA caching allocator rounds each large block up to 2 MiB
 
 
-def _unmap_on_free() -> bool:
+def unmap_freed_memory() -> bool:
     """Make every host tensor its own mapping, unmapped when freed (glibc only;
     True if applied). Call it before anything large is allocated.
 
@@ -237,7 +237,7 @@ def _model_rows(ctx: Context, label: str, base, runs: dict, unmap_on_free: bool)
 
 
 def run(ctx: Context) -> SuiteResult:
-    """Measure in a fresh interpreter (see _unmap_on_free): the suite's result
+    """Measure in a fresh interpreter (see unmap_freed_memory): the suite's result
     comes back pickled; its progress and errors go to this process's stderr."""
     with held_interrupts():  # made with the finalizer that removes it (at exit at the latest) as one step
         made = tempfile.TemporaryDirectory()
@@ -252,7 +252,7 @@ def run(ctx: Context) -> SuiteResult:
 
 
 def _child() -> None:
-    unmap_on_free = _unmap_on_free()
+    unmap_on_free = unmap_freed_memory()
     device, scale, progress, threads, out = sys.argv[1:]
     torch.set_num_threads(int(threads))
     result = measure(Context(torch.device(device), scale, show_progress=progress == "1"), unmap_on_free)

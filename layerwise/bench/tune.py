@@ -52,16 +52,16 @@ BIG_COPY_IN_HEAVY = 3.0
 EXTRA_LAYERS = 3
 HONEST = 0.10
 KINDS = "HBHHBHBBHHHBHB"
-# (hidden, wide, reps, tokens)
+# hidden, wide, reps, tokens
 SIZES = {"full": (512, 8192, 4, 512), "quick": (256, 4096, 4, 256), "tiny": (64, 1024, 2, 32)}
 ROUNDS = {"full": 5, "quick": 3, "tiny": 1}
 PER_ROUND = {"full": 5, "quick": 5, "tiny": 2}
 
 
 def _largest_share(m, depth: int, policy: str, room: int) -> list[int]:
-    """`policy`'s resident layers of `m` at the largest share that fits `room`
-    (as layerwise.planning.device_budget plans)."""
-    share = largest_share(lambda f: m._device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room)
+    """`policy`'s resident layers of `m` at the largest share that fits `room` (as
+    layerwise.planning.device_budget plans)."""
+    share = largest_share(lambda f: m.device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room)
     return resolve_resident(share or 0.0, m.num_layers, policy)
 
 
@@ -98,7 +98,7 @@ def _compare(ctx, base, resident, x, bus, chosen, heavy_s, big_bytes) -> SuiteRe
     model = clone_module(base)
     (m,) = layerwise.configure_layerwise_offload(model, "blocks", device=ctx.device)
     fixed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
-    budget = fixed + m._device_bytes([], 1) + EXTRA_LAYERS * big_bytes
+    budget = fixed + m.device_bytes([], 1) + EXTRA_LAYERS * big_bytes
     step, ref_step = inference_step(model, x), inference_step(resident, x)
     want = ref_step()
     plan = layerwise.tune(model, lambda mm: step(), device_budget=budget)
@@ -123,7 +123,7 @@ def _compare(ctx, base, resident, x, bus, chosen, heavy_s, big_bytes) -> SuiteRe
     ms = {k: min(v) * 1e3 for k, v in times.items()}
     used = {}
     for name, (res, d) in placements.items():
-        used[name] = fixed + m._device_bytes(res, d)
+        used[name] = fixed + m.device_bytes(res, d)
     m.set_residency(*placements["tune"])
     layerwise.remove_layerwise_offload(model)
     result = SuiteResult(NAME, data={

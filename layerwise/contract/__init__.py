@@ -46,9 +46,9 @@ from layerwise.contract.registry import (  # noqa: F401
 )
 from layerwise.contract.state_dict import arena_written, check_handed_out  # noqa: F401
 from layerwise.contract.transaction import (  # noqa: F401
-    _snapshot_devices,
     apply_moves,
     device_moves,
     remove_models,
     rollback_on_failure,
+    snapshot_devices,
 )

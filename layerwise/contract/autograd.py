@@ -116,18 +116,18 @@ def saved_slot_hooks(manager):
     def unpack(ref):
         if type(ref) is not _SlotRef:
             return ref
-        if manager._finalized and manager.guard.handed_out:
+        if manager.streaming and manager.guard.handed_out:
             state_dict.check_handed_out(manager)  # a write through state_dict() since the forward
-        if manager._finalized and manager.ring is ref.ring and manager.ring.gen[ref.slot] == ref.gen:
+        if manager.streaming and manager.ring is ref.ring and manager.ring.gen[ref.slot] == ref.gen:
             return ref.tensor
-        if not manager._finalized or manager.ring.layer_gen[ref.layer] != ref.version:
+        if not manager.streaming or manager.ring.layer_gen[ref.layer] != ref.version:
             raise RuntimeError(
                 f"layerwise: backward needs the weights of {manager.layer_name}[{ref.layer}] as they were in "
                 "the forward, but they were changed (load_state_dict) or the model was un-offloaded since. "
                 "Run forward and backward without changing the weights in between."
             )
         t = ref.tensor
-        block = manager._read_layer(ref.layer)
+        block = manager.read_layer(ref.layer)
         fresh = torch.empty(ref.slot_bytes, dtype=torch.uint8, device=manager.device)
         fresh[: block.numel()].copy_(block)
 

@@ -28,7 +28,7 @@ COPY_REFUSED = (
 def _managed(model: nn.Module):
     ids, probes = set(), {}
     for m in registry.managers_of(model):
-        if not m._finalized:
+        if not m.streaming:
             continue
         for lp in m.plan.layers:
             for e in lp.params:
@@ -51,7 +51,7 @@ def install_cast_guards(model: nn.Module) -> None:
             holders.add(id(mod))
     for name, mod in model.named_modules():
         inside = any(id(sub) in holders for sub in mod.modules())
-        if inside and not getattr(mod.__dict__.get("_apply"), "_layerwise", False):
+        if inside and not getattr(mod.__dict__.get("_apply"), "layerwise_guard", False):
             mod.__dict__["_apply"] = _guarded_apply(model, mod, name)
             # deepcopy / pickle look these up on the instance first: refuse with the remedy
             # rather than fail deep inside on a hook or the native arena.
@@ -63,7 +63,9 @@ def _refuse_copy(*args, **kwargs):
     raise TypeError(COPY_REFUSED)
 
 
-_refuse_copy._layerwise = True
+# `layerwise_guard` marks a function layerwise put in an instance's __dict__ (here and in
+# edits.py, state_dict.py, pipelines.py): installed once, and removed by registry.detach.
+_refuse_copy.layerwise_guard = True
 
 
 def _guarded_apply(model: nn.Module, mod: nn.Module, name: str):
@@ -99,5 +101,5 @@ def _guarded_apply(model: nn.Module, mod: nn.Module, name: str):
 
         return cls_apply(mod, keep_streamed, *args, **kwargs)
 
-    _apply._layerwise = True
+    _apply.layerwise_guard = True
     return _apply

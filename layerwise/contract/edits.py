@@ -44,12 +44,12 @@ def editing(manager, i: int):
     lp = manager.plan.layers[i]
     ring = manager.ring
     s = ring.slot_of[i]
-    with manager._lock, torch.no_grad():
-        if s >= 0 and not manager._src[i].writable:
-            manager._src[i].refuse_write()  # refused before the body runs: names the file and the way out
+    with manager.lock, torch.no_grad():
+        if s >= 0 and not manager.sources[i].writable:
+            manager.sources[i].refuse_write()  # refused before the body runs: names the file and the way out
         if s >= 0:
             manager.bound.check_all(manager, [i])
-            manager._wait_ready(i)
+            manager.wait_ready(i)
             ring.pin(i)
         views = [(e, e.source() if e.wrapped is not None else e.param.data) for e in lp.params]
         try:
@@ -69,8 +69,8 @@ def editing(manager, i: int):
                 if s >= 0:
                     if manager.device.type == "cuda":
                         torch.cuda.current_stream(manager.device).synchronize()
-                    manager._write_layer(i, lambda block: block.copy_(ring.dst[i]))
-                    ring.kept(i, manager._src[i].version())  # the slot holds the edited bytes already
+                    manager.write_layer(i, lambda block: block.copy_(ring.dst[i]))
+                    ring.kept(i, manager.sources[i].version())  # the slot holds the edited bytes already
             except BaseException:
                 if s >= 0:
                     ring.forget(i)  # the slot may hold bytes the truth does not: reload
@@ -102,7 +102,7 @@ class Unwrap:
 
 
 def guard_merge(mod) -> list:
-    if not _is_tuner_layer(mod) or getattr(mod.__dict__.get("merge"), "_layerwise", False):
+    if not _is_tuner_layer(mod) or getattr(mod.__dict__.get("merge"), "layerwise_guard", False):
         return []
     for name in ("merge", "unmerge"):
         method = getattr(type(mod), name)
@@ -111,12 +111,12 @@ def guard_merge(mod) -> list:
         def guarded(*args, _method=method, _mod=mod, **kwargs):
             owner = WATCHED.get(_mod)
             manager = owner[0]() if owner else None
-            if manager is None or not manager._finalized:
+            if manager is None or not manager.streaming:
                 return _method(_mod, *args, **kwargs)
             with editing(manager, owner[1]):
                 return _method(_mod, *args, **kwargs)
 
-        guarded._layerwise = True
+        guarded.layerwise_guard = True
         mod.__dict__[name] = guarded
     return [Unwrap(mod, ("merge", "unmerge"))]
 
@@ -128,7 +128,7 @@ def _on_register(parent, name, sub):
     if owner is None or sub is None:
         return None
     manager = owner[0]()
-    if manager is None or not manager._finalized:
+    if manager is None or not manager.streaming:
         return None
     for m in sub.modules():
         WATCHED[m] = owner

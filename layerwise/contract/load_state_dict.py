@@ -46,7 +46,7 @@ def split_load_guards(manager) -> list:
 
 def _check_split_load(manager, mod, inner):
     def hook(module, state_dict, prefix, *args):
-        if not manager._finalized or (prefix and module is not manager.model):
+        if not manager.streaming or (prefix and module is not manager.model):
             return  # inside a load that started above: checked there
         manager.tiers.split_store.check_load(_split_load_values(state_dict, prefix, inner))
 
@@ -83,7 +83,7 @@ def read_only_guards(manager, streamed) -> list:
     """Layers whose truth cannot be written (a checkpoint file the disk tier reads):
     a load_state_dict that would change one is refused where it starts - in the
     outermost module it was called on, before any tensor was copied."""
-    fixed = {id(e.param): i for i in streamed if not manager._src[i].writable
+    fixed = {id(e.param): i for i in streamed if not manager.sources[i].writable
              for e in manager.plan.layers[i].params}
     return _load_guards(manager, fixed, _refuse_read_only)
 
@@ -104,11 +104,11 @@ def _load_guards(manager, chosen: dict, make_hook) -> list:
 
 def _refuse_read_only(manager, inner):
     def hook(module, state_dict, prefix, *args):
-        if not manager._finalized:
+        if not manager.streaming:
             return
         for rel, i in inner:
             if prefix + rel in state_dict:
-                manager._src[i].refuse_write()  # names the file and the way out
+                manager.sources[i].refuse_write()  # names the file and the way out
 
     return hook
 
@@ -185,7 +185,7 @@ def _batch_of(manager, missing):
 def _begin_load(manager, module, missing, errors, frame) -> None:
     """A load reaches `module` (the first of the group's modules it reaches begins it)."""
     guard = manager.guard
-    if _LOAD_CODE is None or not manager._finalized or _batch_of(manager, missing) is not None:
+    if _LOAD_CODE is None or not manager.streaming or _batch_of(manager, missing) is not None:
         return  # (inside a load that began above; or a torch whose load_state_dict is built otherwise:
         # every value written at once)
     frame = _torch_load_frame(module, frame)
@@ -194,7 +194,7 @@ def _begin_load(manager, module, missing, errors, frame) -> None:
     batch = LoadBatch(module, frame, missing, errors)
     with guard.loads_lock:
         guard.loads = [b for b in guard.loads if b.live()] + [batch]
-    if not manager._finalized:  # removed meanwhile (it forgot the loads before this one)
+    if not manager.streaming:  # removed meanwhile (it forgot the loads before this one)
         _end_load(manager, batch)
 
 
@@ -236,7 +236,7 @@ def write_loaded(manager, batch) -> None:
     failure (no space for a spill file, a split-fetch refusal, Ctrl-C) raises: the
     layers before it hold their new values, it and those after it their old ones."""
     edits, batch.edits = batch.edits, {}
-    if not edits or not manager._finalized:
+    if not edits or not manager.streaming:
         return
     with torch.no_grad(), torch.inference_mode(False):
         manager.bound.check_all(manager, sorted(edits))
@@ -248,9 +248,9 @@ def write_loaded(manager, batch) -> None:
         for i in sorted(edits):
             try:
                 with interrupts.defer_interrupts():
-                    manager._write_layer(i, functools.partial(edit, items=edits[i]))
+                    manager.write_layer(i, functools.partial(edit, items=edits[i]))
                     if manager.ring.slot_of[i] < 0:  # made resident since (set_residency on another thread)
-                        manager._refresh_resident(i)
+                        manager.refresh_resident(i)
             except stages.split.SplitError:
                 raise  # (the same on every rank: the ranks stay in step)
             except (RuntimeError, NotImplementedError) as err:
@@ -269,7 +269,7 @@ def _take(manager, i, key, edit, state_dict, missing_keys, error_msgs=None) -> N
         batch.keys.add(key)
     else:
         try:
-            manager._write_layer(i, edit)
+            manager.write_layer(i, edit)
         except stages.split.SplitError:
             # Refused on every rank (different values per rank, ranks out of lockstep): raised as
             # it is. As a message in error_msgs torch would go on and copy the refused value
@@ -294,8 +294,8 @@ def load_pre_hook(manager, owned):
         if not owned:
             return
         assign = local_metadata.get("assign_to_params_buffers", False)
-        with manager._lock, torch.no_grad(), torch.inference_mode(False):
-            if not manager._finalized:  # (checked under the lock: removed meanwhile, torch copies as usual)
+        with manager.lock, torch.no_grad(), torch.inference_mode(False):
+            if not manager.streaming:  # (checked under the lock: removed meanwhile, torch copies as usual)
                 return
             manager.bound.check_all(manager, sorted({i for _, _, i in owned}))
             for attr, e, i in owned:
@@ -379,7 +379,7 @@ def quantized_load_guards(manager, streamed) -> list:
 
 def _check_quantized_load(manager, inner):
     def hook(module, state_dict, prefix, *args):
-        if not manager._finalized or (prefix and module is not manager.model):
+        if not manager.streaming or (prefix and module is not manager.model):
             return  # inside a load that started above: checked there
         for rel, w in inner:
             key = prefix + rel
@@ -405,7 +405,8 @@ def _check_quantized_load(manager, inner):
                 if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and (
                         mine.dtype != theirs.dtype or mine.shape != theirs.shape):
                     raise RuntimeError(_quantized_mismatch(
-                        w, k, f"it is {theirs.dtype}{list(theirs.shape)}, the model's is {mine.dtype}{list(mine.shape)}"))
+                        w, k, f"it is {theirs.dtype}{list(theirs.shape)}, "
+                        f"the model's is {mine.dtype}{list(mine.shape)}"))
 
     return hook
 
@@ -423,7 +424,7 @@ def load_post_hook(manager):
         manager.guard.loaded_keys.clear()
         if batch is not None and batch.root() is module:
             try:
-                with manager._lock:
+                with manager.lock:
                     write_loaded(manager, batch)
             finally:
                 _end_load(manager, batch)

@@ -106,8 +106,15 @@ class ModelLock:
             self._owner = None
         rl.release()
 
-    def _is_owned(self) -> bool:
+    def is_owned(self) -> bool:
+        """This thread holds the lock (a hold on record)."""
         return self._owner == threading.get_ident() and bool(self._holds)
+
+    def release_all(self) -> None:
+        """Release every hold of this thread (a forward that an interrupt abandoned
+        left its holds behind: the model's root pre-hook, tune after its run)."""
+        while self.is_owned():
+            self.release()
 
     def __enter__(self):
         self.acquire()

@@ -169,7 +169,7 @@ def _why_not(manager, i: int, e, now) -> str | None:
                 f"does not fit where {e.numel} {e.dtype} elements were planned)")
     if now.device.type == "meta":
         return "its new data is on the meta device"
-    if not manager._src[i].writable:
+    if not manager.sources[i].writable:
         return _READ_ONLY
     return None
 
@@ -230,7 +230,7 @@ def settle(manager, i: int, drifted: list, where: str, quiet: bool = False) -> N
 
     try:
         with torch.no_grad(), torch.inference_mode(False):
-            manager._write_layer(i, edit)
+            manager.write_layer(i, edit)
     except BaseException:
         for e, shape, stride, dtype, span in old:
             e.shape, e.stride, e.dtype, e.span = shape, stride, dtype, span

@@ -31,8 +31,8 @@ def forget_abandoned(model) -> None:
     """The lock was taken over from a forward that an interrupt abandoned inside a
     layer: nobody else is inside a layer now, so what is marked computing is stale."""
     for m in managers_of(model) if model is not None else []:
-        if m._finalized and m.ring.computing():
-            m._forget_entered()
+        if m.streaming and m.ring.computing():
+            m.forget_entered()
 
 
 # The models that stream now, weakly held: the process-wide module-registration hook
@@ -66,7 +66,7 @@ def detach(model: nn.Module) -> None:
         h.remove()
     for mod in model.modules():
         for attr in ("_apply", "__deepcopy__", "__reduce_ex__", "_save_to_state_dict"):
-            if getattr(mod.__dict__.get(attr), "_layerwise", False):
+            if getattr(mod.__dict__.get(attr), "layerwise_guard", False):
                 del mod.__dict__[attr]
     model.__dict__.pop(MANAGERS, None)
     model.__dict__.pop(FORWARDS, None)
@@ -121,7 +121,7 @@ def register_outside_front_door(manager) -> None:
     model = manager.model
     if model.__dict__.get(_CONFIGURING) or any(m is manager for m in managers_of(model)):
         return
-    manager._commit()
+    manager.commit_configure()
     attach(model, [manager])
     link([m for m in managers_of(model) if m.enabled])
 
@@ -135,8 +135,7 @@ def _root_pre_hook(model, args):
     lock = model.__dict__.get(locking.LOCK)
     if lock is None:
         return
-    while lock._is_owned():
-        lock.release()
+    lock.release_all()
     with lock:
         forwards = model.__dict__.get(FORWARDS)
         if forwards is not None:
@@ -145,17 +144,15 @@ def _root_pre_hook(model, args):
             # The frame of this call of the model: gone from the thread's stack, the
             # forward is over even if an interrupt skipped the post-hook.
             forwards["threads"][threading.get_ident()] = locking.module_call_frame()
-        me = threading.get_ident()
         for m in managers_of(model):
-            if not m._finalized:
+            if not m.streaming:
                 continue
-            if m.ring.computing() or any(o == me for o, _ in m._grad_hooks):
-                m._reset_entered()
+            m.forget_abandoned_forward()
             if m.guard.handed_out:
                 state_dict.check_handed_out(m)
             load_state_dict.drop_stopped_loads(m)
             m.meter.follow_root()
-            m._new_step()
+            m.new_step()
 
 
 def _root_post_hook(model, args, output):
@@ -167,7 +164,7 @@ def _root_post_hook(model, args, output):
             forwards["threads"].pop(threading.get_ident(), None)
             forwards["cond"].notify_all()
     for m in managers_of(model):
-        if m._finalized and m.meter.step_open:
+        if m.streaming and m.meter.step_open:
             m.meter.end_step()
 
 
@@ -186,4 +183,4 @@ def forget(model: nn.Module, managers) -> None:
 def link(enabled) -> None:
     """Cross-group prefetch: each group's last layer prefetches the next group's first."""
     for a, b in zip(enabled, enabled[1:] + enabled[:1]):
-        a.next_manager = b
+        a.link_next(b)

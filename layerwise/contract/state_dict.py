@@ -66,18 +66,18 @@ def guard_save(mod, manager, owned):
     layers = sorted({i for _, _, i in owned})
 
     def _save_to_state_dict(destination, prefix, keep_vars):
-        with manager._lock:
-            if manager._finalized:
+        with manager.lock:
+            if manager.streaming:
                 manager.bound.check_all(manager, layers)  # (layerwise/rebinds.py: a rebound parameter is settled first)
             with contextlib.ExitStack() as stack:
-                if wrapped and manager._finalized:
+                if wrapped and manager.streaming:
                     stack.enter_context(_bound_to_truth(manager, wrapped, destination, prefix))
-                if plain and manager._finalized:
+                if plain and manager.streaming:
                     stack.enter_context(_plain_bound_to_truth(manager, mod, plain))
                 original(destination, prefix, keep_vars)
             fix(mod, destination, prefix, None)
 
-    _save_to_state_dict._layerwise = True
+    _save_to_state_dict.layerwise_guard = True
     mod.__dict__["_save_to_state_dict"] = _save_to_state_dict
     return edits.Unwrap(mod, ("_save_to_state_dict",))
 
@@ -85,12 +85,12 @@ def guard_save(mod, manager, owned):
 def _true_tensor(manager, e, i, copies):
     """Entry e's true bytes (layer i) as a tensor: an alias of the arena (handed out:
     a write through it reaches the model), or a copy where the truth is elsewhere."""
-    host = manager._layer_host(i)
+    host = manager.layer_host(i)
     if host is None:
         # A copy of the true bytes (a layer on disk, say): a write into it does not
         # reach the model; load_state_dict does.
         if i not in copies:
-            copies[i] = manager._read_layer(i)
+            copies[i] = manager.read_layer(i)
         return host_store.materialize(e, copies[i], "cpu")
     t, raw = _host_alias(e, host)
     # The base is held, not the alias: a write through an alias freed since
@@ -158,7 +158,7 @@ def _plain_bound_to_truth(manager, mod, plain):
 
 def _state_dict_hook(manager, owned):
     def hook(module, state_dict, prefix, local_metadata):
-        if not manager._finalized:
+        if not manager.streaming:
             return
         with torch.inference_mode(False):  # version counters exist outside inference mode only
             copies = {}  # layers whose truth is not in host memory: read once per call
@@ -166,12 +166,12 @@ def _state_dict_hook(manager, owned):
                 key = prefix + attr
                 if isinstance(e, Wrapped) or key not in state_dict:  # (a wrapper: saved over its truth)
                     continue
-                host = manager._layer_host(i)
+                host = manager.layer_host(i)
                 if host is None:
                     # A copy of the true bytes (a layer on disk, say): a write into it does not
                     # reach the model; load_state_dict does.
                     if i not in copies:
-                        copies[i] = manager._read_layer(i)
+                        copies[i] = manager.read_layer(i)
                     state_dict[key] = e.wrap(host_store.materialize(e, copies[i], "cpu"))
                     continue
                 t, raw = _host_alias(e, host)
@@ -192,9 +192,9 @@ def check_handed_out(manager) -> None:
     live = []
     for ref, raw, version, i in manager.guard.handed_out:
         if raw._version != version:
-            manager._src[i].host_written()
+            manager.sources[i].host_written()
             if manager.ring.slot_of[i] < 0:  # handed out while streamed, resident since (set_residency)
-                manager._refresh_resident(i)
+                manager.refresh_resident(i)
             else:
                 arena_written(manager, i)
             version = raw._version

@@ -15,7 +15,7 @@ from layerwise.contract import interrupts, load_state_dict, locking, registry
 from layerwise.formats import quantized
 
 
-def _snapshot_devices(model: nn.Module) -> list:
+def snapshot_devices(model: nn.Module) -> list:
     """Where every parameter and buffer lives now (devices only: holding the
     tensors themselves would keep a second copy of the model alive)."""
     snap = [(p, p.device) for p in model.parameters()]
@@ -69,10 +69,11 @@ def rollback_on_failure(parts, undo=None, finish=None):
     cross-group prefetch, managers attached) and `finish()` runs, with Ctrl-C held
     back until every model is whole: an interrupt that lands then is delivered
     afterwards, on a model that is completely configured, never half of one."""
-    snaps = [_snapshot_devices(model) for model, _ in parts]
+    snaps = [snapshot_devices(model) for model, _ in parts]
     held = interrupts.defer_interrupts()
     try:
-        registry.front_door(parts, 1)  # (the groups finalised inside are completed here, not by register_outside_front_door)
+        # (the groups finalised inside are completed here, not by register_outside_front_door)
+        registry.front_door(parts, 1)
         yield
         held.__enter__()  # nothing below this point in the try can fail
     except BaseException:
@@ -91,7 +92,7 @@ def rollback_on_failure(parts, undo=None, finish=None):
         for model, managers in parts:
             registry.link([m for m in managers if m.enabled])
             for m in managers:
-                m._commit()
+                m.commit_configure()
             if managers:
                 registry.attach(model, managers)
         if finish is not None:
@@ -147,15 +148,15 @@ def remove_models(parts, original_devices: bool = False, finish=None, prepare=No
             prepare()
         for _, managers in parts:
             for m in managers:
-                if m._finalized:
-                    with m._lock:
+                if m.streaming:
+                    with m.lock:
                         load_state_dict.settle_loads(m)
-        prepared = [[(m, m._prepare_removal(original_devices)) for m in managers] for _, managers in parts]
+        prepared = [[(m, m.prepare_removal(original_devices)) for m in managers] for _, managers in parts]
         with interrupts.defer_interrupts():
             for (model, _), group in zip(parts, prepared):
                 for m, p in group:
-                    streamed = m._finalized
-                    m._commit_removal(p)
+                    streamed = m.streaming
+                    m.commit_removal(p)
                     if streamed:
                         with m.guard.loads_lock:  # (a load begun since finds the group removed: it writes nothing)
                             m.guard.loads = []

@@ -45,16 +45,15 @@ def non_layer_bytes(model, managers) -> int:
 
 
 def record_host_budget(managers, host_budget, budget_bytes: int) -> None:
-    """Keep the host budget in force on each manager (`host_budget`: what was given,
-    `budget_bytes`: what it resolved to), for layerwise.report, and in each group's
-    tier plan (layerwise.planning.host_budget.HostBudget: checked wherever the bytes held change)."""
+    """The host budget in force (`host_budget`: what was given, `budget_bytes`: what it
+    resolved to), one layerwise.planning.host_budget.HostBudget shared by `managers`,
+    goes into each group's tier plan (TierChoice.use_host_budget): checked wherever the
+    bytes held change, and shown by layerwise.report (the group's `host_budget`)."""
     from layerwise.planning.host_budget import HostBudget
 
-    source = "auto" if isinstance(host_budget, str) else "given"
-    ledger = HostBudget(budget_bytes, source, managers)
+    ledger = HostBudget(budget_bytes, "auto" if isinstance(host_budget, str) else "given", managers)
     for m in managers:
-        m.host_budget = {"bytes": int(budget_bytes), "source": source, "groups": [g.layer_name for g in managers]}
-        m.tiers.host_budget = ledger
+        m.tiers.use_host_budget(ledger)
 
 
 def _ring_bytes(manager, streamed: int, depth: int) -> tuple[int, int]:
@@ -196,7 +195,7 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
         return plans
 
     # Ring bytes (nothing resident) at each depth from the one asked down to 0.
-    rings = {d: sum(m._device_bytes(r, d) for m, r in placed(0.0)) for d in range(asked_depth, -1, -1)}
+    rings = {d: sum(m.device_bytes(r, d) for m, r in placed(0.0)) for d in range(asked_depth, -1, -1)}
     # The routed experts' caches (expert_cache) hold device memory too: each group's is
     # counted at the size it will have for the residency planned (an "auto" one takes at
     # most a quarter of what the budget leaves after the non-layer weights and the rings).
@@ -208,7 +207,7 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
 
     def cost(fraction: float, depth: int):
         plans = placed(fraction)
-        return fixed + sum(m._device_bytes(r, depth) for m, r in plans) + sum(caches(plans, depth).values()), plans
+        return fixed + sum(m.device_bytes(r, depth) for m, r in plans) + sum(caches(plans, depth).values()), plans
 
     ring_text = ", ".join(f"{fmt_bytes(r)} at depth {d}" for d, r in rings.items())
     cache0 = {d: sum(caches(placed(0.0), d).values()) for d in rings}
@@ -229,7 +228,7 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
     need, plans = cost(largest_share(lambda f: cost(f, depth)[0] <= budget), depth)
     held = caches(plans, depth)
     for m, resident in plans:
-        m._set_residency(resident, depth, expert_cache=held[m])
+        m.plan_residency(resident, depth, expert_cache=held[m])
     plan = {
         "budget": budget, "needed": need, "non_layer_bytes": fixed, "prefetch_depth": depth,
         "ring_bytes": rings, "resident": {m.layer_name: len(r) for m, r in plans},

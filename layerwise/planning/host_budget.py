@@ -64,6 +64,11 @@ class HostBudget:
                 models.setdefault(id(m.model), (m.model, []))[1].append(m)
         return total + sum(non_layer_bytes(model, ms) for model, ms in models.values())
 
+    def summary(self) -> dict:
+        """What layerwise.report shows of it: {"bytes", "source", "groups": the names of
+        the groups it covers}."""
+        return {"bytes": self.bytes, "source": self.source, "groups": [m.layer_name for m in self.managers]}
+
     def room(self) -> int:
         """Bytes the groups may still take on top of what they hold (0 where none)."""
         return max(0, self.bytes - self.held())
@@ -167,7 +172,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     on_host_device = device.type == "cpu"
     if on_host_device:  # (`model`: a module, or the modules of a pipeline)
         models = model if isinstance(model, (list, tuple)) else [model]
-        fixed += sum(non_layer_bytes(mm, managers) for mm in models) + sum(m._device_bytes() + m.expert_cache_bytes()
+        fixed += sum(non_layer_bytes(mm, managers) for mm in models) + sum(m.device_bytes() + m.expert_cache_bytes()
                                                                           for m in enabled)
     reasons = {}
     if why_not_disk is not None:

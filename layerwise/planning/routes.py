@@ -189,6 +189,11 @@ class TierChoice:
         self._check()
         self.split_store = store
 
+    def use_host_budget(self, budget) -> None:
+        """`budget` (layerwise.planning.host_budget.HostBudget) is the host budget in force
+        for this group (and the others it covers)."""
+        self.host_budget = budget
+
     def release(self) -> None:
         """A front door failed: let go of what the planners attached (idempotent)."""
         if self.split_store is not None:

@@ -53,7 +53,7 @@ def install_hooks(manager) -> list:
 def _pre_hook(manager, xm: experts.ExpertModule, k: int, next_layer: int, module, args, kwargs):
     ring = manager.ring
     i = xm.layer
-    if not manager._finalized or ring is None or ring.slot_of[i] < 0:
+    if not manager.streaming or ring is None or ring.slot_of[i] < 0:
         return None  # removed, or a resident layer: every expert is on the device
     if i not in ring.entered:
         raise RuntimeError(
@@ -67,9 +67,9 @@ def _pre_hook(manager, xm: experts.ExpertModule, k: int, next_layer: int, module
             f"argument {xm.routing[1]!r} as a tensor: the experts to fetch are unknown. Configure with "
             "experts='all' for this model.")
     chosen = chosen_experts(index, xm.num_experts)
-    tier = manager._chain.experts
-    engine, stream = manager._engine, manager._stream()
-    with manager._queueing():  # copies queued before the record: an interrupt makes the next hook resync
+    tier = manager.chain.experts
+    engine, stream = manager.engine, manager.compute_stream()
+    with manager.queueing():  # copies queued before the record: an interrupt makes the next hook resync
         need = tier.make_ready(i, k, chosen, stream)
         spec = tier.speculate(next_layer, stream) if manager.options.expert_prefetch and k == 0 else (0, 0)
     manager.meter.moved(need.bytes + spec[0], need.copies + spec[1])

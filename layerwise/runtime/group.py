@@ -43,7 +43,8 @@ from layerwise.options import (
     validate_residency,
 )
 from layerwise.planning import experts
-from layerwise.planning.layout import GroupPlan, build_group_plan, device_bytes
+from layerwise.planning.layout import GroupPlan, build_group_plan
+from layerwise.planning.layout import device_bytes as planned_device_bytes
 from layerwise.planning.routes import TierChoice
 from layerwise.runtime import expert_hooks, gpu_checks
 from layerwise.runtime.host_store import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
@@ -61,6 +62,10 @@ class Lifecycle(enum.Enum):
     STREAMING = "streaming"  # finalised: ring, hooks; its layers stream
 
 
+# The block list records the group that streams it in its __dict__ (an instance entry, never one that
+# torch registers as a parameter, buffer or module): a second configure of the same list is refused.
+GROUP_KEY = "_layerwise_manager"
+
 _PLAIN = {torch.Tensor, nn.Parameter}  # parameter types whose bytes are all there is to them
 
 
@@ -72,15 +77,31 @@ class _RingView:
 
 
 class LayerwiseOffloadManager:
-    """Streams the layers of `model.<layer_name>` to `device` (see module doc)."""
+    """Streams the layers of `model.<layer_name>` to `device` (see module doc).
+
+    What the rest of layerwise uses of a group (the state contract, the planners,
+    tune, the front doors, the bench) is declared here, as FSDP2's param group
+    declares its own: its lifecycle (`state`, `packed`, `streaming`), its layers'
+    sources (`sources`, `chain`), a layer's true bytes (`read_layer`, `write_layer`,
+    `layer_host`, `refresh_resident`), a layer made ready (`wait_ready`), the model
+    lock and the copy engine (`lock`, `engine`, `compute_stream`, `queueing`), the
+    planners' inputs (`plan_residency`, `device_bytes`, `tiers`), and the steps of
+    a configure and a removal (`pack`, `finalize`, `commit_configure`,
+    `prepare_removal`, `commit_removal`). Nothing else reads or sets its private
+    fields (ruff's SLF001 checks it)."""
 
     @property
-    def _packed(self) -> bool:
+    def packed(self) -> bool:
+        """Its weights are packed (arena, stages): PACKED or STREAMING."""
         return self.state is not Lifecycle.PLANNED
 
     @property
-    def _finalized(self) -> bool:
+    def streaming(self) -> bool:
+        """Finalised: ring, hooks; its layers stream (Lifecycle.STREAMING)."""
         return self.state is Lifecycle.STREAMING
+
+    _packed = packed  # (the seed's names, kept for callers outside the package)
+    _finalized = streaming
 
     def __init__(
         self,
@@ -108,29 +129,38 @@ class LayerwiseOffloadManager:
         self.compress = options.compress
         self.device = options.device
         self.plan: GroupPlan = build_group_plan(model, layer_name, num_layers)
-        if getattr(self.plan.module_list, "_layerwise_manager", None) is not None:
+        if self.plan.module_list.__dict__.get(GROUP_KEY) is not None:
             raise RuntimeError(
                 f"layer group {layer_name!r} is already offloaded; call layerwise.remove_layerwise_offload(model) first"
             )
-        self.model = model
-        self.layer_name = layer_name
-        self.num_layers = self.plan.num_layers
+        self.model = model  # the model whose block list this group streams
+        self.layer_name = layer_name  # the block list's path in the model
+        self.num_layers = self.plan.num_layers  # its layers, streamed or resident
         self.resident = resolve_resident(options.resident_layers, self.num_layers, options.residency_policy)
         self.pin_memory = options.pin_memory  # (the other options are read from self.options)
-        self.tiers = TierChoice(layer_name)  # the tier plan's inputs, set by the planners (layerwise/planning/routes.py)
+        # the tier plan's inputs, set by the planners (layerwise/planning/routes.py)
+        self.tiers = TierChoice(layer_name)
         # experts="routed": the group's expert modules, its layers laid out expert-last (layerwise/planning/experts.py)
         self.experts = self.tiers.experts = experts.plan_experts(self.plan, options)
-        self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0
+        self.enabled = self.num_layers > 0 and self.plan.managed_bytes > 0  # False: nothing to stream
         self.next_manager: LayerwiseOffloadManager = self  # whose layers follow our last one
-        self.state = Lifecycle.PLANNED
-        self._host = HostLayers(self.plan, layer_name, self.device, self.pin_memory)  # (layerwise/runtime/host_store.py)
-        self._resident_bytes = 0
-        self._grad_hooks: list = []
-        self._hooks = []
+        self.state = Lifecycle.PLANNED  # PLANNED -> PACKED -> STREAMING (-> PLANNED: removed)
+        # the layers' host copies and sources (layerwise/runtime/host_store.py)
+        self._host = HostLayers(self.plan, layer_name, self.device, self.pin_memory)
+        self._resident_bytes = 0  # device bytes of the resident layers
+        self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks: [(thread, ctx)]
+        self._hooks = []  # the forward hooks' handles (and the expert modules'), removed with the group
         self._guard_hooks = []  # the state contract's hooks on the streamed layers (installed again by set_residency)
         self.placement = None  # who chose the placement in force, when not configure (set_residency's `note`)
         self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/runtime/ring.py), once finalised
-        self.meter = Meter(self.options.measure_stalls, self._stage_counts)  # the group's figures (layerwise/runtime/meter.py)
+        # the group's figures (layerwise/runtime/meter.py)
+        self.meter = Meter(self.options.measure_stalls, self._stage_counts)
+        # Filled when the group is finalised (_finalize_initialization), emptied by its removal:
+        self._engine = None  # the copy engine (layerwise._native.CopyEngine): its copy streams and events
+        self._lock = None  # the model's lock (contract.ModelLock), shared by the model's groups
+        self._dirty = False  # the ring's record may be behind what was queued: the next hook resyncs
+        self.guard: contract.GroupGuard | None = None  # the state contract's own record of this group
+        self.bound: rebinds.Bound | None = None  # where each streamed parameter must still point (rebinds.py)
         if initialize:
             self.initialize()
 
@@ -142,11 +172,15 @@ class LayerwiseOffloadManager:
         largest group first by (configure_layerwise_offload, offload_pipeline)."""
         return self.plan.managed_bytes
 
-    def _set_residency(self, resident: list[int], prefetch_depth: int, expert_cache=None) -> None:
+    def managed_parameter_bytes(self) -> int:
+        """_managed_parameter_bytes (the seed's name)."""
+        return self._managed_parameter_bytes()
+
+    def plan_residency(self, resident: list[int], prefetch_depth: int, expert_cache=None) -> None:
         """The device-budget planner's choice (from validated options). `expert_cache`:
         the expert cache's bytes it counted, kept so ("auto" on CUDA reads the free
         device memory, which is less once the ring is allocated)."""
-        if self._finalized:
+        if self.streaming:
             raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
         self.resident = sorted(resident)
         self.prefetch_depth = prefetch_depth
@@ -180,7 +214,7 @@ class LayerwiseOffloadManager:
         of its backward (the graph uses the parameters it would rebind), and for a
         split-fetch group (its ranks' shares are planned for the layers streamed at
         configure)."""
-        if not self._finalized:
+        if not self.streaming:
             raise RuntimeError(f"layerwise: {self.layer_name}: set_residency changes the placement of a streaming "
                                "group; before configure, pass resident_layers / prefetch_depth to configure")
         new = self._resident_list(resident)
@@ -220,26 +254,26 @@ class LayerwiseOffloadManager:
             # A layer leaving the device writes its device bytes back to its source
             # first (where they changed): its source then agrees with its truth.
             for i in sorted(set(old) - set(new)):
-                source = self._read_layer(i)  # (read once: a layer on disk is a file read)
+                source = self.read_layer(i)  # (read once: a layer on disk is a file read)
                 block = self._resident_block(i, source)
                 if not torch.equal(block, source):
-                    if not self._src[i].writable:
+                    if not self.sources[i].writable:
                         try:
-                            self._src[i].refuse_write()
+                            self.sources[i].refuse_write()
                         except RuntimeError as err:
                             raise RuntimeError(
                                 f"layerwise: {self.layer_name}: set_residency: layer {self.layer_name}[{i}] was "
                                 "changed while resident (load_state_dict, or a write into its weights) and cannot "
                                 f"leave the device: {err} Keep it resident (leave {i} in the resident layers), "
                                 "or load its original values back first. The placement is unchanged.") from None
-                    self._write_layer(i, lambda b, block=block: b.copy_(block))
+                    self.write_layer(i, lambda b, block=block: b.copy_(block))
             layers = self.plan.layers
-            start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
+            start = self._engine.record(self.compute_stream(), False) if self._engine.is_cuda else None
             with torch.inference_mode(False), torch.no_grad():
-                ring = SlotRing(self.plan, new, depth, self._src, self.device, start, self.ring.layer_gen)
+                ring = SlotRing(self.plan, new, depth, self.sources, self.device, start, self.ring.layer_gen)
                 binding = Rebinding()
                 for i in sorted(set(new) - set(old)):
-                    block = self._read_layer(i)
+                    block = self.read_layer(i)
                     binding.data([(e, e.wrap(materialize(e, block, self.device))) for e in layers[i].params])
                 for i in ring.streamed:
                     binding.slot(layers[i].params, ring.slots[ring.slot_of[i]])
@@ -256,7 +290,7 @@ class LayerwiseOffloadManager:
         budget = self.tiers.host_budget
         if budget is None or self.device.type != "cpu":
             return
-        budget.check(self._device_bytes(resident, prefetch_depth) - self._device_bytes(),
+        budget.check(self.device_bytes(resident, prefetch_depth) - self.device_bytes(),
                      f"{self.layer_name}: set_residency({resident[:16]}, prefetch_depth={prefetch_depth}) on a CPU "
                      "device (its rings and resident layers are host memory)",
                      "Keep fewer layers resident (or a lower prefetch_depth), or configure again with a larger "
@@ -294,7 +328,7 @@ class LayerwiseOffloadManager:
             self.options = dataclasses.replace(self.options, prefetch_depth=depth)
             self._resident_bytes = sum(self.plan.layers[i].nbytes for i in new)
             self.bound = bound
-            self._chain.restream(self.num_layers, ring.streamed, ring)
+            self.chain.restream(self.num_layers, ring.streamed, ring)
             self._guard_hooks = guards
             self.placement = note
             try:
@@ -371,20 +405,20 @@ class LayerwiseOffloadManager:
             block[e.offset : e.offset + e.span_bytes].copy_(flat.view(torch.uint8).reshape(-1))
         return block
 
-    def _refresh_resident(self, i: int) -> None:
+    def refresh_resident(self, i: int) -> None:
         """Resident layer i's true bytes in its source changed (a state_dict() alias
         handed out while it streamed, written since): its device tensors take them."""
-        block = self._read_layer(i)
+        block = self.read_layer(i)
         with torch.no_grad():
             for e in self.plan.layers[i].params:
                 data = e.source()
                 flat = torch.as_strided(data, (e.span,), (1,), data.storage_offset())
                 flat.view(torch.uint8).reshape(-1).copy_(block[e.offset : e.offset + e.span_bytes])
 
-    def _device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
+    def device_bytes(self, resident: list[int] | None = None, prefetch_depth: int | None = None) -> int:
         """Device bytes of ring + resident layers for a residency plan (default: the current one)."""
-        return device_bytes(self.plan, self.resident if resident is None else resident,
-                            self.prefetch_depth if prefetch_depth is None else prefetch_depth)
+        return planned_device_bytes(self.plan, self.resident if resident is None else resident,
+                                    self.prefetch_depth if prefetch_depth is None else prefetch_depth)
 
     def expert_cache_bytes(self, resident: list[int] | None = None, room: int | None = None) -> int:
         """Bytes of the routed experts' cache on the group's device (experts="routed"
@@ -394,12 +428,19 @@ class LayerwiseOffloadManager:
         one at most a quarter of `room` (stages/experts.cache_size)."""
         if self.experts is None or self.options.expert_cache is None or not self.enabled:
             return 0
-        if self._finalized:
-            return self._chain.experts.cache_bytes
+        if self.streaming:
+            return self.chain.experts.cache_bytes
         keep = set(self.resident if resident is None else resident)
         streamed = [i for i in range(self.num_layers) if i not in keep]
         return stages.experts.cache_size(self.options.expert_cache, self.experts, streamed, self.device,
                                          self.layer_name, room)[0]
+
+    @property
+    def host_budget(self) -> dict | None:
+        """The host budget in force for this group (HostBudget.summary: its bytes, "given"
+        or "auto", the groups it covers), or None where none was given."""
+        budget = self.tiers.host_budget
+        return None if budget is None else budget.summary()
 
     def host_bytes(self) -> int:
         """Host memory the group holds now, as a host budget in force counts it
@@ -407,20 +448,20 @@ class LayerwiseOffloadManager:
         and the blocks its stages keep, the disk tier's staging and, on a CPU device
         (whose memory is the host's), its ring, resident layers and expert cache. Its
         model's non-layer weights are not the group's (HostBudget adds them)."""
-        if not self.enabled or not self._packed:
+        if not self.enabled or not self.packed:
             return 0
         host = self._host
         total = (host.arena.capacity if host.arena is not None else 0) + sum(
             src.stored_bytes for src, block in zip(host.src, host.blocks) if block is None)
-        disk = self._chain.disk if self._chain is not None else None
+        disk = self.chain.disk if self.chain is not None else None
         total += disk.staging_bytes if disk is not None else 0
-        if self._finalized and self.device.type == "cpu":
+        if self.streaming and self.device.type == "cpu":
             total += sum(t.numel() for t in self.ring.slots) + self._resident_bytes + self.expert_cache_bytes()
         return total
 
     def fetch_bytes(self) -> list[int]:
         """Per layer, the bytes its fetch moves over the bus (encoded, a split share)."""
-        return [src.transfer_bytes for src in self._src] if self._packed else [lp.nbytes for lp in self.plan.layers]
+        return [src.transfer_bytes for src in self.sources] if self.packed else [lp.nbytes for lp in self.plan.layers]
 
     # ------------------------------------------------------------- tier plan
     def tier_plan(self, sizes: bool = True) -> list:
@@ -433,13 +474,29 @@ class LayerwiseOffloadManager:
 
     # ------------------------------------------------------------------ pack
     @property
-    def _src(self) -> list:
-        """Each layer's source of truth (stages/source.py)."""
+    def sources(self) -> list:
+        """Each layer's source of truth (stages/source.py: a stages.Source), once packed."""
         return self._host.src
 
     @property
-    def _chain(self):
+    def chain(self):
+        """The group's chain of stages (stages.Chain: its disk, codec, split and expert
+        stages and their queues), once packed; else None."""
         return self._host.chain
+
+    _src, _chain = sources, chain  # (names kept for callers outside the package)
+
+    @property
+    def lock(self):
+        """The model's lock (contract.ModelLock), held by a forward from a layer's
+        pre-hook to its post-hook; what changes the group's record holds it. None
+        before the group is finalised."""
+        return self._lock
+
+    @property
+    def engine(self):
+        """The copy engine (layerwise._native.CopyEngine) while the group streams; else None."""
+        return self._engine
 
     def _arena_capacity(self) -> int:
         return HostLayers.capacity(self.plan, self.tier_plan(sizes=False))
@@ -449,7 +506,7 @@ class LayerwiseOffloadManager:
         become (1,) placeholders. Originals are freed as each parameter is packed, so
         host memory holds the model about once. On failure every parameter packed so
         far gets its exact bytes back. `fill(entry, block)`: as HostLayers.pack."""
-        if self._packed or not self.enabled:
+        if self.packed or not self.enabled:
             return
         routes = self.tier_plan(sizes=False)
         chain = stages.Chain.for_group(self.layer_name, self.device, self.pin_memory, self.options, self.tiers)
@@ -463,9 +520,13 @@ class LayerwiseOffloadManager:
                     self._restore_parameters(original_devices=True)
                 raise
         self.state, self.tiers.fixed = Lifecycle.PACKED, True
-        self.plan.module_list._layerwise_manager = self
+        self.plan.module_list.__dict__[GROUP_KEY] = self
 
-    def _commit(self) -> None:
+    def pack(self, fill=None) -> None:
+        """Step one of a configure: _initialize_layer_weights (the seed's name)."""
+        self._initialize_layer_weights(fill)
+
+    def commit_configure(self) -> None:
         """The whole configure succeeded: drop what a rollback would have needed."""
         self._host.commit()
 
@@ -479,12 +540,12 @@ class LayerwiseOffloadManager:
         also recorded on the model as configure records it: layerwise.managers_of,
         remove_layerwise_offload, report and the state contract's guards see it, and
         the groups finalised so far prefetch across into each other."""
-        if self._finalized:
+        if self.streaming:
             return
         if not self.enabled:
             contract.register_outside_front_door(self)
             return
-        if not self._packed:
+        if not self.packed:
             raise RuntimeError(f"{self.layer_name}: _initialize_layer_weights() must run before finalisation")
         with torch.inference_mode(False), torch.no_grad():
             self._engine = _native.CopyEngine(
@@ -494,23 +555,23 @@ class LayerwiseOffloadManager:
             )
             self._lock = contract.model_lock(self.model)
             layers = self.plan.layers
-            self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks
-            self._dirty = False  # the ring's record may be behind what was queued: the next hook resyncs
-            self.guard = contract.GroupGuard()  # the state contract's own record of this group
-            start = self._engine.record(self._stream(), False) if self._engine.is_cuda else None
-            self.ring = SlotRing(self.plan, self.resident, self.prefetch_depth, self._src, self.device, start)
+            self._grad_hooks = []
+            self._dirty = False
+            self.guard = contract.GroupGuard()
+            start = self._engine.record(self.compute_stream(), False) if self._engine.is_cuda else None
+            self.ring = SlotRing(self.plan, self.resident, self.prefetch_depth, self.sources, self.device, start)
             # Resident layers become ordinary device tensors (one storage each, as in a
             # resident model); streamed ones are bound to views of their slot.
             for i in self.resident:
-                block = self._src[i].read()
+                block = self.sources[i].read()
                 assign([(e, e.wrap(materialize(e, block, self.device))) for e in layers[i].params])
             self._resident_bytes = sum(layers[i].nbytes for i in self.resident)
             for i in self.ring.streamed:
                 bind_layer_to_slot(layers[i].params, self.ring.slots[self.ring.slot_of[i]])
-            self.bound = rebinds.Bound(self)  # where each streamed parameter must still point (layerwise/rebinds.py)
+            self.bound = rebinds.Bound(self)
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
-            self._chain.start(self._engine, self._src, self.ring.streamed, self.prefetch_depth, start, self.ring)
+            self.chain.start(self._engine, self.sources, self.ring.streamed, self.prefetch_depth, start, self.ring)
             for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -527,13 +588,18 @@ class LayerwiseOffloadManager:
                     self._hooks.append(compile_guard.register_hook(
                         lp.module.register_forward_pre_hook, functools.partial(self._pre_hook, lp.index), prepend=True))
                     self._hooks.append(compile_guard.register_hook(
-                        lp.module.register_forward_hook, functools.partial(self._post_hook, lp.index), always_call=True))
+                        lp.module.register_forward_hook, functools.partial(self._post_hook, lp.index),
+                        always_call=True))
                 self._hooks.extend(expert_hooks.install_hooks(self))  # routed experts: the expert modules' pre-hooks
                 self._guard_hooks = contract.install_layer_hooks(self)
             compile_guard.drop_instance_graphs()
         self.state = Lifecycle.STREAMING
         self._reset_stats()
         contract.register_outside_front_door(self)
+
+    def finalize(self) -> None:
+        """The last step of a configure: _finalize_initialization (the seed's name)."""
+        self._finalize_initialization()
 
     def initialize(self) -> None:
         """Pack, one model.to(device) (skipped for DTensor weights), finalise."""
@@ -544,14 +610,15 @@ class LayerwiseOffloadManager:
             self._finalize_initialization()
 
     # -------------------------------------------------------------- runtime
-    def _stream(self) -> int:
+    def compute_stream(self) -> int:
+        """The handle of the stream the device computes on now (0: the CPU backend)."""
         return _native.current_stream_handle(self.device)
 
     def _load(self, i: int, prefetch: bool) -> bool:
         """Queue the fetch of streamed layer i into its slot, unless it is there
         already (and its true bytes have not changed since). False when a prefetch
         finds the slot busy: the layer that computes there keeps it."""
-        ring, src = self.ring, self._src[i]
+        ring, src = self.ring, self.sources[i]
         version = src.version()
         if ring.holds(i, version):
             return True
@@ -569,7 +636,7 @@ class LayerwiseOffloadManager:
         if self._engine.is_cuda:
             # Everything enqueued on the compute stream so far (the slot's last user
             # and its forward hooks) and the slot's previous fetch come before this one.
-            stream = self._stream()
+            stream = self.compute_stream()
             if after is not None:
                 self._engine.wait(after, stream)
             after = self._engine.record(stream, False)
@@ -581,32 +648,32 @@ class LayerwiseOffloadManager:
         return True
 
     # ------------------------------------------------- a layer's true bytes
-    def _layer_host(self, i: int):
+    def layer_host(self, i: int):
         """Layer i's plan-layout bytes as a host tensor that is the truth (a write
         reaches the model), or None where the truth is elsewhere (disk, encoded)."""
-        return self._src[i].host
+        return self.sources[i].host
 
-    def _read_layer(self, i: int) -> torch.Tensor:
+    def read_layer(self, i: int) -> torch.Tensor:
         """Layer i's true bytes in plan layout (host uint8; the arena block or a copy)."""
-        if self._finalized and self._src[i].host is None:
+        if self.streaming and self.sources[i].host is None:
             with self._lock:  # a file's recovery changes shared state
-                return self._src[i].read()
-        return self._src[i].read()
+                return self.sources[i].read()
+        return self.sources[i].read()
 
-    def _write_layer(self, i: int, edit) -> None:
+    def write_layer(self, i: int, edit) -> None:
         """Change layer i's true bytes: `edit(block)` writes into its plan-layout
         host bytes, which then become the truth (the source refuses, before
         anything changes, where it cannot be written). Its slot reloads."""
-        src = self._src[i]
+        src = self.sources[i]
         block = src.host
         if block is None:
             block = src.read()
             if block is src.host:
                 block = block.clone()
             edit(block)
-            with self._queueing(self._finalized):  # a disk source waits for its reads and rewrites its file
-                if self._finalized:
-                    self._chain.flush()  # nothing queued still reads what the write replaces
+            with self.queueing(self.streaming):  # a disk source waits for its reads and rewrites its file
+                if self.streaming:
+                    self.chain.flush()  # nothing queued still reads what the write replaces
                 with contract.defer_interrupts():  # the layer's bytes, CRC and version change together
                     src.write(block)
         else:
@@ -616,12 +683,12 @@ class LayerwiseOffloadManager:
     def _resync(self) -> None:
         """After an interrupt between a queued copy and its record: wait for every
         copy and forget what the slots hold; the next uses reload."""
-        self._chain.forget()
+        self.chain.forget()
         try:
             self._engine.synchronize()
         except Exception:  # noqa: BLE001 - a failed copy (after a failed split gather, say): the engine stops
             self.ring.wait_for_fetches()  # at it: wait for each slot's last fetch instead
-        self.ring.reset(self._engine.record(self._stream(), False) if self._engine.is_cuda else None)
+        self.ring.reset(self._engine.record(self.compute_stream(), False) if self._engine.is_cuda else None)
         self._dirty = False
 
     def _fetch_failed(self, i: int, err: BaseException) -> None:
@@ -629,8 +696,7 @@ class LayerwiseOffloadManager:
         raises the source's own error where it has one (a split gather's SplitError,
         which the native event gives back as a ReadError), else returns (re-raise)."""
         self.ring.forget(i)
-        failed = getattr(self._src[i], "fetch_failed", None)
-        exc = err if failed is None else failed(err)
+        exc = self.sources[i].fetch_failed(err)
         if exc is not err:
             raise exc from None
 
@@ -639,14 +705,28 @@ class LayerwiseOffloadManager:
         next hook waits for every copy and reloads the layers it needs."""
         self._dirty = True
 
-    def _forget_entered(self) -> None:
+    def forget_entered(self) -> None:
         """Forget layers left 'computing' by a forward that an interrupt abandoned."""
         self.ring.forget_entered()
         self._dirty = True
 
+    def forget_abandoned_forward(self) -> None:
+        """No forward of this thread is in flight (the model's root pre-hook, tune
+        after its run): what a forward that an exception or an interrupt abandoned
+        inside a layer left behind (layers marked computing, this thread's
+        saved-tensor hooks) is forgotten. Called holding the model's lock."""
+        me = threading.get_ident()
+        if self.ring.computing() or any(o == me for o, _ in self._grad_hooks):
+            self._reset_entered()
+
+    def link_next(self, group: "LayerwiseOffloadManager") -> None:
+        """`group`'s layers follow this group's last one: its prefetches continue into
+        them (cross-group prefetch, contract.registry.link)."""
+        self.next_manager = group
+
     def _reset_entered(self) -> None:
-        """_forget_entered, and this thread's saved-tensor hooks of that forward."""
-        self._forget_entered()
+        """forget_entered, and this thread's saved-tensor hooks of that forward."""
+        self.forget_entered()
         me = threading.get_ident()
         for owner, ctx in reversed(self._grad_hooks):
             if owner == me:
@@ -670,12 +750,12 @@ class LayerwiseOffloadManager:
             if want <= 0:
                 break
             mgr, pos = mgr.next_manager, 0
-        if self._chain.reads_ahead:
-            with self._queueing():  # reads queued and not recorded yet: an interrupt makes the next hook resync
-                self._chain.read_ahead(i)
+        if self.chain.reads_ahead:
+            with self.queueing():  # reads queued and not recorded yet: an interrupt makes the next hook resync
+                self.chain.read_ahead(i)
 
     @contextlib.contextmanager
-    def _queueing(self, mark: bool = True):
+    def queueing(self, mark: bool = True):
         """Around a call that queues work the records do not show yet: an exception or
         an interrupt inside leaves the group marked dirty (the next hook resyncs)."""
         self._dirty = mark
@@ -689,11 +769,11 @@ class LayerwiseOffloadManager:
         if load:
             self._load(i, prefetch=False)
         ev = self.ring.fetched[i]
-        if ev is None or (not self._chain.pending.items and not stages.is_deferred(ev)):
+        if ev is None or (not self.chain.pending.items and not stages.is_deferred(ev)):
             return ev  # (nothing deferred: the hot path stays free of the context manager)
         try:
-            with self._queueing():
-                self._chain.settle()  # collectives queued before this layer's, in order
+            with self.queueing():
+                self.chain.settle()  # collectives queued before this layer's, in order
                 return ev.resolve()
         except BaseException:
             self.ring.forget(i)  # the next call of the layer fetches it again
@@ -703,7 +783,7 @@ class LayerwiseOffloadManager:
         """Hook handles removed with the group (the contract's guards on modules added later)."""
         self._hooks.extend(handles)
 
-    def _wait_ready(self, i: int) -> None:
+    def wait_ready(self, i: int) -> None:
         """Layer i in its slot, waited for on the host (an edit in place, contract.editing)."""
         if self._dirty:
             self._resync()
@@ -717,7 +797,7 @@ class LayerwiseOffloadManager:
                 raise
             self.ring.fetched[i] = None
         if s >= 0:
-            self._chain.fill(i)  # rows a stage copies on demand only (routed experts), for the edit
+            self.chain.fill(i)  # rows a stage copies on demand only (routed experts), for the edit
 
     def _check_slot_writes(self, s: int) -> None:
         """Our fetches do not bump version counters: a change means someone wrote into
@@ -739,10 +819,10 @@ class LayerwiseOffloadManager:
         if self._dirty:
             self._resync()
         if i == 0 and not self.meter.root_driven:
-            self._new_step()  # blocks called without the model's forward: a step per layer 0
-        if self._chain.reads_ahead or self._chain.pending.items:
-            with self._queueing():
-                self._chain.pump()
+            self.new_step()  # blocks called without the model's forward: a step per layer 0
+        if self.chain.reads_ahead or self.chain.pending.items:
+            with self.queueing():
+                self.chain.pump()
         s = self.ring.slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
@@ -754,12 +834,12 @@ class LayerwiseOffloadManager:
             self._prefetch_after(i)
             if ev is not None:
                 try:
-                    meanwhile = self._chain.meanwhile(i) if self._chain.reads_ahead else None
+                    meanwhile = self.chain.meanwhile(i) if self.chain.reads_ahead else None
                     if meanwhile is None:
-                        self.meter.wait(self._engine, ev, self._stream())
+                        self.meter.wait(self._engine, ev, self.compute_stream())
                     else:
-                        with self._queueing():  # (reads and copies issued while the host waits)
-                            self.meter.wait(self._engine, ev, self._stream(), meanwhile)
+                        with self.queueing():  # (reads and copies issued while the host waits)
+                            self.meter.wait(self._engine, ev, self.compute_stream(), meanwhile)
                 except Exception as err:
                     self._fetch_failed(i, err)
                     raise
@@ -773,13 +853,13 @@ class LayerwiseOffloadManager:
             self._prefetch_after(i)
 
     def _post_hook(self, i: int, module, args, output):
-        if not self._lock._is_owned():
+        if not self._lock.is_owned():
             return  # this thread's pre-hook never ran (an earlier hook raised)
         replaced = None
         try:
-            if self._finalized and not self._dirty and self._chain.pending.items:  # (dirty: stale; the next hook resyncs)
-                with self._queueing():  # collectives for the layers prefetched: after this layer's forward
-                    self._chain.settle()
+            if self.streaming and not self._dirty and self.chain.pending.items:  # (dirty: stale; the next hook resyncs)
+                with self.queueing():  # collectives for the layers prefetched: after this layer's forward
+                    self.chain.settle()
             if self.ring.slot_of[i] >= 0:
                 replaced = self.ring.own_output(output)
             if torch.is_grad_enabled():  # its graph holds the group's parameters until its backward
@@ -797,9 +877,10 @@ class LayerwiseOffloadManager:
 
     # ---------------------------------------------------------------- stats
     def _reset_stats(self) -> None:
-        self.meter.reset(cuda=self._finalized and self._engine.is_cuda)
+        self.meter.reset(cuda=self.streaming and self._engine.is_cuda)
 
-    def _new_step(self) -> None:
+    def new_step(self) -> None:
+        """A step of the model begins (its root pre-hook; layer 0 where blocks are called alone)."""
         if self.guard.handed_out:
             contract.check_handed_out(self)
         self.meter.new_step()
@@ -813,16 +894,16 @@ class LayerwiseOffloadManager:
         in total and for the last complete step, plus the memory this group uses.
         Never waits for the device unless `sync=True` (then every copy and the
         compute stream are drained first, so every figure is final)."""
-        if sync and self.enabled and self._finalized:
-            if not self._chain.idle():
-                with self._lock, self._queueing():
-                    self._chain.flush(collectives=False)  # (stats() is not collective)
+        if sync and self.enabled and self.streaming:
+            if not self.chain.idle():
+                with self._lock, self.queueing():
+                    self.chain.flush(collectives=False)  # (stats() is not collective)
             self._engine.synchronize()
             if self._engine.is_cuda:
                 torch.cuda.synchronize(self.device)
-        if self._finalized:
+        if self.streaming:
             self.meter.resolve()
-        host = self._host.figures(self._packed, self._finalized)
+        host = self._host.figures(self.packed, self.streaming)
         out = {
             "group": self.layer_name,
             "device": str(self.device),
@@ -840,32 +921,32 @@ class LayerwiseOffloadManager:
         return out
 
     # --------------------------------------------------------------- remove
-    # Removal is a transaction in two phases. `_prepare_removal` builds every packed
+    # Removal is a transaction in two phases. `prepare_removal` builds every packed
     # parameter's ordinary tensor with its true bytes and changes nothing: a failure
     # (a file gone, no memory) or a Ctrl-C there leaves the group streaming exactly,
-    # and a retry starts over. `_commit_removal` only rebinds and releases, nothing
+    # and a retry starts over. `commit_removal` only rebinds and releases, nothing
     # that can fail; callers hold Ctrl-C back around it (contract.defer_interrupts).
     def _drain(self) -> None:
         """Wait for every read and copy in flight (they write into staging and the ring)."""
-        if not self._finalized:
+        if not self.streaming:
             return
-        with self._queueing():  # an interrupt in here: the next hook resynchronises
-            self._chain.flush()
+        with self.queueing():  # an interrupt in here: the next hook resynchronises
+            self.chain.flush()
         self._engine.synchronize()
         self.meter.resolve()
 
-    def _prepare_removal(self, original_devices: bool = False) -> list:
+    def prepare_removal(self, original_devices: bool = False) -> list:
         """[(entry, new data or None)] for every packed parameter (HostLayers.prepare_removal)."""
         self._drain()
-        if not self._finalized:
+        if not self.streaming:
             return self._host.prepare_removal(set(), self.device, original_devices)
         with self._lock:  # a parameter a library rebound gives back what it computes from
             self.bound.check_all(self, removing=True)
         prepared = self._host.prepare_removal(set(self.resident), self.device, original_devices)
         return self.bound.give_back_held(prepared, original_devices)
 
-    def _commit_removal(self, prepared: list) -> None:
-        """Rebind every parameter to what `_prepare_removal` built, then release the
+    def commit_removal(self, prepared: list) -> None:
+        """Rebind every parameter to what `prepare_removal` built, then release the
         hooks, ring, engine, arena, tiers and files. Nothing here raises."""
         for h in self._hooks + self._guard_hooks:
             h.remove()
@@ -889,14 +970,14 @@ class LayerwiseOffloadManager:
         self._resident_bytes = 0
         self._engine = None
         self.state = Lifecycle.PLANNED
-        if getattr(self.plan.module_list, "_layerwise_manager", None) is self:
-            del self.plan.module_list._layerwise_manager
+        if self.plan.module_list.__dict__.get(GROUP_KEY) is self:
+            del self.plan.module_list.__dict__[GROUP_KEY]
         compile_guard.drop_instance_graphs()
 
     def _restore_parameters(self, original_devices: bool = False) -> None:
         """Give every packed parameter an ordinary tensor again with its true bytes
         (a configure's rollback: Ctrl-C is held back by the caller)."""
-        self._commit_removal(self._prepare_removal(original_devices))
+        self.commit_removal(self.prepare_removal(original_devices))
 
     def remove(self, original_devices: bool = False) -> None:
         """Undo the offload of this group: hooks removed, ordinary parameters on the

@@ -129,8 +129,8 @@ class Rebinding:
             if why:
                 raise RuntimeError(
                     f"layerwise: {group}: set_residency cannot rebind the {quantized.library_type(param)} weight "
-                    f"{name}: {why}, and torch cannot swap a rebuilt wrapper into it. Drop that reference, then call set_residency again. The placement "
-                    "is unchanged.")
+                    f"{name}: {why}, and torch cannot swap a rebuilt wrapper into it. Drop that reference, then call "
+                    "set_residency again. The placement is unchanged.")
 
     def commit(self) -> None:
         for e, view in self.to_slot:

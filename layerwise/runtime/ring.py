@@ -37,7 +37,7 @@ class SlotRing:
                 pos -= 1
             self.next_pos[i] = pos
         # A source may need more than the layer's bytes in its slot (a gather fills whole shares).
-        size = max((getattr(sources[i], "slot_bytes", plan.layers[i].nbytes) for i in self.streamed), default=0)
+        size = max((sources[i].slot_bytes for i in self.streamed), default=0)
         self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
         self.device = device
         # Each streamed layer's fetch destination: the front of its slot.

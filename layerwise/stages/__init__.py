@@ -33,5 +33,6 @@ from layerwise.stages.result import Deferred, Pending, is_deferred, then
 from layerwise.stages.source import ArenaSource, Source
 from layerwise.stages.transfer import Transfer
 
-__all__ = ["ArenaSource", "Chain", "attached", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier", "ExpertSource", "ExpertTier", "Pending",
-           "ReadCopy", "Source", "SpillFile", "Transfer", "is_deferred", "split", "then"]
+__all__ = ["ArenaSource", "Chain", "attached", "CodecSource", "CodecTier", "Deferred", "DiskSource", "DiskTier",
+           "ExpertSource", "ExpertTier", "Pending", "ReadCopy", "Source", "SpillFile", "Transfer", "is_deferred",
+           "split", "then"]

@@ -4,9 +4,10 @@ staging buffer, then decode them into the slot, where the parameters' views
 already point (docs/design.md, "Tiers and stages"; the format: layerwise/codec/__init__.py).
 
 Which layers: the streamed (not resident) layers that have a segment of a
-coded dtype (bf16, fp16, fp32, fp8: ``codec.CODED_DTYPES``; ``select_layers``). At pack time the manager packs each into a host
-scratch block and hands it to ``CodecTier.store``, which encodes every segment
-of the layer (coded dtypes by the multi-threaded C++ codec; other dtypes
+coded dtype (bf16, fp16, fp32, fp8: ``codec.CODED_DTYPES``; ``select_layers``).
+At pack time the manager packs each into a host scratch block and hands it
+to ``CodecTier.store``, which encodes every segment of the layer (coded
+dtypes by the multi-threaded C++ codec; other dtypes
 stored as they are, behind a codec header) into one byte string, the
 *pieces* one after the other, each 16-byte aligned. A layer whose encoded
 bytes are more than ``MIN_SAVING`` of its raw bytes travels raw (random bit
@@ -59,6 +60,7 @@ from layerwise import _native
 from layerwise import codec as _codec
 from layerwise.planning.layout import BLOCK_ALIGN
 from layerwise.stages.result import Recovered, is_deferred, then
+from layerwise.stages.source import Source
 
 log = logging.getLogger("layerwise")
 
@@ -124,19 +126,20 @@ def encode_layer(block: torch.Tensor, lp, threads: int = 0) -> tuple[torch.Tenso
     return encode_segments(block, segments_of(lp), threads)
 
 
-class CodecSource:
+class CodecSource(Source):
     """A payload kept encoded (or raw, where encoding did not pay) by the source
     it wraps (`inner`: a host block, or a file): stages/source.py has the chain.
     `nbytes` is what it decodes to: the layer, or this rank's share of it."""
 
     kind = "lossless"
     host = None  # the truth is encoded: read() decodes a copy
+    fetches_window = True  # (its pieces within the window; a file inner reads their encoded span only)
 
     def __init__(self, tier: "CodecTier", index: int, segments, nbytes: int, inner, pieces):
         self.tier = tier
         self.index = index
         self.segments = segments
-        self.nbytes = self.slot_bytes = nbytes
+        self.nbytes = nbytes
         self.inner = inner
         self.window = None  # stream_only: what fetch_window decodes, [0, window) of the layer
         self._set_pieces(pieces)
@@ -158,12 +161,12 @@ class CodecSource:
         self._stream_inner()
 
     def _stream_inner(self) -> None:
-        if not callable(getattr(self.inner, "stream_only", None)):
+        if not self.inner.fetches_window:
             return
         if self.pieces is None:
             self.inner.stream_only(self.window)
             return
-        got = self._within(0, self.window)
+        got = self.within(0, self.window)
         end = got[-1].enc_off + got[-1].enc_n if got else 0
         if got and got[0].enc_off != 0:
             raise ValueError(f"layerwise: internal: the encoding of layer {self.tier.group}[{self.index}] does "
@@ -232,7 +235,7 @@ class CodecSource:
             return self.inner.fetch(i, dst, after, timing)
         return self.tier.fetch(self, i, dst, after, timing)
 
-    def _within(self, lo: int, hi: int) -> tuple:
+    def within(self, lo: int, hi: int) -> tuple:
         """The pieces that decode into bytes [lo, hi) of the layer (routed experts: a
         range is the prefix, or whole experts' rows, each expert its own segment);
         a piece that straddles an end of the range is an error."""
@@ -252,7 +255,7 @@ class CodecSource:
         the pieces that decode into [lo, hi) (raw: hi - lo)."""
         if self.pieces is None:
             return self.inner.range_bytes(lo, hi)
-        got = self._within(lo, hi)
+        got = self.within(lo, hi)
         return got[-1].enc_off + got[-1].enc_n - got[0].enc_off if got else 0
 
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int, after, timing: bool = False):
@@ -398,7 +401,7 @@ class CodecTier:
             # payload and pieces together; the manager then reloads the slot anyway).
             pieces, spans, need = src.pieces, src.spans, src.transfer_bytes
             windowed = (part is not None and part[0] == 0 and src.window == part[1]
-                        and callable(getattr(src.inner, "fetch_window", None)))
+                        and src.inner.fetches_window)
             if pieces is None:
                 if windowed:
                     return src.inner.fetch_window(i, dst, after, timing)
@@ -406,7 +409,7 @@ class CodecTier:
                     return src.inner.copy_range(dst, part[0], part[1], after, timing)
                 return src.inner.fetch(i, dst, after, timing)
             if part is not None:
-                pieces = src._within(*part)
+                pieces = src.within(*part)
                 if not pieces:
                     return after
                 spans = tuple((p.enc_off, p.enc_n, p.dst_off, p.dst_n) for p in pieces)

@@ -47,13 +47,14 @@ import torch
 
 from layerwise._native import current_stream_handle
 from layerwise.stages.result import is_deferred
+from layerwise.stages.source import Source
 
 log = logging.getLogger("layerwise")
 
 ENTRY_ALIGN = 256
 
 
-class ExpertSource:
+class ExpertSource(Source):
     """A layer of a group with routed experts (module doc): the layer's source
     `inner` (an ArenaSource), whose fetch copies only bytes [0, base)."""
 
@@ -62,7 +63,7 @@ class ExpertSource:
         # A layer in a file (stages/disk.DiskSource, or one encoded in it): its tier reads
         # and copies the prefix only (read ahead, as any disk layer); the experts' rows are
         # read on demand.
-        self.tiered = callable(getattr(inner, "stream_only", None))
+        self.tiered = inner.fetches_window
         if self.tiered:
             inner.stream_only(base)
 

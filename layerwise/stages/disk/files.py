@@ -17,9 +17,9 @@ from layerwise.stages.disk.reader import (
     OpenFile,
     Reader,
     ReadError,
-    _round_up,
     aligned_staging,
     held_interrupts,
+    round_to_page,
 )
 
 
@@ -158,11 +158,11 @@ class SpillFile:
             self.write_at(offset, block)
         finally:
             self.refresh()
-        self.size = offset + _round_up(block.numel())
+        self.size = offset + round_to_page(block.numel())
         return offset
 
     def write_at(self, offset: int, block: torch.Tensor) -> None:
-        n = _round_up(block.numel())
+        n = round_to_page(block.numel())
         raw = torch.empty(0, dtype=torch.uint8).set_(block.untyped_storage(), block.storage_offset(), (n,))
         view = memoryview(raw.numpy())
         fd = self.direct_fd if self.direct_fd >= 0 and block.data_ptr() % PAGE == 0 else self.fd
@@ -215,7 +215,8 @@ def spill_store(group: str, spill_dir, files: list):
                 files.append(spill)
         n = payload.numel()
         block = payload
-        if payload.data_ptr() % PAGE or payload.untyped_storage().nbytes() - payload.storage_offset() < _round_up(n):
+        room = payload.untyped_storage().nbytes() - payload.storage_offset()
+        if payload.data_ptr() % PAGE or room < round_to_page(n):
             block = aligned_staging(n, pinned=False)[:n]  # appended whole pages at a page boundary
             block.copy_(payload)
         offset = spill.append(block)

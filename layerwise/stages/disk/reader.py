@@ -66,11 +66,11 @@ PAGE = Reader.alignment  # 4096
 READER_THREADS = 4
 READ_CHUNK_BYTES = 4 << 20
 
-__all__ = ["PAGE", "READER_THREADS", "READ_CHUNK_BYTES", "OpenFile", "ReadError", "Reader", "aligned_staging", "filesystem_type", "staging_block", "read_layer",
-           "staging_layout"]
+__all__ = ["PAGE", "READER_THREADS", "READ_CHUNK_BYTES", "OpenFile", "ReadError", "Reader", "aligned_staging",
+           "filesystem_type", "staging_block", "read_layer", "staging_layout"]
 
 
-def _round_up(x: int, a: int = PAGE) -> int:
+def round_to_page(x: int, a: int = PAGE) -> int:
     return (x + a - 1) // a * a
 
 
@@ -88,7 +88,7 @@ def staging_block(nbytes: int, pinned: bool = True, device: int = -1):
     honours its registration's split points: stages/transfer.py)."""
     if nbytes < 0:
         raise ValueError(f"aligned_staging: nbytes must be >= 0, got {nbytes}")
-    size = max(_round_up(nbytes), PAGE)
+    size = max(round_to_page(nbytes), PAGE)
     arena = HostArena(size, pinned=pinned, device=device)
     return arena.allocate(size, alignment=PAGE), arena
 
@@ -117,12 +117,12 @@ def staging_layout(file_extents, base: int = 0) -> tuple[list[tuple[int, int, in
             raise ValueError(f"staging_layout: extent {k} ({off}, {length}) has a negative field")
         if run_end is None or off != run_end:  # a new run, on fresh pages
             if run_end is not None:
-                cursor = _round_up(run_dst + (run_end - run_start))
+                cursor = round_to_page(run_dst + (run_end - run_start))
             run_start, run_end, run_dst = off, off, cursor + off % PAGE
         out[k] = (off, length, run_dst + (off - run_start))
         run_end = off + length
     if run_end is not None:
-        cursor = _round_up(run_dst + (run_end - run_start))
+        cursor = round_to_page(run_dst + (run_end - run_start))
     return out, cursor - base
 
 

@@ -11,11 +11,12 @@ from layerwise.stages.disk import files, staging
 from layerwise.stages.disk.reader import (
     Reader,
     ReadError,
-    _round_up,
     aligned_staging,
     read_layer,
+    round_to_page,
     staging_layout,
 )
+from layerwise.stages.source import Source
 
 
 class _Part:
@@ -25,7 +26,7 @@ class _Part:
         self.file, self.extents = file, extents
 
 
-class DiskSource:
+class DiskSource(Source):
     """A layer whose truth is in a file (stages/source.py interface).
 
     `parts`: [(DiskFile, [(file_offset, length, staging_offset), ...])], the
@@ -37,6 +38,7 @@ class DiskSource:
     kind = "disk"
     host = None
     stored_bytes = 0
+    fetches_window = True  # (the tier reads and copies the window's extents only)
 
     def __init__(self, index: int, nbytes: int, parts, copies, crc: int, spill: files.SpillFile | None = None,
                  spill_offset: int = 0, what: str = ""):
@@ -49,7 +51,7 @@ class DiskSource:
         self.crc = crc
         self.spill = spill
         self.spill_offset = spill_offset
-        self.capacity = _round_up(nbytes)  # a spill layer's region: its bytes, page-rounded
+        self.capacity = round_to_page(nbytes)  # a spill layer's region: its bytes, page-rounded
         self.spare = None  # a spill layer's second region (offset, capacity): where the next write goes
         self.what = what  # "layer group[i]" for messages
         self.tier: staging.DiskTier | None = None
@@ -227,8 +229,8 @@ class DiskSource:
         n = block.numel()
         staging = aligned_staging(n, pinned=False)
         staging[:n].copy_(block)
-        if self.spare is None or _round_up(n) > self.spare[1]:
-            self.spare = (self.spill.append(staging[:n]), _round_up(n))
+        if self.spare is None or round_to_page(n) > self.spare[1]:
+            self.spare = (self.spill.append(staging[:n]), round_to_page(n))
         else:
             try:
                 self.spill.write_at(self.spare[0], staging[:n])

@@ -12,8 +12,8 @@ from layerwise.stages.disk.reader import (
     READER_THREADS,
     Reader,
     ReadError,
-    _round_up,
     read_layer,
+    round_to_page,
     staging_block,
 )
 from layerwise.stages.result import detached
@@ -56,7 +56,7 @@ class ReadCopy:
             return self.ev
         if self.error is not None:
             raise detached(self.error)
-        self.ev = self.tier._issue(self)
+        self.ev = self.tier.issue(self)
         return self.ev
 
     def query(self) -> bool:
@@ -158,7 +158,8 @@ class DiskTier:
                 return k
             if s.src in protect and s.pending is None:
                 continue
-            if best is None or (s.pending is None, -s.used) > (self.slots[best].pending is None, -self.slots[best].used):
+            if best is None or ((s.pending is None, -s.used)
+                                > (self.slots[best].pending is None, -self.slots[best].used)):
                 best = k
         if best is None:  # every slot's bytes are wanted: take the least recently used anyway
             best = min(range(len(self.slots)), key=lambda j: self.slots[j].used)
@@ -220,7 +221,7 @@ class DiskTier:
     # Bounded: a file that keeps changing under the reads is an error.
     read_retries = 2
 
-    def _issue(self, d: ReadCopy):
+    def issue(self, d: ReadCopy):
         """Wait for d's read (host), then queue its copies staging -> slot. A read
         that failed is read again once the file is back (`DiskSource.recover`)."""
         attempt = 0
@@ -278,7 +279,7 @@ class DiskTier:
     def range_staging_bytes(chunk: int, runs: int = 2) -> int:
         """The host staging read_range keeps for reads of `chunk` bytes (each read's runs
         start anywhere in a page): what a host budget counts."""
-        return DiskTier.RANGE_BUFFERS * (_round_up(chunk) + 2 * PAGE * runs)
+        return DiskTier.RANGE_BUFFERS * (round_to_page(chunk) + 2 * PAGE * runs)
 
     def _range_buffer(self, size: int):
         """The next range staging buffer of at least `size` bytes, free (its last copy

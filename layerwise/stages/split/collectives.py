@@ -116,11 +116,13 @@ class SplitGroup:
         try:
             ok = work.wait(timeout=self.timeout)
         except RuntimeError as e:
-            raise self._break(self._failed(what, e)) from None
+            raise self.fail(self._failed(what, e)) from None
         if ok is False:
-            raise self._break(self._failed(what, "timed out"))
+            raise self.fail(self._failed(what, "timed out"))
 
-    def _break(self, why: str) -> SplitError:
+    def fail(self, why: str) -> SplitError:
+        """The SplitError to raise for `why`; on the host backends the group is broken
+        from now on (the collectives queued behind fail without being issued)."""
         if self.device.type != "cuda":  # CUDA issues from the caller's thread: nothing queued behind it
             self._broken = why
         return SplitError(why)
@@ -145,7 +147,7 @@ class SplitGroup:
             sides.setdefault(self._what(row), []).append(r)
         told = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} wanted {what}"
                          for what, rs in sides.items())
-        raise self._break(
+        raise self.fail(
             f"layerwise split fetch: the ranks of the split_fetch group are out of lockstep (rank {self.rank} of "
             f"{self.world} here): {told}. Every rank must make the same calls in the same order (the same layers "
             "in every forward, state_dict / load_state_dict / remove_layerwise_offload on every rank at the same "
@@ -168,7 +170,7 @@ class SplitGroup:
         (a failed gather left its slot's bytes unknown)."""
         for ref in self._stores:
             store = ref()
-            m = store._manager() if store is not None else None
+            m = store.owner() if store is not None else None
             if m is not None:
                 m.forget_slots()
         if self.device.type == "cuda" or self._broken is None:

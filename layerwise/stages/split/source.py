@@ -12,7 +12,7 @@ import torch
 from layerwise import _native
 from layerwise.planning.layout import BLOCK_ALIGN, round_up
 from layerwise.stages.result import Recovered, detached, is_deferred, then
-from layerwise.stages.source import ArenaSource
+from layerwise.stages.source import ArenaSource, Source
 from layerwise.stages.split import collectives
 
 SHARE_ALIGN = 512  # bytes: every rank's part of a slot starts 512-byte aligned (vectorised copies, NCCL)
@@ -64,6 +64,10 @@ class ShareStore:
         group.acquire()
         self._released = False
         self.id = group.register(self)  # its number in the lockstep tags
+
+    def owner(self):
+        """The group whose layers it keeps (a LayerwiseOffloadManager), or None once that is gone."""
+        return self._manager()
 
     def hold(self, payload: torch.Tensor) -> ArenaSource:
         """This rank's share of a packed layer (raw), in the store's arena."""
@@ -146,7 +150,8 @@ class ShareStore:
             return
         rows, per = bad
         if per is None:
-            what = f"different keys ({', '.join(f'rank {r}: {row[collectives.SAME]}' for r, row in enumerate(rows))} values)"
+            keys = ", ".join(f"rank {r}: {row[collectives.SAME]}" for r, row in enumerate(rows))
+            what = f"different keys ({keys} values)"
         else:
             k = next(k for k in range(len(crcs)) if len({row[k] for row in per}) > 1)
             same = [r for r in range(g.world) if per[r][k] == crcs[k]]
@@ -210,7 +215,7 @@ class _LocalFailed:
         raise detached(self.error)
 
 
-class ShareSource:
+class ShareSource(Source):
     """A split layer's source (stages/source.py): this rank's share, kept by the
     source it wraps (`inner`: a host block, encoded or not, or a file); the full
     layer exists only in a slot after a gather, or on the host after a collective
@@ -226,8 +231,11 @@ class ShareSource:
         self.nbytes = nbytes
         self.share, self.lo, self.hi = share_span(nbytes, self.group.rank, self.group.world)
         self.inner = inner  # bytes [lo, hi) of the layer
-        self.slot_bytes = self.share * self.group.world  # >= nbytes: the gather fills whole shares
         self._gen = 0  # bumped by write(); the same on every rank (writes are collective)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.share * self.group.world  # >= nbytes: the gather fills whole shares
 
     @property
     def stored_bytes(self) -> int:
@@ -305,13 +313,13 @@ class ShareSource:
                 self._local_failed(i, copied.error)
             group.agree(*tag)
             return self._gather_cuda(engine, full, part, copied, timing, local)
-        done = _native._C.host_event()
+        done = _native.host_event()
         # A timed fetch is timed from its local copy's start; a rank with no local
         # copy (an empty share) from the gather's own start.
         begun = None
         if timing:
             own = getattr(copied, "start", None) if local else None
-            begun = None if own is not None else _native._C.host_event()
+            begun = None if own is not None else _native.host_event()
             done.start = own if own is not None else begun
 
         def failed(e):
@@ -361,7 +369,7 @@ class ShareSource:
             g.agree(collectives.LOCAL_FAILED, self.store.id, i, self.nbytes, self._gen)
         except collectives.SplitError as e:
             raise collectives.SplitError(f"{e} Here on rank {g.rank}: {local}") from None
-        raise g._break(f"layerwise split fetch of layer {self.store.layer_name}[{i}]: its local copy failed on "
+        raise g.fail(f"layerwise split fetch of layer {self.store.layer_name}[{i}]: its local copy failed on "
                        f"every rank of the split_fetch group (here on rank {g.rank}: {local}); nothing was gathered")
 
     def fetch_failed(self, err: BaseException) -> collectives.SplitError:
@@ -459,7 +467,8 @@ class ShareSource:
         """The tag exchange after every rank wrote its share (on the group's thread): {rank:
         its error} of the ranks whose write failed (their texts gathered only then)."""
         g = self.group
-        rows = g.agree(collectives.WRITTEN, self.store.id, self.index, self.nbytes, self._gen, (int(failed is not None), 0))
+        rows = g.agree(collectives.WRITTEN, self.store.id, self.index, self.nbytes, self._gen,
+                       (int(failed is not None), 0))
         if not any(r[collectives.SAME] for r in rows):
             return {}
         mine = torch.zeros(collectives.WHY_BYTES, dtype=torch.uint8)
@@ -470,7 +479,8 @@ class ShareSource:
         g.wait(collectives.gather(out, mine, g.host_pg, async_op=True),
                f"telling the ranks why writing {self.store.layer_name}[{self.index}] failed")
         texts = out.view(g.world, collectives.WHY_BYTES).numpy()
-        return {r: bytes(texts[r]).rstrip(b"\0").decode(errors="ignore") for r in range(g.world) if rows[r][collectives.SAME]}
+        return {r: bytes(texts[r]).rstrip(b"\0").decode(errors="ignore")
+                for r in range(g.world) if rows[r][collectives.SAME]}
 
     def close(self) -> None:
         if self.inner is None:

@@ -162,5 +162,6 @@ def attach(managers, pg, device: torch.device, timeout_s: float | None = None, v
     for m in managers:
         if not m.enabled:
             continue
-        m.tiers.use_split(source.ShareStore(m, group))  # its tier plan splits the streamed layers (layerwise.planning.routes)
+        # its tier plan splits the streamed layers (layerwise.planning.routes)
+        m.tiers.use_split(source.ShareStore(m, group))
     return group
