@@ -44,6 +44,7 @@ def _validate_paths(model: nn.Module, names: list[str]) -> None:
             owner[id(sub)] = path
 
 
+# The options' defaults are OffloadOptions' fields, repeated for help() and IDEs (layerwise/options.py says why).
 def configure_layerwise_offload(
     model: nn.Module,
     layer_names,
@@ -116,8 +117,7 @@ def configure_layerwise_offload(
     with stages.attached(managers, options):  # split fetch first: the host budget counts this rank's shares
         if options.host_budget is not None:
             held = sum(param_bytes(p) for p in model.parameters() if p.device.type == "cpu")
-            plan = plan_spill(model, managers, dev, options.host_budget, options.spill_dir,
-                              options.disk_prefetch_depth, held)
+            plan = plan_spill(model, managers, options, held)
             record_host_budget(managers, options.host_budget, plan["budget"])
         return build_groups(model, managers, dev)
 

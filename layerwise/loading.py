@@ -72,6 +72,7 @@ def _parameter_entries(model: nn.Module):
 
 
 # ------------------------------------------------------------ load_offloaded
+# The options' defaults are OffloadOptions' fields, repeated for help() and IDEs (layerwise/options.py says why).
 def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefetch_depth: int = 1,
                    resident_layers=0, residency_policy: str = "leading", pin_memory: bool | str = "auto",
                    device_budget=None, budget_margin=None, strict: bool = True, dtype: torch.dtype | None = None,
@@ -419,8 +420,7 @@ def _plan_disk(model, managers, options: OffloadOptions, stored, entry_key) -> N
                 return why
         return None
 
-    plan = plan_host_budget(model, managers, options.device, host_budget, options.disk_prefetch_depth,
-                            why_not_disk=why_not_disk, spill=spill_dir is not None,
+    plan = plan_host_budget(model, managers, options, why_not_disk=why_not_disk, spill=spill_dir is not None,
                             cache_bytes=PageCacheDrop.most(PageCacheDrop.every_for(managers)))
     record_host_budget(managers, host_budget, plan["budget"])
     for m in managers:

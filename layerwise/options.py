@@ -6,6 +6,15 @@ before anything in the model changes (OffloadOptions.build), and hands it to
 everything below it; nothing below validates or interprets an option again. A
 bad value fails with an error that names the option and the value.
 
+Defaults live in the fields of OffloadOptions. The front doors' signatures
+repeat them, so that inspect.signature, help() and an IDE show each keyword with
+its default (a signature generated from the fields would show only to
+inspect.signature, not to an IDE reading the source); tests/test_options.py
+checks that every door's defaults are the fields' own. A default that follows
+from other values (disk_prefetch_depth's, budget_margin's, an expert_cache="auto"
+size) is computed here too, once (disk_staging_slots, budget_margin_bytes,
+auto_expert_cache_bytes), and read from the options below.
+
 The checks below are the building blocks that build() calls; resolve_resident
 and the budget planners take values already validated here.
 """
@@ -85,6 +94,15 @@ class OffloadOptions:
         v["split_fetch"] = validate_split_fetch(v["split_fetch"])
         v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"] = validate_experts(v)
         return cls(**v)
+
+    @property
+    def disk_staging_slots(self) -> int:
+        """The disk stage's staging slots: disk_prefetch_depth, or (None) one more than
+        the ring reads ahead, at least 2. Read from a group's own options, whose
+        prefetch_depth is the one the device budget's planner chose."""
+        if self.disk_prefetch_depth is not None:
+            return self.disk_prefetch_depth
+        return max(2, self.prefetch_depth + 1)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(OffloadOptions))
@@ -314,10 +332,20 @@ def check_debug_delay_device(device: torch.device, debug_copy_delay_us) -> None:
                          f"mode): it does not apply on {device}; leave it None there")
 
 
+DEFAULT_MARGIN_FRACTION = 0.1  # of the device's total memory, kept free for activations (budget_margin=None)
+
+
+def budget_margin_bytes(budget_margin, device_total: int) -> int:
+    """The bytes device_budget="auto" keeps free: budget_margin (validated), or (None)
+    DEFAULT_MARGIN_FRACTION of the device's `device_total` bytes."""
+    return int(DEFAULT_MARGIN_FRACTION * device_total) if budget_margin is None else int(budget_margin)
+
+
 def validate_budget_margin(budget_margin) -> int | None:
     if budget_margin is None:
         return None
-    return validate_bytes("budget_margin", budget_margin, "or None (10% of the device's memory)")
+    return validate_bytes("budget_margin", budget_margin,
+                          f"or None ({DEFAULT_MARGIN_FRACTION:.0%} of the device's memory)")
 
 
 def validate_device_budget(device_budget, budget_margin) -> tuple:
@@ -412,6 +440,15 @@ def validate_experts(v: dict) -> tuple:
         raise ValueError(f"experts='routed' does not compose with {k}={v[k]!r} yet ({why}): drop {k}, or use "
                          "experts='all'. The model is unchanged.")
     return experts, modules, cache, prefetch
+
+
+def auto_expert_cache_bytes(expert_bytes: int, room: int | None) -> int:
+    """The bytes expert_cache="auto" asks for: a quarter of the streamed layers'
+    `expert_bytes`, and at most a quarter of `room` (what the device budget leaves,
+    or the free device memory; None: no bound). The cache rounds it to whole
+    entries (stages/experts.cache_size)."""
+    asked = expert_bytes // 4
+    return asked if room is None else min(asked, max(room, 0) // 4)
 
 
 def validate_pin_memory(pin_memory):

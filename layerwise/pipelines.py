@@ -359,6 +359,7 @@ def _plan_device_budget(parts: list[Component], options: OffloadOptions) -> None
 
 
 # --------------------------------------------------------------- public
+# The options' defaults are OffloadOptions' fields, repeated for help() and IDEs (layerwise/options.py says why).
 def offload_pipeline(pipe, device=None, components="auto", prefetch_depth: int = 1, pin_budget="auto",
                      host_budget=None, device_budget=None, **options) -> dict[str, list]:
     """Stream a whole pipeline's block lists to `device`; the rest goes there whole.
@@ -452,8 +453,7 @@ def _plan_and_configure(pipe, parts, kept, streamed_managers, options: OffloadOp
     then every component packed and the pipeline patched; returns the pin budget."""
     dev = options.device
     if options.host_budget is not None:  # one meaning for every front door (layerwise.planning.host_budget)
-        plan = plan_spill([c.module for c in parts], streamed_managers, dev, options.host_budget, options.spill_dir,
-                          options.disk_prefetch_depth, _held_bytes(parts))
+        plan = plan_spill([c.module for c in parts], streamed_managers, options, _held_bytes(parts))
         record_host_budget(streamed_managers, options.host_budget, plan["budget"])
     for c in parts:
         for m in c.managers:
@@ -470,9 +470,8 @@ def _plan_and_configure(pipe, parts, kept, streamed_managers, options: OffloadOp
     budget = _resolve_pin_budget(pin_budget, _held_bytes(parts))
     _plan_pins(parts, budget, options.pin_memory)
     for c in parts:
-        for g in c.groups:  # each group's own pin_memory, in its options too
+        for g in c.groups:  # each group's own pin_memory, in its options (the group's one copy)
             g.manager.options = dataclasses.replace(g.manager.options, pin_memory=g.pin)
-            g.manager.pin_memory = g.pin
         c.devices = contract.snapshot_devices(c.module)
 
     state = PipelineState(dev, parts, budget, options.pin_memory, {}, [c.name for c in kept])

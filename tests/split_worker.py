@@ -25,7 +25,6 @@ from torch import nn
 import layerwise
 from layerwise.planning.host_budget import staging_slot_bytes
 from layerwise.stages import split
-from layerwise.stages.disk import staging_slots
 
 
 class Block(nn.Module):
@@ -652,7 +651,7 @@ def tier_round(rank, world, subject, reference, combo, depth, resident, ckpt, sp
             assert last["bytes_read"] <= share + 4096 * len(m.tiers.disk_layers) * 4, (what, last, share)
             # the host plan counted the staging this rank allocates: its shares, not whole layers
             # (exactly for raw layers in spill files; encoded ones and checkpoint reads: at most)
-            planned = staging_slots(m.prefetch_depth, m.options.disk_prefetch_depth) * staging_slot_bytes(
+            planned = m.options.disk_staging_slots * staging_slot_bytes(
                 m, m.tiers.disk_layers, spill=m.tiers.disk_where == "spill")
             staged = st["disk"]["staging_bytes"]
             exact = m.tiers.disk_where == "spill" and m.options.compress is None

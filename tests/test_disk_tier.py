@@ -126,6 +126,25 @@ def test_spill_streams_bitwise_and_files_come_and_go(disk_dir, device, depth, re
         assert torch.equal(a.cpu(), b), k
 
 
+def test_the_staging_follows_the_depth_the_device_budget_planned(disk_dir):
+    """disk_prefetch_depth's default (one more than the ring reads ahead, at least 2) is
+    read from the group's options (OffloadOptions.disk_staging_slots) once the device
+    budget's planner has lowered the prefetch depth: the disk stage holds the staging
+    the host budget counted, and streams bitwise."""
+    ref, model = make(), make()
+    probe = layerwise.LayerwiseOffloadManager(make(), "blocks", device="cpu", initialize=False)
+    non_layer = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    (m,) = layerwise.configure_layerwise_offload(
+        model, "blocks", device="cpu", prefetch_depth=3, device_budget=non_layer + probe.device_bytes([], 1),
+        host_budget=budget(model, 1, depth=1), spill_dir=disk_dir)
+    assert m.prefetch_depth == m.options.prefetch_depth == 1 and m.options.disk_prefetch_depth is None
+    assert m.stats()["disk"]["layers"] >= 3
+    assert m.stats()["disk"]["staging_slots"] == m.options.disk_staging_slots == 2
+    for x in inputs():
+        assert torch.equal(model(x), ref(x))
+    layerwise.remove_layerwise_offload(model)
+
+
 def test_random_copy_and_read_delays_change_nothing(disk_dir):
     ref = make(torch.float32, groups=2)
     xs = inputs(torch.float32, n=4)

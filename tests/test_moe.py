@@ -671,9 +671,8 @@ def test_routed_experts_in_spill_files_are_read_on_demand(tmp_path, cache):
     assert m.stats()["disk"]["layers"] == len(disk)
     # the host budget counted the staging the on-demand reads keep
     from layerwise.planning import host_budget
-    from layerwise.stages.disk import staging_slots
 
-    planned = (staging_slots(m.prefetch_depth, None) * host_budget.staging_slot_bytes(m, disk)
+    planned = (m.options.disk_staging_slots * host_budget.staging_slot_bytes(m, disk)
                + host_budget.range_staging_bytes(m, disk))
     assert host_budget.range_staging_bytes(m, disk) > 0
     assert m.stats()["disk"]["staging_bytes"] <= planned

@@ -251,15 +251,63 @@ def test_values_are_normalised_once(tmp_path):
     assert OffloadOptions.build(device="cpu", host_budget="auto", device_budget="auto").host_budget == "auto"
 
 
+# Each front door's own parameters (not streaming options): every other keyword of a door is an option.
+OWN = {
+    "LayerwiseOffloadManager": {"model", "layer_name", "num_layers", "initialize", "options"},
+    "configure_layerwise_offload": {"model", "layer_names"},
+    "load_offloaded": {"model", "checkpoint", "layer_names", "strict", "dtype", "kwargs"},
+    "offload_pipeline": {"pipe", "components", "pin_budget", "options"},
+    "tune": {"model_or_pipe", "run", "depths", "repeats", "apply"},
+}
+
+
 def test_every_front_door_has_the_options_defaults():
-    """The front doors' keyword defaults are OffloadOptions' (one meaning of each default)."""
+    """Each option's default lives in OffloadOptions' field; a front door's signature
+    repeats it (for inspect.signature, help() and an IDE), and must repeat it exactly
+    (value and type); every keyword a door declares is an option or one of its own
+    (OWN); configure takes every option by name, the doors with **options the rest."""
     defaults = {f.name: f.default for f in dataclasses.fields(OffloadOptions)}
-    defaults["device"] = None
-    for door in (layerwise.LayerwiseOffloadManager, layerwise.configure_layerwise_offload,
-                 layerwise.load_offloaded, layerwise.offload_pipeline):
+    defaults["device"] = None  # (a required field: None at a door is the default device)
+    assert layerwise.options.DEFAULTS == defaults
+    for name, own in OWN.items():
+        door = getattr(layerwise, name)
         params = inspect.signature(door).parameters
-        named = {k: p.default for k, p in params.items() if k in defaults}
-        assert named and all(defaults[k] == v for k, v in named.items()), (door, named)
+        named = {k: p.default for k, p in params.items() if k not in own}
+        assert set(named) <= set(defaults), (name, set(named) - set(defaults))
+        wrong = {k: v for k, v in named.items() if not (type(v) is type(defaults[k]) and v == defaults[k])}
+        assert named and not wrong, (name, wrong)
+        assert own <= set(params), (name, own - set(params))
+    assert set(defaults) <= set(inspect.signature(layerwise.configure_layerwise_offload).parameters)
+    for name in ("load_offloaded", "offload_pipeline"):
+        assert any(p.kind is p.VAR_KEYWORD for p in inspect.signature(getattr(layerwise, name)).parameters.values())
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_every_option_keyword_reaches_the_options_unchanged(door, monkeypatch):
+    """What a door is given for each option, declared or through **options, is what
+    OffloadOptions.build gets (no keyword dropped, renamed or defaulted on the way),
+    and build gets nothing else."""
+    got = {}
+
+    def spy(cls, *, caller, also=(), **kw):
+        got.update(kw)
+        raise _Built
+
+    monkeypatch.setattr(OffloadOptions, "build", classmethod(spy))
+    params = inspect.signature(getattr(layerwise, door)).parameters
+    takes = [k for k in OPTION_NAMES if k in params or door in ("load_offloaded", "offload_pipeline")]
+    given = {k: object() for k in takes}
+    args = {"LayerwiseOffloadManager": (make(), GROUPS[0]), "configure_layerwise_offload": (make(), GROUPS),
+            "load_offloaded": (make(), "unused.safetensors", GROUPS), "offload_pipeline": (Holder(make()),)}[door]
+    with pytest.raises(_Built):
+        getattr(layerwise, door)(*args, **given)
+    assert got.keys() == given.keys() and all(got[k] is given[k] for k in given), door
+    if door != "LayerwiseOffloadManager":
+        assert set(takes) == set(OPTION_NAMES)
 
 
 def _forwards(model, steps=3):
@@ -337,3 +385,91 @@ def test_the_decode_path_is_checked_at_the_front_door(door, monkeypatch, checkpo
         call(device="cuda", compress="lossless")
     assert not managers_of(model) and same_state(state(model), before)
     OffloadOptions.build(device="cuda", compress=None)  # (without compress there is nothing to decode)
+
+
+# ------------------------------------------------- one build per call, one place per default
+def _count_builds(monkeypatch) -> list:
+    """The `caller` of every OffloadOptions.build from now on."""
+    build = OffloadOptions.build.__func__
+    calls = []
+
+    def spy(cls, **kw):
+        calls.append(kw.get("caller"))
+        return build(cls, **kw)
+
+    monkeypatch.setattr(OffloadOptions, "build", classmethod(spy))
+    return calls
+
+
+def test_each_front_door_builds_its_options_once(monkeypatch, checkpoint):
+    """A front door builds one OffloadOptions from its keywords and hands that object
+    down (every group of the call gets it); nothing below builds the options again."""
+    calls = _count_builds(monkeypatch)
+    model = make()
+    managers = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=2)
+    assert calls == ["configure_layerwise_offload"]
+    assert len({id(m.options) for m in managers}) == 1 and managers[0].options.prefetch_depth == 2
+    layerwise.remove_layerwise_offload(model)
+
+    calls.clear()
+    with torch.device("meta"):
+        model = make()
+    managers = layerwise.load_offloaded(model, checkpoint, GROUPS, device="cpu", prefetch_depth=2)
+    assert calls == ["load_offloaded"] and len({id(m.options) for m in managers}) == 1
+    layerwise.remove_layerwise_offload(model)
+
+    for uses in (None, lambda pipe: pipe.model(torch.randn(2, 32))):  # (a warm-up offloads twice: one build)
+        calls.clear()
+        holder = Holder(make())
+        managers = layerwise.offload_pipeline(holder, device="cpu", prefetch_depth=2, uses=uses)["model"]
+        assert calls == ["offload_pipeline"] and all(m.prefetch_depth == 2 for m in managers)
+        layerwise.remove_pipeline_offload(holder)
+
+    calls.clear()
+    model = make()
+    m = layerwise.LayerwiseOffloadManager(model, GROUPS[0], device="cpu", prefetch_depth=2)
+    assert calls == ["LayerwiseOffloadManager"]
+    layerwise.remove_layerwise_offload(model)
+    opts = OffloadOptions.build(device="cpu")
+    calls.clear()
+    m = layerwise.LayerwiseOffloadManager(model, GROUPS[0], options=opts)
+    assert calls == [] and m.options is opts
+    layerwise.remove_layerwise_offload(model)
+
+
+def test_the_derived_defaults_are_the_options_own():
+    """A default that follows from other values is computed by options.py, once, and
+    read from the object below: the disk stage's staging slots (disk_prefetch_depth
+    None: one more than the ring reads ahead, at least 2), the device budget's margin
+    (budget_margin None: DEFAULT_MARGIN_FRACTION of the device), the size of an
+    expert_cache="auto" (a quarter of the streamed experts' bytes, at most a quarter
+    of the room the device budget leaves)."""
+    from layerwise.options import DEFAULT_MARGIN_FRACTION, auto_expert_cache_bytes, budget_margin_bytes
+
+    opts = OffloadOptions.build(device="cpu")
+    assert opts.disk_prefetch_depth is None and opts.disk_staging_slots == 2
+    assert OffloadOptions.build(device="cpu", prefetch_depth=3).disk_staging_slots == 4
+    assert OffloadOptions.build(device="cpu", prefetch_depth=0).disk_staging_slots == 2
+    assert OffloadOptions.build(device="cpu", prefetch_depth=3, disk_prefetch_depth=1).disk_staging_slots == 1
+    assert dataclasses.replace(opts, prefetch_depth=5).disk_staging_slots == 6  # the depth a planner chose
+    assert budget_margin_bytes(None, 16 << 30) == int(DEFAULT_MARGIN_FRACTION * (16 << 30))
+    assert budget_margin_bytes(1 << 30, 16 << 30) == 1 << 30
+    assert auto_expert_cache_bytes(4000, None) == 1000 and auto_expert_cache_bytes(4000, 2000) == 500
+    assert auto_expert_cache_bytes(4000, -8) == 0
+
+
+def test_a_group_keeps_one_prefetch_depth_and_one_pin_memory():
+    """The group's options are the one copy: prefetch_depth and pin_memory read them
+    (read-only), and a placement change updates them."""
+    model = make()
+    m = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=2, pin_memory=False)[0]
+    assert m.prefetch_depth == m.options.prefetch_depth == m.stats()["prefetch_depth"] == 2
+    assert m.pin_memory is m.options.pin_memory is False
+    with pytest.raises(AttributeError):
+        m.prefetch_depth = 3
+    with pytest.raises(AttributeError):
+        m.pin_memory = True
+    m.set_residency([0], prefetch_depth=1)
+    assert m.prefetch_depth == m.options.prefetch_depth == m.stats()["prefetch_depth"] == 1
+    assert [torch.equal(a, b) for a, b in zip(_forwards(model), _forwards(make()))] == [True] * 3
+    layerwise.remove_layerwise_offload(model)

@@ -24,12 +24,10 @@ import logging
 
 import torch
 
-from layerwise.options import resolve_resident
+from layerwise.options import budget_margin_bytes, resolve_resident
 from layerwise.planning.layout import assign_slots, param_bytes
 
 log = logging.getLogger("layerwise")
-
-DEFAULT_MARGIN_FRACTION = 0.1  # of the device's total memory, kept for activations
 
 
 def non_layer_bytes(model, managers) -> int:
@@ -134,12 +132,11 @@ def fmt_bytes(n: int | float) -> str:
 
 def resolve_budget(device: torch.device, device_budget, budget_margin) -> int:
     """Bytes for a device budget (a number, or "auto": free device memory less
-    `budget_margin`, default 10% of the device), from values validated by
-    OffloadOptions.build."""
+    `budget_margin`, default 10% of the device: options.budget_margin_bytes), from
+    values validated by OffloadOptions.build."""
     if isinstance(device_budget, str):
         free, total = free_device_bytes(device)
-        margin = int(DEFAULT_MARGIN_FRACTION * total) if budget_margin is None else int(budget_margin)
-        return max(0, free - margin)
+        return max(0, free - budget_margin_bytes(budget_margin, total))
     return int(device_budget)
 
 

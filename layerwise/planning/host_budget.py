@@ -32,7 +32,7 @@ import logging
 
 from layerwise.planning.device_budget import fmt_bytes, non_layer_bytes
 from layerwise.planning.layout import round_up
-from layerwise.stages.disk import DiskTier, spill_store, staging_slots
+from layerwise.stages.disk import DiskTier, spill_store
 
 log = logging.getLogger("layerwise")
 
@@ -130,23 +130,25 @@ def range_staging_bytes(manager, layers, spill: bool = True) -> int:
     return DiskTier.range_staging_bytes(plan.range_chunk(), 1 if spill else plan.range_runs())
 
 
-def plan_spill(model, managers, device, host_budget, spill_dir, disk_prefetch_depth, held_bytes: int) -> dict:
+def plan_spill(model, managers, options, held_bytes: int) -> dict:
     """An in-memory model's (or pipeline's) disk tier: plan against the budget, then
-    the layers that do not fit go to spill files in `spill_dir` as they are packed.
-    Returns the plan (plan_host_budget)."""
-    plan = plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth, held_bytes=held_bytes,
-                            disk=spill_dir is not None)
+    the layers that do not fit go to spill files in `options.spill_dir` as they are
+    packed. Returns the plan (plan_host_budget)."""
+    spill_dir = options.spill_dir
+    plan = plan_host_budget(model, managers, options, held_bytes=held_bytes, disk=spill_dir is not None)
     for m in managers:
         if m.tiers.disk_layers:
             m.tiers.keep_on_disk(m.tiers.disk_layers, "spill", functools.partial(spill_store, m.layer_name, spill_dir))
     return plan
 
 
-def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=None, held_bytes: int = 0,
-                     why_not_disk=None, spill: bool = True, cache_bytes: int = 0, disk: bool = True) -> dict:
+def plan_host_budget(model, managers, options, held_bytes: int = 0, why_not_disk=None, spill: bool = True,
+                     cache_bytes: int = 0, disk: bool = True) -> dict:
     """Choose each manager's disk layers (`m.tiers.keep_on_disk`) so that host memory
-    fits the budget, each layer that stays in memory counted at the size its
-    route gives it (layerwise.planning.routes: encoded, this rank's share); returns the
+    fits `options.host_budget` on `options.device`, each layer that stays in memory
+    counted at the size its route gives it (layerwise.planning.routes: encoded, this
+    rank's share), and each group's staging at the slots its own options give
+    (OffloadOptions.disk_staging_slots: at the prefetch depth planned); returns the
     plan (also logged).
 
     `cache_bytes`: the most page cache of the files read while packing that the
@@ -157,7 +159,8 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     without spill_dir): every layer must fit, or a ValueError says what it needs."""
     from layerwise.planning.routes import layer_host_bytes
 
-    budget, how = resolve_host_budget(host_budget, held_bytes)
+    device = options.device
+    budget, how = resolve_host_budget(options.host_budget, held_bytes)
     enabled = [m for m in managers if m.enabled]
     for m in enabled:
         m.tiers.keep_on_disk(())
@@ -184,7 +187,7 @@ def plan_host_budget(model, managers, device, host_budget, disk_prefetch_depth=N
     forced = {m: [i for i in streamed[m] if (m, i) in reasons] for m in enabled}
 
     def staging(disk_sets):
-        return sum(staging_slots(m.prefetch_depth, disk_prefetch_depth) * staging_slot_bytes(m, d, spill)
+        return sum(m.options.disk_staging_slots * staging_slot_bytes(m, d, spill)
                    + range_staging_bytes(m, d, spill) for m, d in disk_sets.items() if d)
 
     every = sum(mem[m][i] for m in enabled for i in streamed[m])

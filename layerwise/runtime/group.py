@@ -103,6 +103,13 @@ class LayerwiseOffloadManager:
     _packed = packed  # (the seed's names, kept for callers outside the package)
     _finalized = streaming
 
+    @property
+    def prefetch_depth(self) -> int:
+        """The prefetch depth in force: the group's options are its one copy (the
+        device budget's planner and set_residency change it there)."""
+        return self.options.prefetch_depth
+
+    # The options' defaults are OffloadOptions' fields, repeated for help() and IDEs (layerwise/options.py says why).
     def __init__(
         self,
         model: nn.Module,
@@ -125,7 +132,6 @@ class LayerwiseOffloadManager:
     ):
         # The streaming options: `options` (OffloadOptions.build), or built from the keywords; validated there, once.
         self.options = options = manager_options(options, named_options(locals()), initialize)
-        self.prefetch_depth = options.prefetch_depth
         self.compress = options.compress
         self.device = options.device
         self.plan: GroupPlan = build_group_plan(model, layer_name, num_layers)
@@ -137,7 +143,6 @@ class LayerwiseOffloadManager:
         self.layer_name = layer_name  # the block list's path in the model
         self.num_layers = self.plan.num_layers  # its layers, streamed or resident
         self.resident = resolve_resident(options.resident_layers, self.num_layers, options.residency_policy)
-        self.pin_memory = options.pin_memory  # (the other options are read from self.options)
         # the tier plan's inputs, set by the planners (layerwise/planning/routes.py)
         self.tiers = TierChoice(layer_name)
         # experts="routed": the group's expert modules, its layers laid out expert-last (layerwise/planning/experts.py)
@@ -183,7 +188,6 @@ class LayerwiseOffloadManager:
         if self.streaming:
             raise RuntimeError(f"{self.layer_name}: residency is fixed once finalised")
         self.resident = sorted(resident)
-        self.prefetch_depth = prefetch_depth
         self.options = dataclasses.replace(self.options, prefetch_depth=prefetch_depth)
         if expert_cache is not None and self.options.expert_cache == "auto":
             self.options = dataclasses.replace(self.options, expert_cache=expert_cache or None)
@@ -324,7 +328,6 @@ class LayerwiseOffloadManager:
             self.ring = ring
             binding.commit()
             self.resident = new
-            self.prefetch_depth = depth
             self.options = dataclasses.replace(self.options, prefetch_depth=depth)
             self._resident_bytes = sum(self.plan.layers[i].nbytes for i in new)
             self.bound = bound
@@ -509,7 +512,7 @@ class LayerwiseOffloadManager:
         if self.packed or not self.enabled:
             return
         routes = self.tier_plan(sizes=False)
-        chain = stages.Chain.for_group(self.layer_name, self.device, self.pin_memory, self.options, self.tiers)
+        chain = stages.Chain.for_group(self.layer_name, self.options, self.tiers)
         self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory)
         with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
             try:
@@ -571,7 +574,7 @@ class LayerwiseOffloadManager:
             self.bound = rebinds.Bound(self)
             # The chain of stages that makes a layer ready in its slot (layerwise/stages):
             # each source knows its own; the stages get their buffers, reader and queues.
-            self.chain.start(self._engine, self.sources, self.ring.streamed, self.prefetch_depth, start, self.ring)
+            self.chain.start(self._engine, self.sources, self.ring.streamed, start, self.ring)
             for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
             # Hooks run eagerly under torch.compile: dynamo skips them instead of
@@ -997,6 +1000,6 @@ class LayerwiseOffloadManager:
                 f"prefetch_depth={self.prefetch_depth}, resident={len(self.resident)}, enabled={self.enabled})")
 
 
-for _name in ("residency_policy", "num_copy_streams", "debug_copy_delay_us", "measure_stalls", "disk_prefetch_depth",
-              "debug_read_delay_us", "split_fetch"):  # the other options, read-only (set them through `options`)
+for _name in ("pin_memory", "residency_policy", "num_copy_streams", "debug_copy_delay_us", "measure_stalls",
+              "disk_prefetch_depth", "debug_read_delay_us", "split_fetch"):  # read-only: set them through `options`
     setattr(LayerwiseOffloadManager, _name, property(lambda self, _n=_name: getattr(self.options, _n)))

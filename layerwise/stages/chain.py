@@ -27,7 +27,7 @@ import logging
 import torch
 
 from layerwise.stages.decode import CodecSource, CodecTier, segments_of
-from layerwise.stages.disk import DiskSource, DiskTier, staging_slots
+from layerwise.stages.disk import DiskSource, DiskTier
 from layerwise.stages.experts import ExpertSource, ExpertTier
 from layerwise.stages.result import Pending
 from layerwise.stages.source import ArenaSource
@@ -39,18 +39,18 @@ POLL_S = 50e-6  # between looks at a fetch the host waits for (Chain.meanwhile)
 
 
 class Chain:
-    def __init__(self, group: str, device: torch.device, pin_memory, compress=None, split=None, file_store=None,
-                 disk_prefetch_depth: int | None = None, debug_read_delay_us: int | None = None, experts=None,
-                 expert_cache=None):
+    def __init__(self, group: str, options, split=None, file_store=None, experts=None):
+        """`options`: the group's OffloadOptions as they are when it packs, the planners'
+        choices in them (its device, pin_memory, compress, the disk stage's staging
+        slots and read delay, expert_cache); the host side is fixed from then on (a
+        later set_residency changes the ring, not the staging). `split`: its share
+        store; `experts`: its routed experts' plan."""
         self.group = group
-        self.device = device
-        self.pin_memory = pin_memory
-        self.codec = CodecTier(group, device, pin_memory) if compress == "lossless" else None
+        self.options = options
+        self.codec = CodecTier(group, options.device, options.pin_memory) if options.compress == "lossless" else None
         self.split = split  # stages.split.ShareStore, or None
         self.file_store = file_store  # store(lp, payload, span, what) -> DiskSource, or None
         self.files: list = []  # the files its disk sources read (closed by close())
-        self.disk_prefetch_depth = disk_prefetch_depth
-        self.debug_read_delay_us = debug_read_delay_us
         self.pending = Pending()
         self.disk: DiskTier | None = None
         self.transfer: Transfer | None = None
@@ -60,16 +60,15 @@ class Chain:
         self.host_blocks = False  # a wait for a fetch blocks the host (the CPU backend's engine)
         # routed experts (layerwise/planning/experts.py plans them): every layer's ordinary fetch copies its
         # non-expert prefix; the experts' rows are copied by this stage from the expert modules' hooks
-        self.experts = ExpertTier(group, experts, device, expert_cache) if experts is not None else None
+        self.experts = ExpertTier(group, experts, options.device, options.expert_cache) if experts is not None else None
 
     @classmethod
-    def for_group(cls, group: str, device, pin_memory, options, tiers) -> "Chain":
-        """The chain of a group whose tier plan is `tiers` (layerwise.planning.routes.TierChoice,
+    def for_group(cls, group: str, options, tiers) -> "Chain":
+        """The chain of a group whose options are `options` (its own: the planners'
+        choices in them) and whose tier plan is `tiers` (layerwise.planning.routes.TierChoice,
         set by the planners): its codec, its share store, the store of its disk layers
         (whose files it opens: closed with it)."""
-        chain = cls(group, device, pin_memory, options.compress, tiers.split_store,
-                    disk_prefetch_depth=options.disk_prefetch_depth, debug_read_delay_us=options.debug_read_delay_us,
-                    experts=tiers.experts, expert_cache=options.expert_cache)
+        chain = cls(group, options, tiers.split_store, experts=tiers.experts)
         if chain.codec is not None:  # (a write that re-encodes a layer larger is checked against it)
             chain.codec.host_budget = tiers.host_budget
         if tiers.disk_layers:
@@ -118,12 +117,12 @@ class Chain:
         return ExpertSource(src, lp.base_bytes, self.experts)
 
     # ------------------------------------------------------------ run time
-    def start(self, engine, sources: list, streamed: list[int], prefetch_depth: int, compute_ready=None,
-              ring=None) -> None:
+    def start(self, engine, sources: list, streamed: list[int], compute_ready=None, ring=None) -> None:
         """Give every stage what it needs (once the group is packed): `sources` every
-        layer's source, `streamed` the streamed layers in order, `prefetch_depth` the
-        ring's (the disk stage's staging slots follow it), `compute_ready` an event on
-        the compute stream (CUDA) that the first write into new device buffers waits on."""
+        layer's source, `streamed` the streamed layers in order, `compute_ready` an
+        event on the compute stream (CUDA) that the first write into new device
+        buffers waits on. The disk stage gets the staging slots the host budget
+        counted (options.disk_staging_slots: at the prefetch depth planned)."""
         self.transfer = Transfer(engine)
         self.host_blocks = not engine.is_cuda
         for src in sources:
@@ -140,9 +139,9 @@ class Chain:
         if not order:
             return
         srcs = [self._disk_of[i] for i in order]
-        slots = staging_slots(prefetch_depth, self.disk_prefetch_depth)
-        self.disk = DiskTier(engine, slots, max(s.fetch_staging_size for s in srcs), self.device,
-                             pinned=self.pin_memory is not False, debug_read_delay_us=self.debug_read_delay_us)
+        opts = self.options
+        self.disk = DiskTier(engine, opts.disk_staging_slots, max(s.fetch_staging_size for s in srcs), opts.device,
+                             pinned=opts.pin_memory is not False, debug_read_delay_us=opts.debug_read_delay_us)
         if self.experts is not None:  # on-demand reads of experts' rows: one expert's largest rows at a time
             self.disk.range_chunk = self.experts.plan.range_chunk()
             self.disk.range_runs = 1 if all(s.spill is not None for s in srcs) else self.experts.plan.range_runs()

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layerwise._native import current_stream_handle
+from layerwise.options import auto_expert_cache_bytes
 from layerwise.stages.result import is_deferred
 from layerwise.stages.source import Source
 
@@ -252,12 +253,9 @@ def cache_size(spec, plan, streamed, device: torch.device, group: str = "",
     per = layer_experts(plan)
     limit = entry * sum(per.get(i, 0) for i in streamed)
     if spec == "auto":
-        asked = plan.expert_bytes(streamed) // 4
         if room is None and device.type == "cuda":
             room, _ = torch.cuda.mem_get_info(device)
-        if room is not None:
-            asked = min(asked, max(room, 0) // 4)
-        asked = asked // entry * entry
+        asked = auto_expert_cache_bytes(plan.expert_bytes(streamed), room) // entry * entry
     else:
         asked = int(spec)
         if limit and asked < entry:

@@ -12,7 +12,7 @@ blocking) and `resolve()` a layer's ReadCopy where the layer is needed: the
 host blocks only there, and only if the read is not done yet. The same logic
 runs on the CPU backend, so CI exercises it.
 
-Staging: `num_slots` slots (`disk_prefetch_depth`), each the size of the
+Staging: `num_slots` slots (OffloadOptions.disk_staging_slots), each the size of the
 largest disk layer's staging layout. A slot is read into only after the copy
 out of it was issued (the read waits on that copy's event), and the next disk
 layers are read ahead (`read_ahead`) while slots are free.
@@ -38,4 +38,4 @@ collected without a remove, and at exit (by the process that made them).
 from layerwise.stages.disk.files import DiskFile, SpillFile, crc_of, spill_store  # noqa: F401
 from layerwise.stages.disk.reader import ReadError  # noqa: F401
 from layerwise.stages.disk.source import DiskSource  # noqa: F401
-from layerwise.stages.disk.staging import DiskTier, ReadCopy, staging_slots  # noqa: F401
+from layerwise.stages.disk.staging import DiskTier, ReadCopy  # noqa: F401

@@ -20,13 +20,6 @@ from layerwise.stages.result import detached
 from layerwise.stages.transfer import Transfer, cuts_of
 
 
-def staging_slots(prefetch_depth: int, disk_prefetch_depth) -> int:
-    """The disk stage's staging slots: disk_prefetch_depth, or one more than the ring reads ahead."""
-    if disk_prefetch_depth is not None:  # (an int: OffloadOptions)
-        return disk_prefetch_depth
-    return max(2, prefetch_depth + 1)
-
-
 # --------------------------------------------------------------------- the tier
 class ReadCopy:
     """The copy of a read layer out of staging into its slot, issued once the read
