@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 import layerwise
 from layerwise.configure import managers_of
-from models import TwoGroupModel
+
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 

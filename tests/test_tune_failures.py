@@ -1,4 +1,4 @@
-"""Attacks on layerwise.tune that test_tune.py does not cover: a
+"""layerwise.tune when something fails, beyond test_tune.py: a
 run() that fails once the new placement is applied (a model whose blocks call
 each other, or any other failure), and budgets that are not numbers of bytes."""
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 
 import layerwise
 
-from models import TwoGroupModel
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 

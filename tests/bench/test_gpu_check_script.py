@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
@@ -97,8 +97,9 @@ def test_the_test_stages_select_what_needs_the_device():
     plan = dry_run("--dry-run")
     stages = {s[0]: s[3] for s in plan["stages"]}
     files = [f for name in ("cuda", "kernels") for f in stages[name].split() if f.startswith("tests/")]
-    assert files[:6] == ["tests/test_native.py", "tests/test_manager.py", "tests/test_cuda_path.py",
-                         "tests/test_residency.py", "tests/test_tune.py", "tests/test_loading.py"]
+    assert files[:6] == ["tests/runtime/test_native.py", "tests/runtime/test_manager.py",
+                         "tests/runtime/test_cuda_path.py", "tests/runtime/test_residency.py", "tests/test_tune.py",
+                         "tests/test_loading.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
                           capture_output=True, text=True, env=env(LAYERWISE_CUDA_ONLY="1"), timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

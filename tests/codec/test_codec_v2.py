@@ -3,7 +3,7 @@ Huffman codes of bf16, fp16, fp32 and fp8 fields, decoded by the C++ decoder
 (csrc/codec/decode.cpp), the pure-torch reference and the Triton kernel
 (triton_kernels/decode.py: under the interpreter on CPU, so the inputs it gets
 are kept small, or small chunks are asked for). Helpers and the kernel module
-under test: tests/test_codec.py.
+under test: tests/helpers/codec.py.
 """
 import os
 import random
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_codec import D, assert_bitwise, bits, device, need_triton, poisoned_like, specials, weight_like  # noqa: F401
 from layerwise import codec
 from layerwise._native import codec as native
+
+from helpers.codec import D, assert_bitwise, bits, need_triton, poisoned_like, specials, weight_like
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] + FP8
@@ -25,7 +26,7 @@ SMALL = dict(log2_chunk=10, log2_sub=5)  # 1024-value chunks of 32 sub-blocks: m
 TINY = dict(log2_chunk=8, log2_sub=4)  # the smallest: 256-value chunks of 16 sub-blocks
 
 # layerwise.codec.decode_segment imports the kernels as layerwise.triton_kernels.decode: this checkout's
-# (test_codec registered it in sys.modules; an editable install made elsewhere may own the package)
+# (helpers/codec.py registered it in sys.modules; an editable install made elsewhere may own the package)
 import layerwise.triton_kernels as _tk  # noqa: E402
 
 _tk.decode = D
@@ -817,7 +818,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     if D.triton is None:
         pytest.skip("triton is not importable")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    checkout = str(Path(__file__).resolve().parents[1])
+    checkout = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(D.__file__)), checkout], env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode and ("GPUTarget" in proc.stderr or "ptxas" in proc.stderr) and "ImportError" in proc.stderr:

@@ -15,10 +15,11 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import layerwise
-from models import TwoGroupModel
+
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "layerwise")
 
 
@@ -215,7 +216,7 @@ def test_configure_forward_tune_and_remove_never_import_dynamo():
         import copy
         assert "torch._dynamo" not in sys.modules, "torch itself imported it"
         import layerwise
-        from models import TwoGroupModel
+        from helpers.models import TwoGroupModel
         assert "torch._dynamo" not in sys.modules, "import layerwise did"
         torch.manual_seed(0)
         resident = TwoGroupModel(d=32, n_a=4, n_b=2)
@@ -243,7 +244,7 @@ COMPILE_STREAMED = """
     if DYNAMO_FIRST:
         import torch._dynamo
     import layerwise
-    from models import TwoGroupModel
+    from helpers.models import TwoGroupModel
     torch.manual_seed(0)
     resident = TwoGroupModel(d=32, n_a=4, n_b=2)
     model = copy.deepcopy(resident)

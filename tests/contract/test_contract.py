@@ -18,51 +18,10 @@ import layerwise
 from layerwise.runtime import group as manager_mod
 from layerwise.runtime import host_store as packing_mod
 from layerwise.configure import _prepare, managers_of
-from models import Block, TwoGroupModel
+
+from helpers.contract import assert_fingerprint, fingerprint, inputs, make, no_trace_of_layerwise, run
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
-
-
-def make(seed=0, **kw):
-    torch.manual_seed(seed)
-    return TwoGroupModel(**kw)
-
-
-def inputs(n=3, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 32, generator=g) for _ in range(n)]
-
-
-def run(model, xs):
-    with torch.no_grad():
-        return [model(x) for x in xs]
-
-
-def fingerprint(model):
-    """Everything a rollback must give back: values, dtype, device, strides, per tensor."""
-    out = {}
-    for n, p in model.named_parameters():
-        out[n] = (p.detach().clone(), p.dtype, p.device, p.stride(), p.requires_grad)
-    for n, b in model.named_buffers():
-        out["buffer:" + n] = (b.clone(), b.dtype, b.device, b.stride(), False)
-    return out
-
-
-def assert_fingerprint(model, fp):
-    now = fingerprint(model)
-    assert set(now) == set(fp)
-    for k, (v, dt, dev, st, rg) in fp.items():
-        w, dt2, dev2, st2, rg2 = now[k]
-        assert (dt2, dev2, st2, rg2) == (dt, dev, st, rg), k
-        assert torch.equal(w, v), f"{k} changed"
-
-
-def no_trace_of_layerwise(model):
-    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_hooks)
-                + len(m._load_state_dict_pre_hooks) for m in model.modules())
-    extra = [k for m in model.modules() for k in m.__dict__
-             if k.startswith("_layerwise") or k in ("_apply", "__deepcopy__", "__reduce_ex__")]
-    return hooks == 0 and not extra and not managers_of(model)
 
 
 # ------------------------------------------------------------- rollback
@@ -448,7 +407,7 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
     torch.set_num_threads(1)
     import layerwise
     from layerwise.configure import _prepare, managers_of
-    from models import TwoGroupModel
+    from helpers.models import TwoGroupModel
     GROUPS = ["transformer_blocks", "single_transformer_blocks"]
     mode, target = sys.argv[1], int(sys.argv[2])
     rng = random.Random(int(sys.argv[3]))
@@ -605,7 +564,7 @@ def test_real_sigints_never_leave_a_wrong_model(mode, target, tmp_path):
     import os
 
     script = tmp_path / "sigint.py"
-    script.write_text(SIGINT_SCRIPT.format(tests=os.path.dirname(__file__)))
+    script.write_text(SIGINT_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))))
     cap = 240
     proc = subprocess.run([sys.executable, str(script), mode, str(target), "7", str(tmp_path), str(cap)],
                           capture_output=True, text=True, timeout=cap + 300)

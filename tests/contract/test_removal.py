@@ -15,7 +15,8 @@ from layerwise.runtime import group as manager_mod
 from layerwise.runtime import host_store as packing_mod
 from layerwise.configure import managers_of
 from layerwise.stages import disk as disk_mod
-from test_contract import assert_fingerprint, fingerprint, inputs, make, no_trace_of_layerwise, run
+
+from helpers.contract import assert_fingerprint, fingerprint, inputs, make, no_trace_of_layerwise, run
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 
@@ -152,7 +153,7 @@ def test_a_layer_that_cannot_be_read_fails_the_removal_and_the_model_keeps_strea
 
 
 def test_a_checkpoint_cut_short_fails_the_removal_clearly_and_a_retry_after_restoring_it_completes(tmp_path):
-    from test_disk_tier import budget, inputs as disk_inputs, make as disk_make, meta_model, save_checkpoint
+    from helpers.disk import budget, inputs as disk_inputs, make as disk_make, meta_model, save_checkpoint
 
     ref = disk_make()
     path = save_checkpoint(ref, str(tmp_path / "model.safetensors"))
@@ -410,7 +411,7 @@ import torch
 torch.set_num_threads(1)
 import layerwise
 from layerwise.runtime import group as mm
-from models import TwoGroupModel
+from helpers.models import TwoGroupModel
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # a program that lets Ctrl-C end it
 model = TwoGroupModel()
 layerwise.configure_layerwise_offload(model, ["transformer_blocks", "single_transformer_blocks"], device="cpu")
@@ -429,6 +430,6 @@ def test_ctrl_c_held_back_during_the_commit_is_delivered_to_sig_dfl():
     import subprocess
     import sys
 
-    code = SIG_DFL_SCRIPT.format(tests=os.path.dirname(__file__))
+    code = SIG_DFL_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stdout, proc.stderr[-2000:])

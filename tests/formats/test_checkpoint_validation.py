@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 import layerwise
 from layerwise.formats.safetensors import checkpoint_files as _checkpoint_files, read_header as _read_header
-from models import TwoGroupModel
+
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 

@@ -1,13 +1,15 @@
-"""Quantized models off the happy path (attacks on quantized streaming): each test
-against the resident quantized model, bitwise, or a clear refusal with the model
-unchanged."""
+"""The state contract on quantized models off the happy path: a peft adapter added
+after configure, a wrapper rebuild failing during remove, a cast to the dtype the
+model already has, an in-place write into a quantized leaf. Each test against the
+resident quantized model, bitwise, or a clear refusal with the model unchanged."""
 import pytest
 import torch
 
 import layerwise
 from layerwise.configure import managers_of
 from layerwise.formats import quantized as quantized_mod
-from tests.test_quantized import assert_computes_from_slots, assert_state_equal, inputs, make, run
+
+from helpers.quantized import assert_computes_from_slots, assert_state_equal, inputs, make, run
 
 
 def same(a, b):
@@ -113,7 +115,7 @@ def test_a_cast_to_the_dtype_a_quantized_model_already_has_is_a_no_op(kind, cast
 
 def test_an_in_place_write_into_a_quantized_leaf_names_the_weight_once():
     """Its leaves (qdata, scale) share the weight's name: the error says it once."""
-    from test_quantized import inputs, make
+    from helpers.quantized import inputs, make
 
     pytest.importorskip("torchao")
     model = make("ao-int8", n=6)

@@ -1,9 +1,9 @@
-"""One rank of the split-fetch checks of tests/test_cuda_path.py that need
+"""One rank of the split-fetch checks of tests/runtime/test_cuda_path.py that need
 several ranks: gloo ranks on CPU here, NCCL ranks (one GPU each) on a GPU host.
 
-    python tests/cuda_path_worker.py RANK WORLD PORT TMPDIR SCENARIO DEVICE
+    python tests/helpers/cuda_path_worker.py RANK WORLD PORT TMPDIR SCENARIO DEVICE
 
-(test_split_fetch.run_ranks starts it.) DEVICE: "cpu" (gloo) or "cuda" (NCCL,
+(helpers/ranks.py's run_ranks starts it.) DEVICE: "cpu" (gloo) or "cuda" (NCCL,
 rank r on cuda:r). SCENARIO: alltoall (the model's forward runs an all-to-all on
 the split_fetch group itself, between the layer groups' gathers) or remove_skew
 (the ranks reach remove at different times), timed (every fetch, a gather at its
@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import layerwise
 from layerwise.stages import split
-from split_worker import Net
+
+from helpers.split_worker import Net
 
 
 class AllToAllNet(Net):
@@ -111,7 +112,7 @@ def scenario_remove_skew(rank, device):
 
 
 def scenario_timed(rank, device):
-    from fetch_timing import FetchLog
+    from helpers.fetch_timing import FetchLog
 
     for compress in (None, "lossless"):
         torch.manual_seed(0)

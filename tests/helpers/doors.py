@@ -1,5 +1,5 @@
 """The front doors called alike, for the tests that refuse a bad option at every
-one of them (tests/test_options.py, tests/test_planning.py)."""
+one of them (tests/test_options.py, tests/planning/test_planning.py)."""
 import torch
 
 import layerwise

@@ -1,5 +1,5 @@
-"""What the meter times, checked structurally (tests/test_cuda_path.py, and a
-split-fetch rank of tests/cuda_path_worker.py): every timed fetch that moved
+"""What the meter times, checked structurally (tests/runtime/test_cuda_path.py, and
+a split-fetch rank of tests/helpers/cuda_path_worker.py): every timed fetch that moved
 bytes must come back with a start, and that start must be a copy's start
 (`Event.start` of an event the transfer stage issued), whatever stage the fetch
 ends in: a copy, a decode, a gather, the last of a disk read's copies. A stage

@@ -1,10 +1,10 @@
-"""One rank of the split-fetch tests (tests/test_split_fetch.py): gloo ranks on
+"""One rank of the split-fetch tests (tests/stages/test_split_fetch.py): gloo ranks on
 CPU that stream the same model with split_fetch and check, on every rank, that
 outputs are bitwise equal to the resident model's (different inputs per rank),
 that each rank holds and reads about 1/N of the streamed bytes, and that
 mismatched configurations are refused on every rank without hanging.
 
-    python tests/split_worker.py RANK WORLD PORT TMPDIR [SCENARIO]
+    python tests/helpers/split_worker.py RANK WORLD PORT TMPDIR [SCENARIO]
 
 SCENARIO (one of SCENARIOS) runs that check alone; without it, the main ones.
 """
@@ -535,11 +535,11 @@ NET16 = Subject("Net16", lambda seed=0: weight_like(seed), lambda: layerwise.emp
 
 
 def real_subject(name):
-    """A tiny real architecture of tests/test_real_models.py in bf16, its block lists'
+    """A tiny real architecture of tests/helpers/archs.py in bf16, its block lists'
     weights normal with std 0.02 (as trained ones: what the codec shrinks). Flux gets
     6 dual-stream blocks (and its 7 single ones) so that at the depths and resident
     layers of its rounds both groups re-copy layers through shared slots in every step."""
-    import test_real_models as real
+    from helpers import archs as real
 
     arch = real.ARCHS[name]
     if name == "flux":
@@ -603,7 +603,7 @@ def scenario_tiers(rank, world, tmp, subjects=(NET16,)):
 def tier_round(rank, world, subject, reference, combo, depth, resident, ckpt, spill, what):
     """One round of scenario_tiers: subject streamed with split fetch and the tiers in
     `combo` at one depth, checked on this rank, then removed."""
-    import test_real_models as real
+    from helpers import archs as real
 
     # One staging slot per group: the staging a disk tier costs stays below what the
     # shares save, so a budget just above the smallest keeps some layers in memory.
@@ -768,7 +768,7 @@ def exact_then_removed(model, reference, rank, spill, what):
 
 
 def scenario_write_fails(rank, world, tmp):
-    """Found by attacking the chains (tests/test_chain_attack.py): a load_state_dict whose
+    """Found by attacking the chains (tests/stages/test_chain_recovery.py): a load_state_dict whose
     write of a split layer's share fails on one rank only: disk + split with that rank's
     disk full (its spill-file write), split + compress with its re-encode out of memory (an
     in-memory layer), and all three. The others must hear of it (as they do of a local copy
@@ -832,7 +832,7 @@ def scenario_write_fails(rank, world, tmp):
 
 
 def scenario_read_fails(rank, world, tmp):
-    """Found by attacking the chains (tests/test_chain_attack.py): disk + split (and
+    """Found by attacking the chains (tests/stages/test_chain_recovery.py): disk + split (and
     compress), and rank 0's spill file is modified under it. Its read fails (ReadError,
     CRC-32 differs); that must reach the other ranks as a local failure (LOCAL_FAILED, as
     a failed local copy does: scenario_gather_error), not leave them waiting for the
@@ -888,7 +888,7 @@ def scenario_quantized(rank, world, tmp):
     quantized model; each rank copies about 1/N of the quantized bytes (and reads at
     most its share); state_dict (collective), a load_state_dict round trip, a load
     with different values per rank refused, remove bitwise, spill files deleted."""
-    import test_quantized as tq
+    from helpers import quantized as tq
 
     spill = os.path.join(tmp, f"qspill-{rank}")
     os.makedirs(spill, exist_ok=True)
@@ -961,7 +961,7 @@ def scenario_bitsandbytes(rank, world):
     true bytes on every rank (a collective write of the shares), with split fetch
     alone and with compress; bitwise on every rank (inputs of its own) against the
     resident model, state_dict, remove."""
-    import test_bitsandbytes as tb
+    from helpers import bnb as tb
 
     for kind in ("nf4", "int8"):
         for compress in (None, "lossless"):

@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel test (tests/test_tp.py): a Llama-style MLP
+"""One rank of the tensor-parallel test (tests/runtime/test_tp.py): a Llama-style MLP
 stack sharded colwise/rowwise across 2 gloo ranks, streamed by layerwise."""
 import copy
 import os

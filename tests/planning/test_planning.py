@@ -7,8 +7,9 @@ import torch
 
 import layerwise
 from layerwise.planning.device_budget import fmt_bytes, non_layer_bytes
-from doors import front_door, save_checkpoint
-from models import TwoGroupModel
+
+from helpers.doors import front_door, save_checkpoint
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 

@@ -2,7 +2,7 @@
 show it: stats() and report() never drain the device, copies split at
 pinned-registration boundaries stay exact, copy time is measured for GB/s, and
 the arena is created for the device it streams to. Hook order and capture are in
-test_contract.py.
+contract/test_contract.py.
 
 The checks below the line run on every device (the `device` fixture:
 "cpu" here, "cuda" where scripts/gpu_check.sh finds a GPU), each a real check of
@@ -30,7 +30,8 @@ from layerwise.runtime import gpu_checks
 from layerwise.configure import managers_of
 from layerwise.runtime.gpu_checks import check_decode_path
 from layerwise.stages.disk.reader import aligned_staging
-from models import TwoGroupModel
+
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 
@@ -245,7 +246,7 @@ def test_reader_threads_stay_idle_through_a_disk_tier_forward(device, tmp_path):
     """A compute-bound disk-tier forward: the reader threads spend it waiting for the
     copies out of their staging slots (CUDA events on a GPU). Every thread but the
     main one together stays well under one core (it was one core per waiting reader)."""
-    from test_disk_tier import budget
+    from helpers.disk import budget
 
     torch.manual_seed(0)
     cycles = gpu_sleep_cycles(0.015) if device == "cuda" else 0
@@ -356,7 +357,7 @@ def test_decode_regrows_its_staging_under_random_copy_delays(device, monkeypatch
     `lag`: random delays on the copy side, on the compute side (rule 1: a staging
     buffer or slot written before the compute stream is done with that memory
     gives wrong outputs), or both."""
-    from test_compress import linear_stack, xs_for
+    from helpers.compress import linear_stack, xs_for
 
     if device == "cuda":
         check_decode_path(device)  # the Triton decoder, compiled for the GPU
@@ -524,7 +525,7 @@ def test_the_dedicated_stream_is_none_of_torchs_pool_streams():
 
 # ------------------------------------ split fetch: several ranks (workers)
 def split_ranks(device: str, scenario: str, tmp_path, world: int = 2):
-    from test_split_fetch import run_ranks
+    from helpers.ranks import run_ranks
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch built without gloo")
@@ -582,7 +583,7 @@ def test_decode_path_is_ready_on_this_gpu_host():
 def encoded_stack(device, n=4, **options):
     """A bf16 stack streamed with compress="lossless" (every layer encoded), its
     resident twin on `device`, and inputs there."""
-    from test_compress import linear_stack, xs_for
+    from helpers.compress import linear_stack, xs_for
 
     model = linear_stack(torch.bfloat16, n=n, d=256)
     ref = copy.deepcopy(model).to(device)
@@ -652,10 +653,10 @@ def test_every_fetch_is_timed_from_its_first_copy(device, kind, tmp_path):
     from its first copy's start to the event it ends in: the copy itself (raw), the
     decode after it (encoded: CUDA had no start there, copy_ms -1, no copy time and
     no bus samples for compressed groups; the CPU timed the decode alone), the last
-    of a disk read's copies. Checked structurally (tests/fetch_timing.py): each
+    of a disk read's copies. Checked structurally (tests/helpers/fetch_timing.py): each
     timed fetch's start is a copy's start, on every step, with 2 copy streams."""
-    from fetch_timing import FetchLog
-    from test_compress import linear_stack, xs_for
+    from helpers.fetch_timing import FetchLog
+    from helpers.compress import linear_stack, xs_for
 
     model = linear_stack(torch.bfloat16, n=6, d=256)
     ref = copy.deepcopy(model).to(device)

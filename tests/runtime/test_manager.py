@@ -13,7 +13,8 @@ import torch
 
 import layerwise
 from layerwise.configure import managers_of
-from models import NestedNames, SizedComponent, TiedModel, TwoGroupModel
+
+from helpers.models import NestedNames, SizedComponent, TiedModel, TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 

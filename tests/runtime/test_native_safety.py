@@ -17,7 +17,7 @@ import torch
 
 import layerwise
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Imports layerwise from this checkout (not from whatever is installed) and says so.
 PRELUDE = textwrap.dedent(

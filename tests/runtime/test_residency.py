@@ -20,36 +20,7 @@ from torch import nn
 import layerwise
 from layerwise.runtime import group as manager_mod
 
-from models import TwoGroupModel
-
-GROUPS = ["transformer_blocks", "single_transformer_blocks"]
-
-
-def make(seed=0, n_a=6, n_b=4, d=32):
-    torch.manual_seed(seed)
-    return TwoGroupModel(d=d, n_a=n_a, n_b=n_b).eval()
-
-
-def inputs(n=2, d=32):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randn(3, d, generator=g) for _ in range(n)]
-
-
-def outputs(model, xs):
-    with torch.no_grad():
-        return [model(x) for x in xs]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def leaves_equal(got, want) -> bool:
-    """Equal tensors; a quantized wrapper (torchao) by its inner tensors."""
-    if hasattr(want, "__tensor_flatten__") and type(want) is not torch.Tensor:
-        names, _ = want.__tensor_flatten__()
-        return all(torch.equal(getattr(got, n), getattr(want, n)) for n in names)
-    return torch.equal(got, want)
+from helpers.residency import GROUPS, inputs, leaves_equal, make, outputs, same
 
 
 def placement(m):
@@ -352,7 +323,7 @@ def test_disk_tier_and_compress_keep_their_host_side(tmp_path):
     assert "spill" in where and any(r.encoded for r in a.tier_plan()), where
     host = a.stats()["arena_bytes"]
     # On a CPU device rings and resident layers are host memory, which this smallest budget has no
-    # room for: set_residency refuses, naming it (tests/test_budgets.py). Here the host side is
+    # room for: set_residency refuses, naming it (tests/planning/test_budgets.py). Here the host side is
     # what is checked, so the budget in force is lifted past the placements below.
     with pytest.raises(RuntimeError, match="host_budget"):
         a.set_residency(list(range(a.num_layers)), 1)

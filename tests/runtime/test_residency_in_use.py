@@ -1,5 +1,5 @@
-"""Seams of a placement change (set_residency, layerwise.tune) that the other
-residency tests do not reach: tune while another thread serves the model, a
+"""A placement change (set_residency, layerwise.tune) while the model is in use,
+beyond the other residency tests: tune while another thread serves the model, a
 graph that uses streamed parameters without saving them, parameters replaced by
 load_state_dict(assign=True) while their layer was resident, and the natural
 argument types of set_residency and tune (numpy and torch integers, generators).
@@ -18,7 +18,7 @@ from torch import nn
 import layerwise
 from layerwise.planning.device_budget import non_layer_bytes
 
-from models import TwoGroupModel
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 WAIT_S = 120  # a guard against a hang, never a measure of speed

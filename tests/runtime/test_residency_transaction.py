@@ -1,9 +1,8 @@
-"""Attacks on LayerwiseOffloadManager.set_residency that the suite in
-test_residency.py does not cover: a weakly referenced quantized wrapper, a
-parameter rebound (`.data =`) since the last check, a failure in the second
-phase, a read-only checkpoint layer changed while resident."""
-import os
-import sys
+"""set_residency as a transaction, beyond test_residency.py: what it cannot apply
+whole is refused before anything changes (a weakly referenced quantized wrapper, a
+read-only checkpoint layer changed while resident), a parameter rebound
+(`.data =`) since the last check is kept, and a failure in the second phase
+leaves one placement whole."""
 import weakref
 
 import pytest
@@ -14,7 +13,7 @@ import layerwise
 from layerwise import contract
 from layerwise.contract import rebinds
 
-from test_residency import GROUPS, inputs, leaves_equal, make, outputs, same  # noqa: F401  (the same small models)
+from helpers.residency import GROUPS, inputs, leaves_equal, make, outputs, same
 
 
 def sd_diffs(model, ref) -> list:
@@ -116,8 +115,7 @@ def test_a_checkpoint_layer_changed_while_resident_is_refused_with_the_way_out(t
     load_state_dict, then made streamed: refused, the model unchanged. The error
     named only configure-time remedies (load_offloaded's spill_dir / host_budget),
     not the call that failed nor what to do now (keep the layer resident)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_disk_tier import budget, make as make_net, meta_model, save_checkpoint, inputs as net_inputs
+    from helpers.disk import budget, make as make_net, meta_model, save_checkpoint, inputs as net_inputs
 
     ref = make_net()
     ckpt = save_checkpoint(ref, str(tmp_path / "model.safetensors"))

@@ -1,22 +1,16 @@
 """Tensor parallelism: each of 2 gloo ranks packs and streams only its local shards."""
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers.ranks import HELPERS, free_port
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
 def test_tensor_parallel_mlp_stack_on_two_gloo_ranks():
-    worker = Path(__file__).with_name("tp_worker.py")
+    worker = HELPERS / "tp_worker.py"
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]

@@ -11,7 +11,8 @@ import torch
 
 import layerwise
 from layerwise.stages import disk as disk_mod
-from test_disk_tier import budget, disk_dir, inputs, make, spill_files  # noqa: F401  (disk_dir: a fixture)
+
+from helpers.disk import budget, inputs, make, spill_files
 
 
 def weight_like(seed=0, **kw):
@@ -154,7 +155,7 @@ def test_a_spill_write_that_fails_on_one_split_rank_leaves_every_rank_usable(tmp
     raises the same SplitError naming the rank and what failed, the ranks whose write
     succeeded undo it, and the group stays usable (state_dict, forward, a retried load and
     remove work)."""
-    from test_split_fetch import run_ranks
+    from helpers.ranks import run_ranks
 
     run_ranks(2, tmp_path, "write_fails")
 
@@ -191,6 +192,6 @@ def test_a_spill_read_that_fails_on_one_split_rank_is_told_to_the_others(tmp_pat
     forward, state_dict or remove worked on any rank again, the spill files stayed.
     Now every rank raises at once, and once the file is restored every rank streams
     exactly again."""
-    from test_split_fetch import run_ranks
+    from helpers.ranks import run_ranks
 
     run_ranks(2, tmp_path, "read_fails")

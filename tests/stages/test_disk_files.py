@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import stat
-import sys
 import time
 import weakref
 
@@ -22,8 +21,7 @@ import layerwise
 from layerwise.stages import disk as disk_mod
 from layerwise.stages.disk.reader import ReadError
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_disk_tier import budget, disk_dir, inputs, make, meta_model, save_checkpoint, spill_files  # noqa: E402,F401
+from helpers.disk import budget, inputs, make, meta_model, save_checkpoint, spill_files
 
 KINDS = ["ckpt", "spill"]
 

@@ -2,7 +2,6 @@
 checkpoint's, or spill files) and stream disk -> staging -> slot, bitwise
 equal whatever the split, with host memory bounded."""
 import copy
-import glob
 import json
 import os
 import random
@@ -13,84 +12,16 @@ import textwrap
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from torch import nn
 
 import layerwise
 from layerwise.stages import disk as disk_mod
 from layerwise.stages.disk import staging as disk_staging
 from layerwise.stages.disk.reader import ReadError, filesystem_type
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from helpers.disk import budget, inputs, layer_bytes, make, meta_model, save_checkpoint, spill_files
 
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, x):
-        return self.norm(torch.nn.functional.gelu(self.fc(x))) + x
-
-
-class Net(nn.Module):
-    def __init__(self, width=256, depth=8, groups=1):
-        super().__init__()
-        self.embed = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        if groups > 1:
-            self.more = nn.ModuleList(Block(width) for _ in range(depth // 2))
-        self.head = nn.Linear(width, 8)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for b in self.blocks:
-            x = b(x)
-        for b in getattr(self, "more", []):
-            x = b(x)
-        return self.head(x)
-
-
-def make(dtype=torch.bfloat16, seed=0, **kw):
-    torch.manual_seed(seed)
-    return Net(**kw).to(dtype)
-
-
-def layer_bytes(model, name="blocks"):
-    return sum(p.numel() * p.element_size() for p in getattr(model, name)[0].parameters())
-
-
-def budget(model, keep, depth=1, disk_depth=None, device="cpu", groups=("blocks",)):
-    """A host_budget that leaves room for about `keep` layers in memory, from the
-    planner's accounting (layerwise.planning.host_budget): staging, scratch, and on a CPU
-    device the non-layer weights and the rings."""
-    lb = layer_bytes(model) + 4096
-    n = len(groups)
-    slots = disk_depth if disk_depth else max(2, depth + 1)  # staging slots (layerwise.planning.host_budget.staging_slots)
-    total = (slots * (lb + 12 * 4096)) * n + lb + keep * lb
-    if device == "cpu":
-        managed = {id(p) for g in groups for p in getattr(model, g).parameters()}
-        total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in managed)
-        total += (depth + 3) * lb * n
-    return int(total)
-
-
-@pytest.fixture
-def disk_dir(tmp_path):
-    if filesystem_type(tmp_path) in ("tmpfs", "ramfs"):
-        pytest.skip("tmp_path is on a memory file system here")  # CI's /tmp is ext4 (checked in test_reader.py)
-    return tmp_path
-
-
-def spill_files(d):
-    return sorted(glob.glob(os.path.join(d, "layerwise-*.spill")))
-
-
-def inputs(dtype=torch.bfloat16, n=3, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(4, 256, generator=g).to(dtype) for _ in range(n)]
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
 
 
 # ------------------------------------------------------------------ spill files
@@ -206,8 +137,8 @@ def test_failure_while_spilling_gives_everything_back(disk_dir, monkeypatch, fai
 def test_spill_files_are_deleted_at_exit(disk_dir):
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {HERE!r})
-        from test_disk_tier import make, budget
+        sys.path.insert(0, {TESTS!r})
+        from helpers.disk import make, budget
         import layerwise
         model = make()
         layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 2),
@@ -271,14 +202,6 @@ def test_an_exception_inside_a_forward_leaves_the_next_one_exact(disk_dir):
 
 
 # -------------------------------------------------------------- checkpoint files
-def save_checkpoint(model, path):
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-    return path
-
-
-def meta_model(dtype=torch.bfloat16, **kw):
-    with torch.device("meta"):
-        return Net(**kw).to(dtype)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -458,9 +381,9 @@ WARM_UP = ("torch.manual_seed(0); small = Net(width={width}, depth=2).to(torch.b
 
 RSS_SCRIPT = textwrap.dedent("""
     import json, sys, torch
-    sys.path.insert(0, {here!r})
+    sys.path.insert(0, {tests!r})
     torch.set_num_threads(1)
-    from test_disk_tier import Net
+    from helpers.disk import Net
     import layerwise
 
     def hwm():
@@ -494,7 +417,7 @@ def run_memory_script(script, disk_dir, width, depth, **fields):
     torch.save(ref(x), os.path.join(disk_dir, "want.pt"))
     model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     budget = model_bytes // 4
-    text = script.format(here=HERE, warm_up=WARM_UP.format(width=width), width=width, depth=depth, ckpt=ckpt,
+    text = script.format(tests=TESTS, warm_up=WARM_UP.format(width=width), width=width, depth=depth, ckpt=ckpt,
                          budget=budget, x=os.path.join(disk_dir, "x.pt"), want=os.path.join(disk_dir, "want.pt"),
                          **fields)
     out = subprocess.run([sys.executable, "-c", text], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -513,12 +436,12 @@ def test_a_model_four_times_the_budget_streams_within_it(disk_dir):
 
 BUDGET_SCRIPT = textwrap.dedent("""
     import json, os, sys
-    sys.path.insert(0, {here!r})
+    sys.path.insert(0, {tests!r})
     import torch
     torch.set_num_threads(1)
     import layerwise
     from layerwise.planning.host_limits import MemoryMeter
-    from test_disk_tier import Net
+    from helpers.disk import Net
 
     spill_dir = {spill_dir!r}
     ckpt = {ckpt!r}
@@ -789,9 +712,9 @@ def test_a_forked_child_neither_streams_nor_deletes_the_parents_spill_files(disk
     exit (atexit hooks run) does not delete the spill files the parent streams from."""
     script = textwrap.dedent(f"""
         import glob, os, sys, torch
-        sys.path.insert(0, {HERE!r})
+        sys.path.insert(0, {TESTS!r})
         torch.set_num_threads(1)  # (OpenMP's pool does not survive fork: torch itself would hang in the child)
-        from test_disk_tier import make, budget, inputs
+        from helpers.disk import make, budget, inputs
         import layerwise
         ref, model, x = make(), make(), inputs()[0]
         layerwise.configure_layerwise_offload(model, "blocks", device="cpu", host_budget=budget(model, 1),

@@ -22,51 +22,7 @@ import layerwise
 from layerwise.planning import experts as experts_mod
 from layerwise.runtime import expert_hooks
 
-transformers = pytest.importorskip("transformers")
-
-V = 128
-
-
-def _mixtral(dtype=torch.float32, layers=6):
-    cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=128)
-    return transformers.MixtralForCausalLM(cfg).to(dtype).eval()
-
-
-def _qwen3():
-    cfg = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                                      num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=128, head_dim=16)
-    return transformers.Qwen3MoeForCausalLM(cfg).eval()
-
-
-def _olmoe():
-    cfg = transformers.OlmoeConfig(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
-                                   num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-                                   max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    return transformers.OlmoeForCausalLM(cfg).eval()
-
-
-def _deepseek():
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=128)
-    return transformers.DeepseekV3ForCausalLM(cfg).eval()
-
-
-ARCHS = {"mixtral": _mixtral, "qwen3": _qwen3, "olmoe": _olmoe, "deepseek": _deepseek}
-
-
-def _make(arch, seed=0):
-    torch.manual_seed(seed)
-    return ARCHS[arch]()
-
-
-def _ids(batch=1, tokens=6, seed=1):
-    return torch.randint(3, V, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+from helpers.moe import ARCHS, _bf16, _host_budget, _ids, _make, _mixtral
 
 
 def _run(model, ids, new=5):
@@ -258,7 +214,7 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
     sys.path.insert(0, {tests!r})
     torch.set_num_threads(1)
     import layerwise
-    from test_moe import _make, _ids
+    from helpers.moe import _make, _ids
     target, cap = int(sys.argv[1]), float(sys.argv[2])
     rng = random.Random(7)
     pid = os.getpid()
@@ -314,7 +270,7 @@ SIGINT_SCRIPT = textwrap.dedent(r"""
 
 
 def test_real_sigints_during_a_routed_forward(tmp_path):
-    _sigints(tmp_path, SIGINT_SCRIPT.format(tests=os.path.dirname(__file__)), 30, 180)
+    _sigints(tmp_path, SIGINT_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))), 30, 180)
 
 
 def _sigints(tmp_path, text: str, target: int, cap: float) -> None:
@@ -510,9 +466,6 @@ def test_offload_pipeline_routed_with_a_moe_component():
 
 
 # ------------------------------------------------------------ compress="lossless"
-def _bf16(arch):
-    torch.manual_seed(0)
-    return (_mixtral(torch.bfloat16) if arch == "mixtral" else _make(arch).to(torch.bfloat16))
 
 
 def _encoded_ideal(m, used):
@@ -657,10 +610,6 @@ def _check_disk(ref, model, m, ids):
     return disk
 
 
-def _host_budget(model, keep_fraction=0.85):
-    return int(keep_fraction * sum(p.numel() * p.element_size() for p in model.parameters()))
-
-
 @pytest.mark.parametrize("cache", [None, "auto"])
 def test_routed_experts_in_spill_files_are_read_on_demand(tmp_path, cache):
     ref = _make("mixtral")
@@ -787,7 +736,7 @@ def test_per_expert_module_list_experts_are_routed(kind, kw, tmp_path):
     """A ModuleList with one module per expert (plain, or its Linear layers quantized
     by torchao / quanto: their inner tensors are the expert's bytes): routed, bitwise
     the resident model's, each step moves the prefixes and the experts used."""
-    from test_quantized import quantize
+    from helpers.quantized import quantize
 
     n = 16 if kw == "ckpt" else 6  # (from a checkpoint: staging pads every tensor; more layers to spread it)
 
@@ -885,8 +834,8 @@ def test_real_sigints_during_a_routed_forward_from_encoded_spill_files(tmp_path)
     files (on-demand reads of experts' rows interrupted too)."""
     spill = tmp_path / "spill"
     spill.mkdir()
-    text = SIGINT_SCRIPT.format(tests=os.path.dirname(__file__))
-    text = text.replace("from test_moe import _make, _ids", "from test_moe import _bf16, _ids, _host_budget")
+    text = SIGINT_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__)))
+    text = text.replace("from helpers.moe import _make, _ids", "from helpers.moe import _bf16, _ids, _host_budget")
     text = text.replace('ref = _make("mixtral")', 'ref = _bf16("mixtral")')
     # (on a CPU device its expert cache, 1 MiB, is host memory: the budget counts it)
     text = text.replace("debug_copy_delay_us=300)", f"debug_copy_delay_us=300, compress='lossless', "
@@ -954,7 +903,7 @@ def test_load_state_dict_into_one_module_list_expert(cache):
 # every layer, so that the host runs ahead of the GPU and the expert copies,
 # cache fills and slot reuses are ordered by events alone.
 def _cuda_usable() -> bool:
-    from conftest import cuda_usable
+    from helpers.devices import cuda_usable
 
     return cuda_usable()
 

@@ -21,7 +21,7 @@ import layerwise
 from layerwise._native import CopyEngine, Reader, ReadError
 from layerwise.stages.disk.reader import PAGE, OpenFile, aligned_staging, filesystem_type, read_layer, staging_layout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEMORY_FS = {"tmpfs", "ramfs"}
 
 

@@ -1,26 +1,15 @@
 """Split fetch over torch.distributed (layerwise/stages/split/): 2 and 3 gloo
 ranks on CPU, each holding and copying ~1/N of every streamed layer. The checks
-run inside the ranks (tests/split_worker.py); a rank that hangs fails the test
-at the timeout instead of blocking CI."""
+run inside the ranks (tests/helpers/split_worker.py); a rank that hangs fails the
+test at the timeout instead of blocking CI."""
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from layerwise.stages.split import share_span
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers.ranks import run_ranks
 
 
 def test_share_span_covers_the_block_once_aligned():
@@ -33,24 +22,6 @@ def test_share_span_covers_the_block_once_aligned():
             for (_, lo, hi), (_, lo2, _) in zip(spans, spans[1:]):
                 assert lo <= hi == lo2  # contiguous, no overlap
             assert all(lo % 512 == 0 or lo == hi == nbytes for _, lo, hi in spans)
-
-
-def run_ranks(world, tmp_path, *scenario, worker="split_worker.py"):
-    worker = ROOT / "tests" / worker
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world), str(port), str(tmp_path), *scenario],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [f"rank {r} (exit {p.returncode}):\n{err[-3000:]}" for r, (p, (out, err)) in enumerate(zip(procs, outs))
-              if p.returncode != 0 or f"rank {r} ok" not in out]
-    assert not failed, "\n".join(failed)
 
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -117,7 +88,7 @@ def test_split_disk_compress_survive_real_sigints_on_flux_and_llama(tmp_path):
 def test_split_fetch_streams_quantized_layers_with_the_tiers(tmp_path):
     """Torchao Int8 / Float8 weight-only and quanto qint4 layers with split
     fetch, split + spill, split + spill + compress on 2 ranks: bitwise, each rank copies
-    about half of the quantized bytes; the state contract (tests/split_worker.py)."""
+    about half of the quantized bytes; the state contract (tests/helpers/split_worker.py)."""
     pytest.importorskip("torchao")
     pytest.importorskip("optimum.quanto")
     run_ranks(2, tmp_path, "quantized")
@@ -127,7 +98,7 @@ def test_split_fetch_streams_quantized_layers_with_the_tiers(tmp_path):
 def test_split_fetch_adopts_what_bitsandbytes_rebinds(tmp_path):
     """bitsandbytes nf4 / int8 configured before their first forward (a repack, a bias
     cast to bf16 in its place) with split fetch, alone and with compress, on 2 ranks:
-    each rebind is written to every rank's share; bitwise (tests/split_worker.py)."""
+    each rebind is written to every rank's share; bitwise (tests/helpers/split_worker.py)."""
     pytest.importorskip("bitsandbytes")
     run_ranks(2, tmp_path, "bitsandbytes")
 
