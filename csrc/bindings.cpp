@@ -169,7 +169,7 @@ void bind_codec(py::module_& m) {
         "sub-blocks): which path decoded");
   c.def("set_simd", &codec::avx512::set_enabled, py::arg("on"),
         "Turn the AVX-512 decode on or off for the process; returns the previous state (on where it is not "
-        "supported raises ValueError). Both paths decode the same bytes bitwise (tests/test_codec_v2.py).");
+        "supported raises ValueError). Both paths decode the same bytes bitwise (tests/codec/test_codec_v2.py).");
 }
 
 }  // namespace

@@ -44,16 +44,17 @@ cuda     100  -
 kernels  30   -
 bench    80   bench.json,bench.md,stream.png
 "
-if [ "${GPU_CHECK_SELFTEST:-0}" = 1 ]; then  # tests/test_gpu_check_script.py: limits and file discipline
+if [ "${GPU_CHECK_SELFTEST:-0}" = 1 ]; then  # tests/bench/test_gpu_check_script.py: limits and file discipline
   STAGES="
 slow     8    smoke.json
 quick    6    -
 "
 fi
 
-CORE_TESTS="tests/test_native.py tests/test_manager.py tests/test_cuda_path.py tests/test_residency.py
- tests/test_tune.py tests/test_loading.py tests/test_moe.py tests/test_reader.py"
-KERNEL_TESTS="tests/test_codec.py tests/test_codec_v2.py tests/test_scatter.py"
+CORE_TESTS="tests/runtime/test_native.py tests/runtime/test_manager.py tests/runtime/test_cuda_path.py
+ tests/runtime/test_residency.py tests/test_tune.py tests/test_loading.py tests/stages/test_moe.py
+ tests/stages/test_reader.py"
+KERNEL_TESTS="tests/codec/test_codec.py tests/codec/test_codec_v2.py tests/test_scatter.py"
 BENCH="-m layerwise.bench --quick h2d compress stream --device cuda"
 
 DRY=${DRY_RUN:-0}

@@ -22,7 +22,7 @@ Sections (each records its error instead of stopping the others):
 
 --cpu runs every section on the CPU backend at small sizes (torch's copy_ for the
 baseline, the C++ decoder for the decode): what CI checks of this script
-(tests/test_gpu_check_script.py); its figures say nothing about a GPU.
+(tests/bench/test_gpu_check_script.py); its figures say nothing about a GPU.
 """
 from __future__ import annotations
 

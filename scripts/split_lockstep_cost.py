@@ -1,5 +1,5 @@
 """What split fetch's lockstep check costs: 2 gloo ranks on
-this machine, the median of 40 forwards of the test model (tests/split_worker.py:
+this machine, the median of 40 forwards of the test model (tests/helpers/split_worker.py:
 9 streamed layers) at two sizes, and a bare 64-byte all-gather (one tag exchange).
 
     python scripts/split_lockstep_cost.py            # this tree
@@ -24,7 +24,7 @@ def rank_main(rank, world, port):
     import layerwise
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from split_worker import Net
+    from helpers.split_worker import Net
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))

@@ -8,7 +8,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import layerwise  # noqa: E402
+# The tests live in folders that mirror the source (tests/runtime/ for layerwise/runtime/,
+# ...; the front doors' own tests at the top). pytest imports this file with its folder on
+# sys.path (the default "prepend" import mode), so every test module imports its shared
+# fixtures and models from tests/helpers/ as `helpers.<module>`, never from another test
+# module (tests/test_layout.py checks it). Test file names are unique across the folders:
+# pytest imports each test module by its file name.
+from helpers.devices import cuda_usable  # noqa: E402  (imports layerwise, TRITON_INTERPRET set)
 
 # One compute thread: the copy engine's workers need the other core, and an
 # OpenMP pool spinning against them on a 2-core machine slows steps 100-fold.
@@ -22,10 +28,6 @@ import signal  # noqa: E402
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def cuda_usable() -> bool:
-    return torch.cuda.is_available() and layerwise.build_info()["with_cuda"]
 
 
 @pytest.fixture(params=["cpu", "cuda"])
@@ -68,7 +70,7 @@ def pytest_runtest_call(item):
 # name says cuda, and the cpu variants of tests whose name does.)
 def _needs_gpu(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
-    if "device" in params:  # (the device fixtures: conftest's, test_codec's, test_scatter's)
+    if "device" in params:  # (the device fixtures: this one, codec/conftest.py's, test_scatter's)
         return params["device"] == "cuda"
     if "cuda" in item.name or "gpu" in item.name:
         return True

@@ -224,7 +224,6 @@ def test_every_invariant_test_named_in_design_md_exists():
     assert not missing, f"docs/design.md, Invariants names tests that do not exist: {missing}"
 
 
-@pytest.mark.xfail(strict=True, reason="the restructure moves the tests into these folders")
 def test_the_test_folders_design_md_names_exist():
     text = (DOCS / "design.md").read_text()
     section = text.split("## Invariants", 1)[1].split("\n## ", 1)[0]

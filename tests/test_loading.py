@@ -1,7 +1,6 @@
 """load_offloaded: safetensors straight into the arena, for a model built on meta."""
 import copy
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,8 @@ from safetensors.torch import save_file
 
 import layerwise
 from layerwise.configure import managers_of
-from models import TwoGroupModel
+
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 

@@ -19,7 +19,8 @@ from torch import nn
 
 import layerwise
 from layerwise.configure import managers_of
-from test_real_models import ARCHS, run, run_bf16
+
+from helpers.archs import ARCHS, run, run_bf16
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -410,7 +411,7 @@ def _readme_recipes(disk=False):
     text = (README.parent / "docs" / ("disk-tier.md" if disk else "loading.md")).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     return [b for b in blocks if "load_offloaded(" in b and "from_config" in b and ("host_budget" in b) == disk
-            and "quantize_(" not in b]  # (the quantized recipe: tests/test_quantized.py runs it)
+            and "quantize_(" not in b]  # (the quantized recipe: tests/formats/test_quantized.py runs it)
 
 
 def _from_pretrained(path, transformers_model: bool):

@@ -14,8 +14,9 @@ import layerwise
 from layerwise import OffloadOptions
 from layerwise.configure import managers_of
 from layerwise.options import OPTION_NAMES
-from doors import Holder, front_door, save_checkpoint
-from models import TwoGroupModel
+
+from helpers.doors import Holder, front_door, save_checkpoint
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 INF, NAN = float("inf"), float("nan")

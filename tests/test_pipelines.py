@@ -12,8 +12,8 @@ from torch import nn
 
 import layerwise
 from layerwise import pipelines
-from layerwise.planning import host_limits
 from layerwise.configure import managers_of
+from layerwise.planning import host_limits
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 import layerwise
-from doors import save_checkpoint
-from models import SizedComponent, TwoGroupModel
+
+from helpers.doors import save_checkpoint
+from helpers.models import SizedComponent, TwoGroupModel
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
@@ -209,7 +210,7 @@ DISK = {"d": 128, "n_a": 12, "n_b": 6}  # layers large enough against the disk t
 
 def _disk_budget(model, keep):
     """A host_budget that holds about `keep` layers of the model's first group in memory
-    (the planner's accounting, layerwise.planning.host_budget, as tests/test_disk_tier.py counts it)."""
+    (the planner's accounting, layerwise.planning.host_budget, as tests/stages/test_disk_tier.py counts it)."""
     lb = max(sum(p.numel() * p.element_size() for p in b.parameters()) for name in GROUPS
              for b in getattr(model, name)) + 4096
     managed = {id(p) for name in GROUPS for p in getattr(model, name).parameters()}

@@ -6,7 +6,8 @@ from torch import nn
 
 import layerwise
 from layerwise.planning.device_budget import fmt_bytes
-from models import TwoGroupModel
+
+from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 X = torch.randn(2, 32)

@@ -22,7 +22,8 @@ import torch
 
 import layerwise
 from layerwise.planning import cost_model as pm
-from layerwise.bench.models import MixedStack
+
+from helpers.tune import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,7 +113,6 @@ def test_the_bus_fit_finds_latency_and_bandwidth():
 
 
 # ------------------------------------------------------------ tune, in process
-Stack = MixedStack  # big light layers ("B") irregularly among small heavy ones ("H")
 
 
 def stack(seed=0):
@@ -274,7 +274,7 @@ def test_real_sigints_during_tune_leave_one_placement_whole():
 TUNE = """
     import json, statistics, time, torch, layerwise
     torch.set_num_threads(1)
-    import test_tune as T
+    from helpers import tune as T
 
     import os
     torch.manual_seed(0)
@@ -332,14 +332,6 @@ TUNE = """
                       "chosen": chosen, "policies": policies,
                       "timed": {k: min(v) for k, v in measured.items()}}))
 """
-
-
-def largest_share(m, depth, policy, room):
-    """The largest resident share of `m` at `depth` that fits `room` bytes (as layerwise.planning.device_budget plans)."""
-    from layerwise.planning.device_budget import largest_share as share
-    from layerwise.options import resolve_resident
-
-    return share(lambda f: m.device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room) or 0.0
 
 
 def test_tune_on_the_simulated_bus_is_bitwise_within_budget_and_predicts_honestly():

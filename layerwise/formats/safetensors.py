@@ -332,7 +332,7 @@ class PageCacheDrop:
     up to 2 MiB, and a folio that straddles two tensors is dropped by neither
     tensor's own range. Reads stop at the next drop (`room`), so the cache holds
     at most most(EVERY) bytes of the checkpoint at any time (layerwise.planning.host_budget
-    counts them; tests/test_disk_tier.py measures it)."""
+    counts them; tests/stages/test_disk_tier.py measures it)."""
 
     _FOLIO = 2 << 20
 
