@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import cast
 
 import torch
 
@@ -183,7 +184,8 @@ def validate_residency(resident_layers, policy, name: str = "resident_layers"):
         if resident_layers < 0:
             raise ValueError(f"{name} must be >= 0, got {resident_layers}")
         return int(resident_layers)
-    if not (math.isfinite(resident_layers) and resident_layers >= 0.0):
+    # cast: typeshed's numbers.Real declares no __ge__, yet every Real compares with a float
+    if not (math.isfinite(resident_layers) and cast(float, resident_layers) >= 0.0):
         raise ValueError(f"a fractional {name} must lie in [0, 1] (1.0: every layer resident), "
                          f"got {resident_layers}")
     return float(resident_layers)
@@ -202,8 +204,9 @@ def resolve_resident(resident_layers, num_layers: int, policy: str, group: str |
     given (configure's check, and set_residency's; one setting may serve groups of
     several sizes). `name`: the caller's name for the argument, in the warning."""
     if isinstance(resident_layers, Integral):
-        over = resident_layers > num_layers
-        r = min(int(resident_layers), num_layers)
+        count = int(resident_layers)  # exact for an Integral
+        over = count > num_layers
+        r = min(count, num_layers)
     else:
         over = resident_layers > 1.0
         r = num_layers if over else int(resident_layers * num_layers)
@@ -498,7 +501,7 @@ def validate_compress(compress):
     return compress
 
 
-_THREADS_NOTED = []  # once per process
+_THREADS_NOTED: list[bool] = []  # once per process
 
 
 def note_cpu_threads(device: torch.device) -> None:

@@ -96,7 +96,9 @@ def predict(step: Step, placement: Placement) -> Prediction:
     """The steady-state step time of `placement` (module doc)."""
     groups = step.groups
     n_groups = len(groups)  # (a walk over the chain of groups, bounded as the manager's)
-    streamed, slot_of, next_pos = [], [], []
+    streamed: list[list[int]] = []  # per group: its streamed layers, in order
+    slot_of: list[list[int]] = []  # per group, per layer: its slot (-1: resident)
+    next_pos: list[list[int]] = []  # per group, per layer: its position in `streamed`, or the next streamed one's
     for g, res in zip(groups, placement.resident):
         r = set(res)
         s = [i for i in range(g.num_layers) if i not in r]
@@ -112,8 +114,8 @@ def predict(step: Step, placement: Placement) -> Prediction:
         streamed.append(s)
         slot_of.append(so)
         next_pos.append(nxt)
-    holder = [dict() for _ in groups]  # slot -> layer fetched into it last
-    ready = [dict() for _ in groups]  # layer -> when its last fetch completes
+    holder: list[dict[int, int]] = [dict() for _ in groups]  # slot -> layer fetched into it last
+    ready: list[dict[int, float]] = [dict() for _ in groups]  # layer -> when its last fetch completes
     bus = [0.0]
     moved = [0]
 
@@ -241,7 +243,7 @@ def greedy(step: Step, depth: tuple, fits, by_bytes: bool) -> Placement:
     is the best on record (gains shrink as layers become resident)."""
     import heapq
 
-    res = [set() for _ in step.groups]
+    res: list[set[int]] = [set() for _ in step.groups]
 
     def placement(extra=None) -> Placement:
         sets = [set(r) for r in res]
@@ -261,7 +263,7 @@ def greedy(step: Step, depth: tuple, fits, by_bytes: bool) -> Placement:
         added = p.device_bytes(step) - base_bytes
         return gain / max(added, 1) if by_bytes else gain
 
-    heap = []
+    heap: list[tuple[float, int, int]] = []  # (-gain, group, layer)
     for gi, g in enumerate(step.groups):
         for i in range(g.num_layers):
             sc = score(gi, i)

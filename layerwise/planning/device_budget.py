@@ -222,7 +222,9 @@ def apply_device_budget(model, managers, device, device_budget, budget_margin, p
                                 if cache0[0] else "") + ")"
         )
     depth = fitting[0]
-    need, plans = cost(largest_share(lambda f: cost(f, depth)[0] <= budget), depth)
+    share = largest_share(lambda f: cost(f, depth)[0] <= budget)
+    assert share is not None, "a depth in `fitting` fits with nothing resident (share 0)"
+    need, plans = cost(share, depth)
     held = caches(plans, depth)
     for m, resident in plans:
         m.plan_residency(resident, depth, expert_cache=held[m])

@@ -138,12 +138,13 @@ def _list_experts(module: nn.Module, entries: dict) -> tuple[str | None, int, li
     its parameters there, one child per expert): (why not or None, experts, its
     plan entries, per expert [(entry, 0, span)])."""
     lists = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
-    if len(lists) != 1 or not isinstance(lists[0][1], nn.ModuleList):
+    experts = lists[0][1] if len(lists) == 1 else None
+    if not isinstance(experts, nn.ModuleList):
         names = [n for n, _ in lists]
         return (f"its parameters are in submodules {names}, not in one nn.ModuleList of experts (fused "
                 "expert-major parameters [num_experts, ...] of the module itself, or one ModuleList with a "
                 "module per expert, are routed)"), 0, [], []
-    cname, experts = lists[0]
+    cname = lists[0][0]
     n_exp = getattr(module, "num_experts", None)
     if isinstance(n_exp, int) and not isinstance(n_exp, bool) and n_exp != len(experts):
         return f"its num_experts={n_exp} differs from its {len(experts)} modules in {cname!r}", 0, [], []
@@ -179,8 +180,10 @@ def _why_not(module: nn.Module, entries: dict, qual: str) -> tuple[str | None, i
             return (f"its submodule {cname!r} holds parameters besides its own (fused expert-major parameters "
                     "[num_experts, ...] of the module itself, or one ModuleList with a module per expert, are "
                     "routed)"), 0, [], []
-    n_exp = getattr(module, "num_experts", None)
-    if not isinstance(n_exp, int) or isinstance(n_exp, bool):
+    declared = getattr(module, "num_experts", None)
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        n_exp = declared
+    else:
         n_exp = own[0][1].shape[0] if own[0][1].dim() else 0
     out = []
     for n, p in own:

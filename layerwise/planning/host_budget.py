@@ -241,7 +241,7 @@ def plan_host_budget(model, managers, options, held_bytes: int = 0, why_not_disk
         )
     total_part = sum(m.plan.layers[i].nbytes for m in part for i in streamed[m])
     fraction = (room - forced_bytes) / max(1, total_part)
-    disk: dict = {}
+    on_disk: dict[object, list[int]] = {}  # manager -> its layers on disk
     kept_bytes = forced_bytes  # of the groups taking part (what `room` is for)
     for m in enabled:
         d = []
@@ -258,16 +258,16 @@ def plan_host_budget(model, managers, options, held_bytes: int = 0, why_not_disk
                     kept_bytes += size
                 else:
                     d.append(i)
-        disk[m] = d
+        on_disk[m] = d
         m.tiers.keep_on_disk(d)
     kept_bytes += sum(arena_of(m, streamed[m]) for m in rest)
-    disk_bytes = sum(m.plan.layers[i].nbytes for m in enabled for i in disk[m])
+    disk_bytes = sum(m.plan.layers[i].nbytes for m in enabled for i in on_disk[m])
     per_group = "; ".join(
-        f"{m.layer_name}: {len(streamed[m]) - len(disk[m])} in memory, {len(disk[m])} on disk" for m in enabled)
-    stage = staging(disk)
+        f"{m.layer_name}: {len(streamed[m]) - len(on_disk[m])} in memory, {len(on_disk[m])} on disk" for m in enabled)
+    stage = staging(on_disk)
     log.info(
         "layerwise: host_budget %s (%s): %s. Host arena %s, disk %s (read every step), staging %s, other host "
         "memory %s", fmt_bytes(budget), how, per_group, fmt_bytes(kept_bytes), fmt_bytes(disk_bytes),
         fmt_bytes(stage), fmt_bytes(fixed))
-    return {**figures, "disk_layers": sum(len(d) for d in disk.values()), "disk_bytes": disk_bytes,
+    return {**figures, "disk_layers": sum(len(d) for d in on_disk.values()), "disk_bytes": disk_bytes,
             "arena_bytes": kept_bytes, "staging_bytes": stage}

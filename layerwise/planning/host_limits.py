@@ -91,7 +91,7 @@ def _cgroup_dirs(cgroup_root: str, proc_self: str) -> list[tuple[str, str, str]]
                     own["v1"] = path or "/"
     except OSError:
         pass
-    out = []
+    out: list[tuple[str, str, str]] = []
     for version, base, limit, usage in (("v2", cgroup_root, "memory.max", "memory.current"),
                                         ("v1", os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes",
                                          "memory.usage_in_bytes")):
@@ -126,8 +126,8 @@ def _memlock_limit(proc_self: str) -> int | None:
                     return None if soft == "unlimited" else int(soft)
     except (OSError, ValueError, IndexError):
         pass
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY else int(soft)
+    soft_limit, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft_limit == resource.RLIM_INFINITY else int(soft_limit)
 
 
 def _host_memory() -> tuple[int, int]:

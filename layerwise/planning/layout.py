@@ -135,12 +135,12 @@ class LayerPlan:
         self.params.sort(key=lambda e: (id(e) in tail, str(e.dtype)))  # stable: declaration order inside a dtype
         offset = 0
         self.segments = {}
-        self.base_bytes = None
+        base: int | None = None  # where the tail starts (None: no tail entry yet)
         for e in self.params:
             offset = round_up(offset, PARAM_ALIGN)
             if id(e) in tail:
-                if self.base_bytes is None:
-                    self.base_bytes = offset
+                if base is None:
+                    base = offset
                 e.offset = offset
                 offset += e.span_bytes
                 continue
@@ -149,8 +149,7 @@ class LayerPlan:
             offset += e.span_bytes
             self.segments[e.dtype] = (start, offset - start)
         self.nbytes = offset
-        if self.base_bytes is None:
-            self.base_bytes = offset
+        self.base_bytes = offset if base is None else base
 
 
 @dataclass
@@ -173,7 +172,7 @@ class GroupPlan:
         return out
 
 
-def resolve_group(model: nn.Module, path: str) -> nn.Module:
+def resolve_group(model: nn.Module, path: str) -> nn.ModuleList | nn.Sequential:
     """The nn.ModuleList / nn.Sequential at dotted `path`, or a clear error."""
     if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
         raise ValueError(f"layer group path must be a dotted attribute path like 'transformer_blocks', got {path!r}")
@@ -226,7 +225,7 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
     layers = [LayerPlan(i, module_list[i]) for i in range(n)]
     owners = {id(p): mod for lp in layers for mod in lp.module.modules() for p in mod._parameters.values()
               if p is not None}
-    shared = []
+    shared: list[str] = []
     # Parameters whose bytes overlap (b = a[2:6]) would come apart once each is packed on
     # its own: they stay resident, like tied ones. (Parameters that merely share a storage
     # without overlapping, as tensors sliced out of one checkpoint mmap do, are packed.)
@@ -238,7 +237,7 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
                 start = t.storage_offset() * t.element_size()
                 by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
                     (start, start + storage_span(t) * t.element_size(), pid))
-    aliased = set()
+    aliased: set[int] = set()
     for spans in by_storage.values():
         spans.sort()
         for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
@@ -269,7 +268,8 @@ def build_group_plan(model: nn.Module, path: str, num_layers: int | None = None)
             )
         dspec = None
         if t is not d:
-            dspec = (d.device_mesh, tuple(d.placements), tuple(d.shape), tuple(d.stride()))
+            # `d` is a DTensor here (local_tensor unwrapped it); torch's Tensor stub lacks its attributes
+            dspec = (d.device_mesh, tuple(d.placements), tuple(d.shape), tuple(d.stride()))  # type: ignore[attr-defined]
         layers[owned[0]].params.append(
             ParamEntry(pnames[0], p, t.dtype, tuple(t.shape), tuple(t.stride()), storage_span(t), orig_device=t.device,
                        dspec=dspec, owner=owners.get(pid))

@@ -85,7 +85,10 @@ def encoded_layer_bytes(lp, experts=None) -> int | None:
             seg = _packed_segment([e for e in lp.params if e.dtype == dtype and id(e) not in tail], dtype, off, n)
             if seg is None:
                 return None
-        total += _segment_bytes(seg, dtype, n)
+        got = _segment_bytes(seg, dtype, n)
+        if got is None:  # (never: a coded segment's data was read above)
+            return None
+        total += got
     for m in mods:
         for px in m.parts:
             for e, lo, hi in px:
