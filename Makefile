@@ -24,10 +24,12 @@ $(EXT): $(STAMP) $(SOURCES)
 test: build
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
-# pyflakes, pycodestyle, import order, and SLF001 (no module reads another object's
+# ruff: pyflakes, pycodestyle, import order, and SLF001 (no module reads another object's
 # private attributes) on the package; the tests' and scripts' allowance is in pyproject.toml.
+# mypy: the planning modules and the options (pyproject.toml's [tool.mypy] files; ~15 s).
 lint: $(STAMP)
 	$(VPY) -m ruff check layerwise scripts tests
+	$(VPY) -m mypy
 
 # On a machine without a GPU the benchmark runs its CPU suites in --quick mode
 # (~2 min on 2 cores); each suite prints its table as it finishes.

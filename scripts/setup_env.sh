@@ -13,7 +13,7 @@ TORCH_SPEC=${LAYERWISE_TORCH_SPEC:-torch==2.13.0}
 PACKAGES=(triton:triton pybind11:pybind11 ninja:ninja pytest:pytest numpy:numpy safetensors:safetensors
           tqdm:tqdm psutil:psutil matplotlib:matplotlib rich:rich setuptools:setuptools wheel:wheel
           diffusers:diffusers transformers:transformers accelerate:accelerate peft:peft
-          ruff:ruff==0.17.6)
+          ruff:ruff==0.17.6 mypy:mypy==2.4.1)
 # The quantization libraries the tests stream (module:package). Installed with --no-deps, on their
 # own: an unpinned dependency of theirs would pull a second (CUDA) torch over the one above.
 QUANT_PACKAGES=(torchao:torchao optimum.quanto:optimum-quanto bitsandbytes:bitsandbytes gguf:gguf)
