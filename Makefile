@@ -17,7 +17,7 @@ $(STAMP): scripts/setup_env.sh
 # --no-build-isolation: otherwise pip fetches a second torch into a build env.
 build: $(EXT)
 $(EXT): $(STAMP) $(SOURCES)
-	@echo "build: compiling the native extension with pip (~1.5 min on 2 cores, longer on busy ones)"
+	@echo "build: compiling the native extension with pip (~45 s on 2 idle cores, minutes on busy ones)"
 	@t0=$$(date +%s) && $(VPY) -m pip install --progress-bar on --no-build-isolation --no-deps -e . && \
 	  touch $@ && echo "build: done in $$(( $$(date +%s) - t0 )) s"
 
