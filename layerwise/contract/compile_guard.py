@@ -1,6 +1,6 @@
 """What torch.compile's dynamo must see of a streamed model, without importing dynamo.
 
-Stale graphs. dynamo does not guard on a module's hooks
+[Note: streaming subclass] (undone by `unmark_streamed` at removal) dynamo does not guard on a module's hooks
 (`torch._dynamo.config.skip_nnmodule_hook_guards`, on by default): a graph traced
 through a block that had no hooks (the same block compiled before configure, or any
 other instance of its class, compiled before or after) would run for the streamed
@@ -17,7 +17,8 @@ the same class compiled after the configure. Where dynamo specializes graphs on
 module instances instead (torch 2.4), it guards their ids, not their classes: there
 configure and removal drop its code caches (`drop_instance_graphs`).
 
-Hooks dynamo must not trace. The hooks run eagerly under torch.compile
+[Note: dynamo import hook] (undone by itself: the finder leaves `sys.meta_path` once
+torch._dynamo is imported) The hooks run eagerly under torch.compile
 (torch.compiler.disable: the graph breaks at a hook and resumes, with no recompile
 per layer or step), but torch.compiler.disable imports torch._dynamo (144 MiB of host
 memory, torch 2.13 CPU on x86-64). Until torch._dynamo is imported nothing can be
