@@ -621,7 +621,7 @@ class LayerwiseOffloadManager:
         """Queue the fetch of streamed layer i into its slot, unless it is there
         already (and its true bytes have not changed since). False when a prefetch
         finds the slot busy: the layer that computes there keeps it."""
-        ring, src = self.ring, self.sources[i]
+        ring, src = self.ring, self._host.src[i]
         version = src.version()
         if ring.holds(i, version):
             return True
@@ -739,7 +739,7 @@ class LayerwiseOffloadManager:
     def _prefetch_after(self, i: int) -> None:
         """Issue copies of the next prefetch_depth streamed layers after layer i,
         continuing into the next group (and wrapping around) at the end."""
-        want = self.prefetch_depth
+        want = self.options.prefetch_depth
         mgr, pos = self, self.ring.next_pos[i] + (1 if self.ring.slot_of[i] >= 0 else 0)
         for _ in range(64):  # a walk over the chain of groups, bounded
             for j in mgr.ring.streamed[pos : pos + want]:
@@ -753,9 +753,10 @@ class LayerwiseOffloadManager:
             if want <= 0:
                 break
             mgr, pos = mgr.next_manager, 0
-        if self.chain.reads_ahead:
+        chain = self._host.chain
+        if chain.reads_ahead:
             with self.queueing():  # reads queued and not recorded yet: an interrupt makes the next hook resync
-                self.chain.read_ahead(i)
+                chain.read_ahead(i)
 
     @contextlib.contextmanager
     def queueing(self, mark: bool = True):
@@ -772,7 +773,7 @@ class LayerwiseOffloadManager:
         if load:
             self._load(i, prefetch=False)
         ev = self.ring.fetched[i]
-        if ev is None or (not self.chain.pending.items and not stages.is_deferred(ev)):
+        if ev is None or (not self._host.chain.pending.items and not stages.is_deferred(ev)):
             return ev  # (nothing deferred: the hot path stays free of the context manager)
         try:
             with self.queueing():
@@ -823,9 +824,10 @@ class LayerwiseOffloadManager:
             self._resync()
         if i == 0 and not self.meter.root_driven:
             self.new_step()  # blocks called without the model's forward: a step per layer 0
-        if self.chain.reads_ahead or self.chain.pending.items:
+        chain = self._host.chain  # (the hooks run per layer: locals, not properties, on their path)
+        if chain.reads_ahead or chain.pending.items:
             with self.queueing():
-                self.chain.pump()
+                chain.pump()
         s = self.ring.slot_of[i]
         if s >= 0:
             self._check_slot_writes(s)
@@ -837,7 +839,7 @@ class LayerwiseOffloadManager:
             self._prefetch_after(i)
             if ev is not None:
                 try:
-                    meanwhile = self.chain.meanwhile(i) if self.chain.reads_ahead else None
+                    meanwhile = chain.meanwhile(i) if chain.reads_ahead else None
                     if meanwhile is None:
                         self.meter.wait(self._engine, ev, self.compute_stream())
                     else:
@@ -860,9 +862,11 @@ class LayerwiseOffloadManager:
             return  # this thread's pre-hook never ran (an earlier hook raised)
         replaced = None
         try:
-            if self.streaming and not self._dirty and self.chain.pending.items:  # (dirty: stale; the next hook resyncs)
+            chain = self._host.chain
+            # (dirty: the records are stale; the next hook resyncs)
+            if self.state is Lifecycle.STREAMING and not self._dirty and chain.pending.items:
                 with self.queueing():  # collectives for the layers prefetched: after this layer's forward
-                    self.chain.settle()
+                    chain.settle()
             if self.ring.slot_of[i] >= 0:
                 replaced = self.ring.own_output(output)
             if torch.is_grad_enabled():  # its graph holds the group's parameters until its backward
