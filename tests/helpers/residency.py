@@ -3,6 +3,7 @@ test_residency_transaction.py): the two-group model at a size where every
 placement of set_residency differs, its inputs and outputs, and leaf equality
 that compares a quantized wrapper by its inner tensors."""
 import torch
+from torch import nn
 
 from helpers.models import TwoGroupModel
 
@@ -12,6 +13,17 @@ GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 def make(seed=0, n_a=6, n_b=4, d=32):
     torch.manual_seed(seed)
     return TwoGroupModel(d=d, n_a=n_a, n_b=n_b).eval()
+
+
+def quantized(seed=0):
+    """`make(seed)` with torchao Int8WeightOnly on every Linear of both groups."""
+    import pytest
+
+    quant = pytest.importorskip("torchao.quantization")
+    m = make(seed)
+    for blocks in (m.transformer_blocks, m.single_transformer_blocks):
+        quant.quantize_(blocks, quant.Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+    return m
 
 
 def inputs(n=2, d=32):

@@ -15,12 +15,11 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 import layerwise
 from layerwise.runtime import group as manager_mod
 
-from helpers.residency import GROUPS, inputs, leaves_equal, make, outputs, same
+from helpers.residency import GROUPS, inputs, leaves_equal, make, outputs, quantized, same
 
 
 def placement(m):
@@ -348,14 +347,7 @@ def test_disk_tier_and_compress_keep_their_host_side(tmp_path):
 
 
 def test_a_quantized_group_changes_placement_bitwise():
-    quant = pytest.importorskip("torchao.quantization")
-
-    def q(seed=0):
-        m = make(seed)
-        for blocks in (m.transformer_blocks, m.single_transformer_blocks):
-            quant.quantize_(blocks, quant.Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
-        return m
-
+    q = quantized
     ref = q()
     xs = inputs()
     want = outputs(ref, xs)

@@ -18,29 +18,9 @@ from torch import nn
 import layerwise
 from layerwise.planning.device_budget import non_layer_bytes
 
-from helpers.models import TwoGroupModel
+from helpers.residency import GROUPS, inputs, make, outputs, same
 
-GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 WAIT_S = 120  # a guard against a hang, never a measure of speed
-
-
-def make(seed=0):
-    torch.manual_seed(seed)
-    return TwoGroupModel(d=32, n_a=6, n_b=4).eval()
-
-
-def inputs(n=2, d=32):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randn(3, d, generator=g) for _ in range(n)]
-
-
-def outputs(model, xs):
-    with torch.no_grad():
-        return [model(x) for x in xs]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def sd_equal(model, ref) -> bool:

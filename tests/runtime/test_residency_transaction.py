@@ -13,7 +13,7 @@ import layerwise
 from layerwise import contract
 from layerwise.contract import rebinds
 
-from helpers.residency import GROUPS, inputs, leaves_equal, make, outputs, same
+from helpers.residency import GROUPS, inputs, leaves_equal, make, outputs, quantized, same
 
 
 def sd_diffs(model, ref) -> list:
@@ -26,14 +26,7 @@ def test_a_weakly_referenced_quantized_weight_is_refused_before_anything_changes
     refuses one at configure) makes torch.utils.swap_tensors refuse in the second
     phase: the group was left half-applied (new ring, old bindings), outputs and
     state_dict wrong. It must be refused in phase one, the old placement whole."""
-    quant = pytest.importorskip("torchao.quantization")
-
-    def q():
-        m = make()
-        for blocks in (m.transformer_blocks, m.single_transformer_blocks):
-            quant.quantize_(blocks, quant.Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
-        return m
-
+    q = quantized
     ref = q()
     xs = inputs()
     want = outputs(ref, xs)
