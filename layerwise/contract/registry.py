@@ -14,7 +14,8 @@ import weakref
 import torch
 from torch import nn
 
-from layerwise.contract import casts, compile_guard, edits, load_state_dict, locking, state_dict
+from layerwise.contract import casts, edits, load_state_dict, locking, state_dict
+from layerwise.runtime import ops
 
 MANAGERS = "_layerwise_managers"
 _HANDLES = "_layerwise_contract_handles"
@@ -55,9 +56,10 @@ def attach(model: nn.Module, managers) -> None:
     model.__dict__.setdefault(MANAGERS, []).extend(managers)
     if _HANDLES not in model.__dict__:
         model.__dict__[FORWARDS] = {"threads": {}, "removing": False, "cond": locking.model_lock(model)}
-        handles = [compile_guard.register_hook(model.register_forward_pre_hook, _root_pre_hook, prepend=True),
-                   compile_guard.register_hook(model.register_forward_hook, _root_post_hook, always_call=True)]
-        model.__dict__[_HANDLES] = handles
+        # (traced under torch.compile into layerwise::step_begin / step_end: runtime/ops.py)
+        model.__dict__[_HANDLES] = [ops.install(
+            model, lambda args: _root_pre_hook(model, args), lambda output: _root_post_hook(model, None, output),
+            lambda tensors: _root_post_hook(model, None, None), managers[0].device, root=True)]
     casts.install_cast_guards(model)
 
 

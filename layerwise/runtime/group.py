@@ -46,7 +46,7 @@ from layerwise.planning import experts
 from layerwise.planning.layout import GroupPlan, build_group_plan
 from layerwise.planning.layout import device_bytes as planned_device_bytes
 from layerwise.planning.routes import TierChoice
-from layerwise.runtime import expert_hooks, gpu_checks
+from layerwise.runtime import expert_hooks, gpu_checks, ops
 from layerwise.runtime.host_store import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
 from layerwise.runtime.meter import Meter
 from layerwise.runtime.ring import SlotRing
@@ -577,8 +577,8 @@ class LayerwiseOffloadManager:
             self.chain.start(self._engine, self.sources, self.ring.streamed, start, self.ring)
             for i in self.ring.streamed[: self.prefetch_depth]:
                 self._load(i, prefetch=True)
-            # Hooks run eagerly under torch.compile: dynamo skips them instead of
-            # tracing into the copy engine (one graph per block, no recompiles), and
+            # Under torch.compile the hooks are traced into two operators per layer
+            # (layerwise/runtime/ops.py), whose kernels are enter_layer and leave_layer;
             # each block takes its streamed class, so that no graph traced without
             # the hooks runs it (layerwise/contract/compile_guard.py).
             # The pre-hook goes first, so that a user's pre-hook registered earlier
@@ -588,11 +588,10 @@ class LayerwiseOffloadManager:
             with contract.defer_interrupts():
                 for lp in layers:
                     compile_guard.mark_streamed(lp.module)
-                    self._hooks.append(compile_guard.register_hook(
-                        lp.module.register_forward_pre_hook, functools.partial(self._pre_hook, lp.index), prepend=True))
-                    self._hooks.append(compile_guard.register_hook(
-                        lp.module.register_forward_hook, functools.partial(self._post_hook, lp.index),
-                        always_call=True))
+                    self._hooks.append(ops.install(
+                        lp.module, functools.partial(self._pre_hook, lp.index, None),
+                        functools.partial(self._post_hook, lp.index, None, None),
+                        functools.partial(self.leave_layer, lp.index), self.device))
                 self._hooks.extend(expert_hooks.install_hooks(self))  # routed experts: the expert modules' pre-hooks
                 self._guard_hooks = contract.install_layer_hooks(self)
             compile_guard.drop_instance_graphs()
@@ -856,6 +855,25 @@ class LayerwiseOffloadManager:
         else:
             self.ring.enter(i)
             self._prefetch_after(i)
+
+    def enter_layer(self, i: int) -> None:
+        """Layer i is about to compute: its weights ready in its slot, the compute
+        stream waiting for them, the next prefetches issued (the pre-hook; the kernel
+        of layerwise::layer_ready). Holds the model's lock until leave_layer."""
+        self._pre_hook(i, None, None)
+
+    def leave_layer(self, i: int, outputs=()) -> None:
+        """Layer i has computed (the forward hook; the kernel of
+        layerwise::layer_done, with the output's tensors). A compiled graph cannot
+        take a replaced output: an output that is a view of the layer's own slot
+        is refused (eager, the hook returns a copy instead)."""
+        aliased = self.streaming and self.ring.slot_of[i] >= 0 and any(self.ring.aliases(t) for t in outputs)
+        self._post_hook(i, None, None, None)
+        if aliased:
+            raise RuntimeError(
+                f"layerwise: layer {self.layer_name}[{i}] returned a view of its own streamed weights under "
+                "torch.compile; the next fetch into its slot would change that output. Return a copy "
+                "(.clone()) from the block's forward, or keep the layer resident (resident=[...]).")
 
     def _post_hook(self, i: int, module, args, output):
         if not self._lock.is_owned():
