@@ -9,18 +9,21 @@
 #                                               limits, the total and the files; run nothing
 #
 # Stages (STAGES below: name, limit in seconds, the files it leaves in RESULTS_DIR):
-#   build    90  the CUDA variant, with the python3 found there (+ .whl/*.whl it lacks: carry .whl)
-#   smoke    60  scripts/gpu_smoke.py -> smoke.json: build info, the device, pinned-arena
+#   build    80  the CUDA variant, with the python3 found there (+ .whl/*.whl it lacks: carry .whl)
+#   smoke    50  scripts/gpu_smoke.py -> smoke.json: build info, the device, pinned-arena
 #                H2D GiB/s against torch's pinned copy_ at 64 MiB and 1 GiB, one bitwise
 #                stream with the GPU behind the host (raw and compressed), one decode's GiB/s
-#   (a stage that needs the GPU early, such as compile and CUDA graph capture, goes
-#    right after smoke: one line in STAGES and a stage_NAME function, limits rebalanced)
-#   cuda    100  the CUDA tests of the core files, in this order: native, manager, cuda
+#   capture  75  CUDA graphs of a streamed step first (tests/runtime/test_capture_cuda.py:
+#                20 replays bitwise with the compute stream slowed, a load_state_dict
+#                between replays, the refusal of an encoded group, reduce-overhead on
+#                a tiny Llama; Flux where diffusers is installed), then compile-native
+#                streaming's CUDA variants (tests/contract/test_compile_native.py -k cuda)
+#   cuda     80  the CUDA tests of the core files, in this order: native, manager, cuda
 #                path, residency, tune, loading, then routed experts and the reader
 #                (LAYERWISE_CUDA_ONLY=1: their cuda variants and GPU-only tests; CI runs
 #                the rest on the CPU backend)
-#   kernels  30  the CUDA tests of the Triton kernels: codec (decode) and scatter
-#   bench    80  python -m layerwise.bench --quick h2d compress stream
+#   kernels  25  the CUDA tests of the Triton kernels: codec (decode) and scatter
+#   bench    50  python -m layerwise.bench --quick h2d compress stream
 #                -> bench.json, bench.md, stream.png (compress, the decode GiB/s, before stream)
 # Files (at most 8; the device tool returns 8): summary.txt (each stage's outcome, and
 # under smoke and bench their key figures), run.log (each stage's output, capped),
@@ -37,12 +40,12 @@ FILES_MAX=8
 ALWAYS_FILES="summary.txt run.log"
 # name   limit_s  files (comma-separated; - for none); a line starting with # is none
 STAGES="
-build    90   -
-smoke    60   smoke.json
-# compile  -  compile.json   <- compile-native streaming and CUDA graph capture go here, limits rebalanced
-cuda     100  -
-kernels  30   -
-bench    80   bench.json,bench.md,stream.png
+build    80   -
+smoke    50   smoke.json
+capture  75   -
+cuda     80   -
+kernels  25   -
+bench    50   bench.json,bench.md,stream.png
 "
 if [ "${GPU_CHECK_SELFTEST:-0}" = 1 ]; then  # tests/bench/test_gpu_check_script.py: limits and file discipline
   STAGES="
@@ -54,6 +57,7 @@ fi
 CORE_TESTS="tests/runtime/test_native.py tests/runtime/test_manager.py tests/runtime/test_cuda_path.py
  tests/runtime/test_residency.py tests/test_tune.py tests/test_loading.py tests/stages/test_moe.py
  tests/stages/test_reader.py"
+CAPTURE_TESTS="tests/runtime/test_capture_cuda.py tests/contract/test_compile_native.py"
 KERNEL_TESTS="tests/codec/test_codec.py tests/codec/test_codec_v2.py tests/test_scatter.py"
 BENCH="-m layerwise.bench --quick h2d compress stream --device cuda"
 
@@ -80,6 +84,12 @@ stage_cuda() {
   # shellcheck disable=SC2086
   LAYERWISE_CUDA_ONLY=1 "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider $CORE_TESTS
 }
+stage_capture() {
+  # (a compile of a tiny model takes tens of seconds: a longer limit per test than the others)
+  # shellcheck disable=SC2086
+  LAYERWISE_TEST_TIMEOUT=70 LAYERWISE_CUDA_ONLY=1 "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider \
+    $CAPTURE_TESTS
+}
 stage_kernels() {
   # shellcheck disable=SC2086
   LAYERWISE_CUDA_ONLY=1 "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider $KERNEL_TESTS
@@ -95,6 +105,7 @@ command_of() {  # what stage NAME runs, in words (the dry run)
   case $1 in
     build) echo "pip install -e . (LAYERWISE_BUILD=cuda; .whl/*.whl first)" ;;
     smoke) echo "python scripts/gpu_smoke.py smoke.json" ;;
+    capture) echo "LAYERWISE_CUDA_ONLY=1 python -m pytest" $CAPTURE_TESTS ;;
     cuda) echo "LAYERWISE_CUDA_ONLY=1 python -m pytest" $CORE_TESTS ;;
     kernels) echo "LAYERWISE_CUDA_ONLY=1 python -m pytest" $KERNEL_TESTS ;;
     bench) echo "python $BENCH --json bench.json --markdown bench.md --plot stream.png" ;;
@@ -136,10 +147,10 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 PY=${PYTHON:-python3}
-export PY WORK CORE_TESTS KERNEL_TESTS BENCH PYTHONUNBUFFERED=1
+export PY WORK CORE_TESTS CAPTURE_TESTS KERNEL_TESTS BENCH PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export LAYERWISE_TEST_TIMEOUT=${LAYERWISE_TEST_TIMEOUT:-40}  # one test past it fails instead of eating the stage
-export -f stage_build stage_smoke stage_cuda stage_kernels stage_bench stage_slow stage_quick
+export -f stage_build stage_smoke stage_capture stage_cuda stage_kernels stage_bench stage_slow stage_quick
 
 {
   echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -114,15 +114,38 @@ def _registered(dict_ref, key, hook_ref):
     return (hooks, hook) if hooks is not None and hook is not None and hooks.get(key) is hook else None
 
 
+def mark_static(t: torch.Tensor) -> None:
+    """Tell dynamo that `t` (a hook operator's token or fence, runtime/ops.py) keeps
+    its address across calls, so that the CUDA graphs of torch.compile neither copy
+    it into a static buffer at each replay nor refuse a graph that declares a write
+    to it. Unguarded: one graph serves every block of a class. Before torch._dynamo
+    is imported, marked at its import (the import hook above)."""
+    with _lock:
+        if _DYNAMO not in sys.modules:
+            if _FINDER not in sys.meta_path:
+                sys.meta_path.insert(0, _FINDER)
+            _static_pending.append(weakref.ref(t))
+            return
+    sys.modules[_DYNAMO].mark_static_address(t, guard=False)
+
+
+_static_pending: list = []
+
+
 def _dynamo_imported() -> None:
     with _lock:
         pending = _plain_hooks[:]
         _plain_hooks.clear()
+        statics = [t for t in (r() for r in _static_pending) if t is not None]
+        _static_pending.clear()
         if _FINDER in sys.meta_path:
             sys.meta_path.remove(_FINDER)
     # (torch.compiler.disable is this, reached through the `torch` package: inside the
     # import, the package may not have its attribute yet)
-    disable = sys.modules[_DYNAMO].disable
+    dynamo = sys.modules[_DYNAMO]
+    for t in statics:
+        dynamo.mark_static_address(t, guard=False)
+    disable = dynamo.disable
     for dict_ref, key, hook_ref in pending:
         found = _registered(dict_ref, key, hook_ref)
         if found is not None:

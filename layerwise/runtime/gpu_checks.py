@@ -3,7 +3,8 @@ here: a missing piece found at configure is an error that says what to do, not
 a failure in the first forward's hook with the model half set up.
 
 check_decode_path runs in the options validation (OffloadOptions.build), at
-every front door; stream_capturing in every pre-hook of a CUDA group.
+every front door; stream_capturing in every pre-hook of a CUDA group (a captured
+step takes the capture path: runtime/capture.py).
 """
 from __future__ import annotations
 
@@ -83,14 +84,6 @@ def check_decode_path(device) -> None:
             f"layerwise: {what}, which needs triton >= {need}; this process has triton {have or '(no version)'} "
             f"from {getattr(triton, '__file__', '?')}. Upgrade it (`pip install 'triton>={need}'`), or pass "
             "compress=None.")
-
-
-CAPTURE_REFUSED = (
-    "layerwise: layer {group}[{i}] was called inside CUDA graph capture (torch.cuda.graph, or the CUDA graphs "
-    "of torch.compile(mode='reduce-overhead')). A streamed layer's copies are issued by hooks on the host and "
-    "wait on events recorded outside the capture, so a graph cannot replay them. Run the streamed model "
-    "eagerly or under torch.compile without CUDA graphs (mode='default' or 'max-autotune-no-cudagraphs')."
-)
 
 
 def stream_capturing(device: torch.device) -> bool:

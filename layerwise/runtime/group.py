@@ -46,7 +46,7 @@ from layerwise.planning import experts
 from layerwise.planning.layout import GroupPlan, build_group_plan
 from layerwise.planning.layout import device_bytes as planned_device_bytes
 from layerwise.planning.routes import TierChoice
-from layerwise.runtime import expert_hooks, gpu_checks, ops
+from layerwise.runtime import capture, expert_hooks, gpu_checks, ops
 from layerwise.runtime.host_store import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
 from layerwise.runtime.meter import Meter
 from layerwise.runtime.ring import SlotRing
@@ -155,6 +155,8 @@ class LayerwiseOffloadManager:
         self._resident_bytes = 0  # device bytes of the resident layers
         self._grad_hooks: list = []  # saved-tensor hooks pushed by pre-hooks, popped by post-hooks: [(thread, ctx)]
         self._hooks = []  # the forward hooks' handles (and the expert modules'), removed with the group
+        self._capture: capture.CaptureSchedule | None = None  # the step being captured into a CUDA graph
+        self._captured = False  # a CUDA graph of a step exists: its replays change the slots behind the record
         self._guard_hooks = []  # the state contract's hooks on the streamed layers (installed again by set_residency)
         self.placement = None  # who chose the placement in force, when not configure (set_residency's `note`)
         self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/runtime/ring.py), once finalised
@@ -749,7 +751,7 @@ class LayerwiseOffloadManager:
                     mgr._resync()
                 mgr._load(j, prefetch=True)
                 want -= 1
-            if want <= 0:
+            if want <= 0 or self._captured:  # (a replay cannot know what an eager prefetch left in a slot)
                 break
             mgr, pos = mgr.next_manager, 0
         chain = self._host.chain
@@ -815,10 +817,12 @@ class LayerwiseOffloadManager:
         if self.state is not Lifecycle.STREAMING:  # removed while this call waited for the lock: runs plain
             self._lock.release()
             return
-        if self._engine.is_cuda and gpu_checks.stream_capturing(self.device):
-            raise RuntimeError(gpu_checks.CAPTURE_REFUSED.format(group=self.layer_name, i=i))
         if self.guard.error is not None:
             raise RuntimeError(self.guard.error)
+        if self._capturing():
+            self._enter_captured(i)
+            return
+        self._capture = None  # (a capture that failed part way leaves nothing behind)
         if self._dirty:
             self._resync()
         if i == 0 and not self.meter.root_driven:
@@ -875,10 +879,44 @@ class LayerwiseOffloadManager:
                 "torch.compile; the next fetch into its slot would change that output. Return a copy "
                 "(.clone()) from the block's forward, or keep the layer resident (resident=[...]).")
 
+    def _capturing(self) -> bool:
+        """The device's current stream captures a CUDA graph (never on the CPU backend)."""
+        return self._engine.is_cuda and gpu_checks.stream_capturing(self.device)
+
+    def _enter_captured(self, i: int) -> None:
+        """The pre-hook under CUDA graph capture: the step's copies and waits as
+        captured work (runtime/capture.py); the ring's record is not used, and is
+        forgotten at the next eager step (replays refill the slots behind it)."""
+        if self._capture is None or i == 0:
+            api = capture.CudaApi(self.device)
+            why = capture.refusal(self, api)
+            if why is not None:
+                raise RuntimeError(f"layerwise: this step cannot be captured into a CUDA graph: {why}.")
+            blocks = {j: self.sources[j].host for j in self.ring.streamed}
+            self._capture = capture.CaptureSchedule(self.ring, blocks, self.options.prefetch_depth, api)
+            self._captured = True
+        self._capture.enter(i)
+        self.ring.enter(i)
+
+    def end_captured_step(self) -> None:
+        """The model's forward ends under capture (its root post-hook): the copies of
+        layers it did not call are joined, so that the capture can end."""
+        if self._capture is not None:
+            self._capture.join()
+            self._capture = None
+
     def _post_hook(self, i: int, module, args, output):
         if not self._lock.is_owned():
             return  # this thread's pre-hook never ran (an earlier hook raised)
         replaced = None
+        if self._capture is not None and self.state is Lifecycle.STREAMING and self._capturing():
+            try:
+                self.ring.leave(i)
+                if self._capture.leave(i):
+                    self._capture = None
+                return self.ring.own_output(output)
+            finally:
+                self._lock.release()
         try:
             chain = self._host.chain
             # (dirty: the records are stale; the next hook resyncs)
@@ -908,6 +946,8 @@ class LayerwiseOffloadManager:
         """A step of the model begins (its root pre-hook; layer 0 where blocks are called alone)."""
         if self.guard.handed_out:
             contract.check_handed_out(self)
+        if self._captured and not self._capturing():
+            self._resync()  # graph replays may have refilled the slots behind the record
         self.meter.new_step()
 
     def _stage_counts(self) -> tuple:

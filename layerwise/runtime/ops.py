@@ -45,6 +45,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from layerwise.contract import compile_guard
+
 TOKEN = "_layerwise_token"
 FENCE = "_layerwise_fence"
 _ENTRY = "_layerwise_entry"
@@ -64,6 +66,7 @@ def _fence(device: torch.device) -> torch.Tensor:
         fence = _fences.get(device)
         if fence is None:
             fence = _fences[device] = torch.zeros(1, dtype=torch.uint8, device=device)
+            compile_guard.mark_static(fence)
         return fence
 
 
@@ -177,6 +180,7 @@ def install(module: nn.Module, enter, leave, leave_compiled, device, root: bool 
     output's tensors)`. The pre-hook goes first (prepend)."""
     device = torch.device(device)
     token = torch.zeros(1, dtype=torch.uint8, device=device)
+    compile_guard.mark_static(token)
     module.__dict__[TOKEN] = token
     module.__dict__[FENCE] = _fence(device)
     module.__dict__[_ENTRY] = (enter, leave, leave_compiled)
