@@ -18,7 +18,11 @@ it with torch's own streams and events, which the capture records:
 
 The slots are fixed and the host blocks do not move, so the schedule is static:
 every replay moves the same bytes from the same host blocks, and a write into a
-block between replays (load_state_dict) is what the next replay copies.
+block between replays (load_state_dict) is what the next replay copies. What a
+graph touches (the slots, the host blocks, the resident layers' tensors) is kept
+on the model (KEPT) for its lifetime: a set_residency or a removal after a capture
+never frees memory a replay still uses; the old graph keeps computing with the
+placement it captured.
 
 `refusal(group)` names what cannot be captured: a disk read, a decode of an
 encoded layer, a split gather (host work and collectives), routed experts (the
@@ -29,6 +33,10 @@ tested on the CPU with a recording stand-in (tests/runtime/test_capture.py).
 from __future__ import annotations
 
 import torch
+
+# On the model: what captured graphs of its groups copy into, from and compute with
+# (slots, host blocks, the parameters' tensors), kept alive for the model's lifetime.
+KEPT = "_layerwise_captured"
 
 
 class CudaApi:
@@ -85,9 +93,9 @@ def refusal(group, api) -> str | None:
 class CaptureSchedule:
     """The copies and waits of one captured step of a group (see the module docstring)."""
 
-    def __init__(self, ring, blocks, depth: int, api):
+    def __init__(self, ring, blocks, depth: int, api, copy_stream=None):
         self.ring, self.blocks, self.depth, self.api = ring, blocks, depth, api
-        self.copy_stream = api.new_stream()
+        self.copy_stream = copy_stream if copy_stream is not None else api.new_stream()
         self.copied: dict[int, object] = {}  # layer -> the event after its copy
         self.waited: set[int] = set()
         self.occupant: dict[int, int] = {}  # slot -> the layer copied into it last in this step

@@ -157,6 +157,7 @@ class LayerwiseOffloadManager:
         self._hooks = []  # the forward hooks' handles (and the expert modules'), removed with the group
         self._capture: capture.CaptureSchedule | None = None  # the step being captured into a CUDA graph
         self._captured = False  # a CUDA graph of a step exists: its replays change the slots behind the record
+        self._capture_stream = None
         self._guard_hooks = []  # the state contract's hooks on the streamed layers (installed again by set_residency)
         self.placement = None  # who chose the placement in force, when not configure (set_residency's `note`)
         self.ring: SlotRing | None = None  # the slot ring and its record (layerwise/runtime/ring.py), once finalised
@@ -564,6 +565,8 @@ class LayerwiseOffloadManager:
             self._dirty = False
             self.guard = contract.GroupGuard()
             start = self._engine.record(self.compute_stream(), False) if self._engine.is_cuda else None
+            # The copy stream of captured steps, made now: a stream made inside a capture is not safe.
+            self._capture_stream = capture.CudaApi(self.device).new_stream() if self._engine.is_cuda else None
             self.ring = SlotRing(self.plan, self.resident, self.prefetch_depth, self.sources, self.device, start)
             # Resident layers become ordinary device tensors (one storage each, as in a
             # resident model); streamed ones are bound to views of their slot.
@@ -893,7 +896,14 @@ class LayerwiseOffloadManager:
             if why is not None:
                 raise RuntimeError(f"layerwise: this step cannot be captured into a CUDA graph: {why}.")
             blocks = {j: self.sources[j].host for j in self.ring.streamed}
-            self._capture = capture.CaptureSchedule(self.ring, blocks, self.options.prefetch_depth, api)
+            # A graph replays into these slots from these blocks, and reads the resident
+            # layers' tensors, whatever set_residency or a removal does later: they live
+            # as long as the model (a graph of a model rarely outlives it).
+            kept = self.model.__dict__.setdefault(capture.KEPT, [])
+            if not any(k[0] is self.ring.slots for k in kept):
+                kept.append((self.ring.slots, blocks, [p.data for p in self.plan.module_list.parameters()]))
+            self._capture = capture.CaptureSchedule(self.ring, blocks, self.options.prefetch_depth, api,
+                                                    self._capture_stream)
             self._captured = True
         self._capture.enter(i)
         self.ring.enter(i)

@@ -206,3 +206,22 @@ def test_a_disk_read_is_refused_at_capture_naming_it(fake_capture, tmp_path):
     with torch.no_grad(), pytest.raises(RuntimeError, match="a disk read"):
         model(x)
     stop()
+
+
+def test_what_a_captured_graph_touches_outlives_a_set_residency_and_a_removal(fake_capture):
+    start, stop = fake_capture
+    ref_model, model, managers = _pair(prefetch_depth=1)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        start(managers)
+        model(x)
+        stop()
+    slots = [t.untyped_storage().data_ptr() for m in managers for t in m.ring.slots]
+    blocks = [m.sources[i].host.data_ptr() for m in managers for i in m.ring.streamed]
+    managers[0].set_residency(2)
+    layerwise.remove_layerwise_offload(model)
+    kept = model.__dict__[capture.KEPT]
+    assert {t.untyped_storage().data_ptr() for k in kept for t in k[0]} == set(slots)
+    assert {b.data_ptr() for k in kept for b in k[1].values()} == set(blocks)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref_model(x))

@@ -118,3 +118,22 @@ def test_reduce_overhead_compile_of_a_streamed_model_records_cuda_graphs_cuda(na
         out = archs.run(arch, compiled, 11, device="cuda")
         assert torch.equal(out, ref)
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+
+def test_a_graph_captured_before_set_residency_still_replays_exactly():
+    ref_model, model, managers = _pair(prefetch_depth=1)
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        ref = ref_model(x)
+        model(x)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = model(x)
+        managers[0].set_residency(3)
+        torch.cuda.empty_cache()
+        junk = torch.full((1 << 20,), 7.0, device="cuda")  # reuse of freed memory would show
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+        assert torch.equal(model(x), ref)
+        del junk
