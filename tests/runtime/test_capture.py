@@ -225,3 +225,39 @@ def test_what_a_captured_graph_touches_outlives_a_set_residency_and_a_removal(fa
     assert {b.data_ptr() for k in kept for b in k[1].values()} == set(blocks)
     with torch.no_grad():
         assert torch.equal(model(x), ref_model(x))
+
+
+@pytest.mark.parametrize("kind", ["ao-int8", "quanto-qint4"])
+def test_a_quantized_model_is_captured_as_plain_bytes(fake_capture, kind):
+    from helpers import quantized
+
+    start, stop = fake_capture
+    ref_model = quantized.make(kind, n=6)
+    model = quantized.make(kind, n=6)
+    managers = layerwise.configure_layerwise_offload(model, ["blocks"], device="cpu", prefetch_depth=1)
+    x = torch.randn(2, quantized.D, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = ref_model(x)
+        start(managers)
+        for m in managers:
+            for s in m.ring.slots:
+                s.data.fill_(255)
+        out = model(x)
+        stop()
+    assert torch.equal(out, ref)
+    assert len([e for e in FakeApi.log if e[0] == "copy"]) == len(managers[0].ring.streamed)
+    assert _joined(FakeApi.log)
+
+
+def test_routed_experts_are_refused_at_capture_naming_them(fake_capture):
+    from helpers import moe
+
+    start, stop = fake_capture
+    model = moe._make("mixtral")
+    managers = layerwise.configure_layerwise_offload(model, ["model.layers"], device="cpu", experts="routed")
+    start(managers)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="routed experts"):
+        model(moe._ids())
+    stop()
+    with torch.no_grad():
+        model(moe._ids())  # eager afterwards
