@@ -696,8 +696,9 @@ def test_user_hooks_before_and_after_configure_see_their_layers_weights():
             assert s == truth[i], (kind, i)
 
 
-def test_cuda_graph_capture_is_refused_clearly(monkeypatch):
-    # A fake capture flag on a CPU model: the check is the same code path as on CUDA.
+def test_a_cuda_graph_capture_that_is_refused_leaves_the_model_streaming_exactly(monkeypatch):
+    # A fake capture flag on a CPU model (the same code path as on CUDA), and a group
+    # that cannot be captured (runtime/capture.py's refusal, here with grad enabled).
     model, ref, sd = configured()
     m = managers_of(model)[0]
 
@@ -706,8 +707,9 @@ def test_cuda_graph_capture_is_refused_clearly(monkeypatch):
 
     monkeypatch.setattr(m, "_engine", FakeCudaEngine())
     monkeypatch.setattr(layerwise.runtime.gpu_checks, "stream_capturing", lambda device: True)
-    with pytest.raises(RuntimeError, match="CUDA graph capture.*without CUDA graphs"):
-        run(model, inputs(1))
+    monkeypatch.setattr(layerwise.runtime.capture.CudaApi, "pinned", lambda self, t: True)
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="cannot be captured into a CUDA graph.*grad"):
+        model(inputs(1)[0])
     monkeypatch.undo()
     for a, b in zip(run(model, inputs()), run(ref, inputs())):
         assert torch.equal(a, b)
