@@ -134,16 +134,20 @@ def _layer_post(module, args, kwargs, output):
     return module.__dict__[_ENTRY][1](output)
 
 
+# The root operators take no activations: the fence orders them before and after every
+# layer's, which is all a step needs; and where torch.compile(model) runs the root hooks
+# as frames of their own (outside the forward's graph), a graph that names no activation
+# is not compiled again for each input shape.
 def _root_pre(module, args, kwargs):
     if torch.compiler.is_compiling():
-        torch.ops.layerwise.step_begin(getattr(module, FENCE), getattr(module, TOKEN), _tensors((args, kwargs)))
+        torch.ops.layerwise.step_begin(getattr(module, FENCE), getattr(module, TOKEN), [])
         return None
     return module.__dict__[_ENTRY][0](args)
 
 
 def _root_post(module, args, kwargs, output):
     if torch.compiler.is_compiling():
-        torch.ops.layerwise.step_end(getattr(module, FENCE), getattr(module, TOKEN), _tensors(output))
+        torch.ops.layerwise.step_end(getattr(module, FENCE), getattr(module, TOKEN), [])
         return None
     return module.__dict__[_ENTRY][1](output)
 
@@ -187,6 +191,31 @@ def install(module: nn.Module, enter, leave, leave_compiled, device, root: bool 
     with _lock:
         _entries[token.data_ptr()] = weakref.ref(module)
     pre, post = (_root_pre, _root_post) if root else (_layer_pre, _layer_post)
-    handles = [module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)]
-    handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+    handles = [_fixed_id(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), PRE_ID, first=True),
+               _fixed_id(module.register_forward_hook(post, with_kwargs=True, always_call=True), POST_ID)]
     return Installed(module, handles)
+
+
+# [Note: fixed hook ids] torch keys a module's hooks by a process-wide counter, and
+# dynamo, tracing a module call, guards on `id in module._forward_hooks_always_called`
+# (and `..._with_kwargs`) with that number: every streamed model would compile a
+# graph of its own, and the ninth instance of a class would hit dynamo's recompile
+# limit (measured: torch 2.13, torch.compile(model, fullgraph=True) of 10 models).
+# Our two hooks take the same two keys on every module instead (negative: torch's
+# counter never gives one), so one graph serves every instance of a class.
+PRE_ID, POST_ID = -0x1A7E, -0x1A7F
+
+
+def _fixed_id(handle, key: int, first: bool = False):
+    """Move the hook `handle` registered under its counter id to `key`, in the same
+    place of the module's hook dicts (`first`: at the front, as prepend put it)."""
+    for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+        d = ref()
+        if d is not None and handle.id in d:
+            if key in d:
+                raise RuntimeError("layerwise: internal: a module with layerwise's hooks twice")
+            d[key] = d.pop(handle.id)
+            if first and ref is handle.hooks_dict_ref:
+                d.move_to_end(key, last=False)
+    handle.id = key
+    return handle

@@ -11,3 +11,8 @@ def largest_share(m, depth, policy, room):
     from layerwise.planning.device_budget import largest_share as share
 
     return share(lambda f: m.device_bytes(resolve_resident(f, m.num_layers, policy), depth) <= room) or 0.0
+
+
+def only_layer_hooks(m) -> bool:
+    """Each layer of group `m` has its own two forward hooks and no others (a probe's are gone)."""
+    return all(len(lp.module._forward_pre_hooks) == 1 and len(lp.module._forward_hooks) == 1 for lp in m.plan.layers)

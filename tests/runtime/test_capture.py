@@ -58,6 +58,7 @@ def fake_capture(monkeypatch):
 
     def start(managers):
         for m in managers:
+            m.engine.synchronize()  # (torch.cuda.graph synchronizes the device before it captures)
             m._capturing = lambda: capturing["on"]  # (the instance attribute shadows the method)
         capturing["on"] = True
 
