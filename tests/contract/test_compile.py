@@ -283,3 +283,27 @@ def test_configured_before_dynamo_is_imported_then_compiled():
     assert later["steps"]["stats"] == later["first"]["stats"]  # nothing recompiled over the steps
     assert not later["steps"]["recompiles"]
     assert later["steps"]["frames"]["total"] - later["first"]["frames"]["total"] < 10 * n_blocks
+
+
+def test_one_graph_serves_every_streamed_instance_of_a_class():
+    # dynamo guards the ids of always-called and with-kwargs hooks: layerwise's hooks take
+    # the same ids on every module, so that the ninth model does not hit the recompile limit.
+    pairs = []
+    for seed in range(10):
+        torch.manual_seed(seed)
+        m = TwoGroupModel(d=16, n_a=3, n_b=2)
+        ref = copy.deepcopy(m)
+        _configure(m)
+        pairs.append((torch.compile(m, fullgraph=True), ref))
+    twin = copy.deepcopy(pairs[0][1])
+    layerwise.configure_layerwise_offload(twin, GROUPS, device="cpu", resident_layers=8)
+    ctwin = torch.compile(twin, fullgraph=True)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        pairs[0][0](x)
+        graphs = counters["stats"]["unique_graphs"]
+        for c, ref in pairs:
+            out = c(x)
+            assert torch.allclose(out, ref(x), atol=1e-2)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert torch.equal(pairs[0][0](x), ctwin(x))
