@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(VPY) -m mypy
 
 # On a machine without a GPU the benchmark runs its CPU suites in --quick mode
-# (~2 min on 2 cores); each suite prints its table as it finishes.
+# (~3 min on 2 cores); each suite prints its table as it finishes.
 bench: build
 	$(VPY) -m layerwise.bench $(BENCH_ARGS) $$($(VPY) -c "import torch; print('' if torch.cuda.is_available() else '--quick')")
 

@@ -30,13 +30,14 @@ from layerwise.bench import (
     stream,
     tune,
 )
+from layerwise.bench import compile as compile_suite
 from layerwise.bench.common import Context, Skip, SuiteResult
 from layerwise.runtime.gpu_checks import cuda_unusable
 
 # The default order puts a figure on the screen within seconds (h2d), then the
 # headline sweep (stream), then the other suites shortest first.
-SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, hooks, tune, startup, bus, moe, quant, disk, pipeline,
-                                   compress, split)}
+SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, hooks, tune, startup, bus, moe, quant, disk, compile_suite,
+                                   pipeline, compress, split)}
 # Run only when named: it needs diffusers and transformers, and starts a fresh
 # interpreter per method (python -m layerwise.bench pipeline).
 # compress (python -m layerwise.bench compress) too, until the manager streams
@@ -45,10 +46,10 @@ SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, hooks, tune, startup, bu
 ON_REQUEST = {pipeline.NAME, compress.NAME, split.NAME}
 
 # Seconds a suite takes with --quick on the CPU, quoted by its progress line (2 cores of
-# an AMD EPYC VM, torch 2.13 CPU, load average about 3: 2 min in all); no figure is
-# quoted for other sizes and devices (scatter: CUDA only).
+# an AMD EPYC VM, torch 2.13 CPU, load average about 3: 3 min in all; compile: with inductor's
+# caches warm, about 50 s cold); no figure is quoted for other sizes and devices (scatter: CUDA only).
 QUICK_CPU_S = {h2d.NAME: 2, scatter.NAME: 0, stream.NAME: 15, hooks.NAME: 4, tune.NAME: 5, startup.NAME: 8,
-               bus.NAME: 18, moe.NAME: 24, quant.NAME: 25, disk.NAME: 26}
+               bus.NAME: 18, moe.NAME: 24, quant.NAME: 25, disk.NAME: 26, compile_suite.NAME: 30}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -45,6 +45,7 @@ SUITE_TITLES = {
     "tune": "layerwise.tune against the leading and strided policies at one device budget",
     "quant": "a quantized model streamed as its quantized bytes (torchao, optimum-quanto), beside bf16",
     "split": "split fetch over torch.distributed: N ranks each fetch 1/N of a layer, then all-gather",
+    "compile": "torch.compile(fullgraph=True) of a streamed model beside eager and resident (simulated bus)",
     "moe": "routed experts: bytes per token and step of tiny MoE models against the ideal (simulated bus)",
 }
 
@@ -152,6 +153,12 @@ def _legend_items(results: list[SuiteResult], text: str, wide: bool) -> list[str
                                  "O_DIRECT bandwidth of the run)." if "read floor" in text else "."))
     if "resident" in text:
         items.append("resident: the whole model kept on the device, no streaming.")
+    if "compiled twin" in text:
+        items.append("eager / compiled: the model as is / under torch.compile (\"/eager\", \"/compiled\": against the "
+                     "resident model run so); compiled twin: configured with every layer resident (nothing streams) "
+                     "and compiled like the streamed model, so with its operator boundaries around every block: the "
+                     "reference compiled streaming equals bitwise (the plain compiled model may differ in the last "
+                     "bits, inductor fusing across blocks there).")
     if "RSS" in text:
         items.append("RSS: resident set size, the host memory the process holds.")
     glossary = [("us", "microseconds"), ("ms", "milliseconds"), ("s", "seconds"), ("GiB/s", "2^30 bytes per second"),

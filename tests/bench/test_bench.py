@@ -17,7 +17,7 @@ from layerwise.bench import cli, hooks, report, stream
 from layerwise.bench.common import Context, Row, Skip, Stat, SuiteResult, Target, fmt_value
 from layerwise.bench.stream import regime
 
-CPU_SUITES = ["h2d", "stream", "bus", "tune", "startup", "hooks", "quant", "moe"]
+CPU_SUITES = ["h2d", "stream", "bus", "tune", "startup", "hooks", "quant", "moe", "compile"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_cli_runs_every_cpu_suite(tiny_run):
     # a section is "name: title", or "name" alone for a suite without a title in report.SUITE_TITLES
     sections = [re.match(r"\| [*_]+(\w+)(: |\*\* \|)", line) for line in md
                 if line.startswith("| **") or line.startswith("| _")]
-    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "bus", "tune", "startup", "hooks", "disk", "quant", "moe"}
+    assert {m.group(1) for m in sections if m} == {"h2d", "scatter", "stream", "bus", "tune", "startup", "hooks", "disk", "quant", "moe", "compile"}
     assert "| _scatter: skipped: " in md_text
 
 
@@ -69,7 +69,8 @@ def test_json_has_environment_and_finite_positive_figures(tiny_run):
     assert env["device"] == "cpu" and "--tiny" in env["argv"]
 
     suites = doc["suites"]
-    assert set(suites) == {"h2d", "scatter", "stream", "bus", "tune", "startup", "hooks", "disk", "quant", "moe"}
+    assert set(suites) == {"h2d", "scatter", "stream", "bus", "tune", "startup", "hooks", "disk", "quant", "moe",
+                           "compile"}
     assert suites["scatter"]["status"] == "skipped" and "CUDA" in suites["scatter"]["reason"]
     # disk: skipped only where no disk-backed file system is writable (the reason says so)
     assert suites["disk"]["status"] == "ok" or (suites["disk"]["status"] == "skipped" and
