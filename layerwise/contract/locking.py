@@ -162,15 +162,31 @@ def on_stack(ident, frame_ids: set) -> bool:
 def module_call_frame():
     """The frame of torch's module call that runs the calling hook (None where there
     is none: such a hold is never taken over). The frame object itself, held with
-    the hold: an id alone could be reused by the next call at the same depth."""
+    the hold: an id alone could be reused by the next call at the same depth.
+
+    An eager hook is called by that frame itself. A hook that torch.compile traced
+    runs as an operator's kernel (runtime/ops.py) from inside the compiled code, a
+    dozen frames or more below the module call that encloses it; where the compiled
+    code was called as a function (torch.compile(fn), the model's call traced into
+    it), no module call encloses it, and the outermost frame of torch.compile's
+    entry does. Without one, an exception raised inside a compiled forward (an
+    out-of-memory error) leaves a hold that no other thread could ever take over."""
     frame = sys._getframe(2)
-    for _ in range(8):
+    for _ in range(8):  # (the eager hook's path: its module call is a frame or two up)
         if frame is None:
             return None
         if frame.f_code is _CALL_IMPL:
             return frame
         frame = frame.f_back
-    return None
+    entry = getattr(sys.modules.get("torch._dynamo.eval_frame"), "__file__", None)
+    outermost = None
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            return frame
+        if frame.f_code.co_filename == entry:
+            outermost = frame
+        frame = frame.f_back
+    return outermost
 
 
 _CALL_IMPL = nn.Module._call_impl.__code__
