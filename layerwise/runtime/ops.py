@@ -110,19 +110,32 @@ def _tensors(tree) -> list:
     return out
 
 
-def _refuse_grad(module) -> None:
-    if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
-        raise RuntimeError(
-            "layerwise: torch.compile of a streamed model traced with grad enabled: the compiled backward would "
-            "read weights from ring slots that later layers refill. Run the compiled model under "
-            "torch.no_grad() or torch.inference_mode() (or model.requires_grad_(False)); a backward through "
-            "a streamed model runs eagerly.")
+def _refuse_grad(module, inputs) -> None:
+    """A traced layer that a backward would run through: its compiled backward would
+    read the layer's weights (to compute its inputs' gradients too, where the weights
+    themselves are frozen) from a ring slot that later layers refill; and the write
+    that layer_ready declares on its inputs bumps their version counters, which
+    autograd then refuses."""
+    if not torch.is_grad_enabled():
+        return
+    if any(p.requires_grad for p in module.parameters()):
+        what = "with grad enabled"
+    elif any(t.requires_grad for t in inputs):
+        what = "with grad enabled and an input that requires grad (a backward through its frozen layers)"
+    else:
+        return
+    raise RuntimeError(
+        f"layerwise: torch.compile of a streamed model traced {what}: the compiled backward would "
+        "read weights from ring slots that later layers refill. Run the compiled model under "
+        "torch.no_grad() or torch.inference_mode() (or model.requires_grad_(False) and inputs that do not "
+        "require grad); a backward through a streamed model runs eagerly.")
 
 
 def _layer_pre(module, args, kwargs):
     if torch.compiler.is_compiling():
-        _refuse_grad(module)
-        torch.ops.layerwise.layer_ready(getattr(module, FENCE), getattr(module, TOKEN), _tensors((args, kwargs)))
+        inputs = _tensors((args, kwargs))
+        _refuse_grad(module, inputs)
+        torch.ops.layerwise.layer_ready(getattr(module, FENCE), getattr(module, TOKEN), inputs)
         return None
     return module.__dict__[_ENTRY][0](args)
 
