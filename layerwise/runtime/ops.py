@@ -75,8 +75,11 @@ def _module_of(token: torch.Tensor) -> nn.Module:
     module = ref() if ref is not None else None
     if module is None or module.__dict__.get(TOKEN) is None:
         raise RuntimeError(
-            "layerwise: a compiled graph called the hooks of a module that no longer streams (its graph was "
-            "traced while it streamed). Call torch._dynamo.reset() and compile again.")
+            "layerwise: a compiled graph or an exported program called the hooks of a module that no longer "
+            "streams in this process (it was traced while the module streamed). torch.compile: call "
+            "torch._dynamo.reset() and compile again. torch.export: an exported program of a streamed model runs "
+            "only while that model streams, in the process that exported it (its weights are ring slots); export "
+            "the model after remove_layerwise_offload for a program that stands alone.")
     return module
 
 

@@ -191,3 +191,18 @@ def test_a_compiled_backward_through_frozen_streamed_layers_is_exact_or_refused(
         # would be off by the weights' size, not in the last bits)
         for _ in range(2):
             torch.testing.assert_close(_input_grad(model, control_net, x, compiled), ref, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ export
+def test_an_exported_program_of_a_streamed_model_runs_while_it_streams_and_after_removal_says_why_not():
+    torch.manual_seed(0)
+    resident = TwoGroupModel(d=16, n_a=3, n_b=2)
+    model = copy.deepcopy(resident)
+    layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=1)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        program = torch.export.export(model, (x,)).module()
+        assert torch.equal(program(x), resident(x))  # the operators' kernels fill the slots it reads
+        layerwise.remove_layerwise_offload(model)
+        with pytest.raises(RuntimeError, match="torch.export: an exported program of a streamed model"):
+            program(x)
