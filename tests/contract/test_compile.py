@@ -4,6 +4,7 @@ compiled without streaming ever runs a streamed model (nor one compiled with
 streaming a removed model), and a process that never compiles never imports
 torch._dynamo. None of the tests resets dynamo between its steps: users do not."""
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -160,6 +161,7 @@ def test_blocks_compiled_before_configure_run_their_hooks():
 def _layerwise_calls(fn):
     """The layerwise functions that run during fn() (a removed model runs none)."""
     seen = []
+    gc.collect()  # (a streamed model an earlier test dropped is finalised now, not inside fn)
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):

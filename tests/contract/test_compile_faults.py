@@ -4,6 +4,7 @@ layerwise::layer_ready and its layerwise::layer_done, skips the operator that
 releases the model's lock. The next call, from this thread or another, must run
 exactly, and a removal from another thread must not wait for ever."""
 import copy
+import gc
 import os
 import signal
 import threading
@@ -58,6 +59,9 @@ class FaultyModel(TwoGroupModel):
 def fresh_dynamo():
     torch._dynamo.reset()
     _FAULT.update({"raise": None, "calls": 0})
+    yield
+    torch._dynamo.reset()
+    gc.collect()  # (the streamed models dropped here are finalised now, not inside a later test)
 
 
 def _streamed_and_compiled(how):
