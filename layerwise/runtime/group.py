@@ -890,7 +890,9 @@ class LayerwiseOffloadManager:
         """The pre-hook under CUDA graph capture: the step's copies and waits as
         captured work (runtime/capture.py); the ring's record is not used, and is
         forgotten at the next eager step (replays refill the slots behind it)."""
-        if self._capture is None or i == 0:
+        # A schedule begins at the step's first hook: the root pre-hook (new_step) and the
+        # end of the last step (every layer computed) leave none.
+        if self._capture is None:
             api = capture.CudaApi(self.device)
             why = capture.refusal(self, api)
             if why is not None:
@@ -912,8 +914,10 @@ class LayerwiseOffloadManager:
         """The model's forward ends under capture (its root post-hook): the copies of
         layers it did not call are joined, so that the capture can end."""
         if self._capture is not None:
-            self._capture.join()
-            self._capture = None
+            try:
+                self._capture.join()
+            finally:
+                self._capture = None
 
     def _post_hook(self, i: int, module, args, output):
         if not self._lock.is_owned():
@@ -956,7 +960,9 @@ class LayerwiseOffloadManager:
         """A step of the model begins (its root pre-hook; layer 0 where blocks are called alone)."""
         if self.guard.handed_out:
             contract.check_handed_out(self)
-        if self._captured and not self._capturing():
+        if self._capturing():
+            self._capture = None  # a step begins: a schedule an interrupted capture left is not this one's
+        elif self._captured:
             self._resync()  # graph replays may have refilled the slots behind the record
         self.meter.new_step()
 

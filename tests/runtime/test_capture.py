@@ -262,3 +262,24 @@ def test_routed_experts_are_refused_at_capture_naming_them(fake_capture):
     stop()
     with torch.no_grad():
         model(moe._ids())  # eager afterwards
+
+
+def test_a_capture_interrupted_mid_step_leaves_nothing_to_the_next_one(fake_capture):
+    start, stop = fake_capture
+    ref_model, model, managers = _pair(prefetch_depth=2)
+    x = torch.randn(2, 16)
+    block = model.single_transformer_blocks[1]
+    h = block.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with torch.no_grad():
+        start(managers)
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        h.remove()
+        begin = len(FakeApi.log)
+        out = model(x, order_b=[1, 0, 2])  # (the group's first call is not its layer 0)
+        stop()
+        assert torch.equal(out, ref_model(x, order_b=[1, 0, 2]))
+    second = FakeApi.log[begin:]
+    # every event the second capture waits on was recorded in it
+    assert all(e[2] >= begin for e in second if e[0] == "wait")
+    assert _joined(second)
