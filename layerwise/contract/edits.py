@@ -124,6 +124,13 @@ def guard_merge(mod) -> list:
 def _on_register(parent, name, sub):
     """A module registered inside a streamed layer after configure (peft's
     add_adapter / inject_adapter does that): watch it and guard its merges."""
+    if torch.compiler.is_compiling():
+        # A registration dynamo traces is a container a forward builds (Llama slices its
+        # ModuleList: `self.layers[:n]`), never inside a streamed layer, and the compiled
+        # graph does not call this hook again. Reading WATCHED here would make dynamo
+        # guard on every module in it: each model configured, removed or collected
+        # since would recompile the graph.
+        return None
     owner = WATCHED.get(parent)
     if owner is None or sub is None:
         return None

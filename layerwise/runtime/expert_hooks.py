@@ -12,6 +12,11 @@ per-expert ModuleList forward calls only those, or calls the others on no
 tokens), so the output is bitwise the resident model's. With `expert_prefetch`, the hook then
 copies, into the next MoE layer's slot, the experts that layer used at its
 previous call: a wrong guess costs bytes, never correctness.
+
+Under torch.compile the pre-hook is traced into layerwise::experts_ready, which
+takes the routing tensor (runtime/ops.py): its kernel is `_ready`, so the fetch
+that depends on the routing's values runs inside the compiled graph, with no
+graph break.
 """
 from __future__ import annotations
 
@@ -19,8 +24,8 @@ import functools
 
 import torch
 
-from layerwise.contract import compile_guard
 from layerwise.planning import experts
+from layerwise.runtime import ops
 
 
 # ------------------------------------------------------------------ run time
@@ -44,13 +49,14 @@ def install_hooks(manager) -> list:
     nxt = {i: order[(k + 1) % len(order)] for k, i in enumerate(order)}
     for i, mods in plan.layers.items():
         for k, xm in enumerate(mods):
-            hook = functools.partial(_pre_hook, manager, xm, k, nxt[i])
-            handles.append(compile_guard.register_hook(xm.module.register_forward_pre_hook, hook, with_kwargs=True,
-                                                      prepend=True))
+            ready = functools.partial(_ready, manager, xm, k, nxt[i])
+            handles.append(ops.install_experts(xm.module, ready, xm.routing, manager.device))
     return handles
 
 
-def _pre_hook(manager, xm: experts.ExpertModule, k: int, next_layer: int, module, args, kwargs):
+def _ready(manager, xm: experts.ExpertModule, k: int, next_layer: int, index):
+    """Before expert module `xm` computes, with its routing `index` (None: the
+    forward got no routing tensor): the rows of the experts it picked in the slot."""
     ring = manager.ring
     i = xm.layer
     if not manager.streaming or ring is None or ring.slot_of[i] < 0:
@@ -60,8 +66,7 @@ def _pre_hook(manager, xm: experts.ExpertModule, k: int, next_layer: int, module
             f"layerwise: expert module {manager.layer_name}.{i}.{xm.name} was called outside the forward of its "
             f"layer {manager.layer_name}[{i}] (whose weights are streamed, and placed only while it runs): call "
             "the layer, or configure with experts='all'")
-    index = xm.routed(args, kwargs)
-    if not isinstance(index, torch.Tensor):
+    if index is None:
         raise RuntimeError(
             f"layerwise: expert module {manager.layer_name}.{i}.{xm.name} was called without its routing "
             f"argument {xm.routing[1]!r} as a tensor: the experts to fetch are unknown. Configure with "

@@ -10,7 +10,16 @@ put one operator in the graph at each end of the module:
     layerwise::layer_done(Tensor(a!) fence, Tensor token, Tensor(b!)[] outputs)
     layerwise::step_begin / layerwise::step_end (the model's root hooks, same schema)
 
-and the compiled code calls the same kernels at run time.
+and the compiled code calls the same kernels at run time. Two more:
+
+    layerwise::experts_ready(Tensor(a!) fence, Tensor token, Tensor(b!)[] inputs, bool routed)
+        an expert module's pre-hook (experts="routed": runtime/expert_hooks.py),
+        with the routing first among its inputs: its kernel copies the experts the
+        router picked, so the data-dependent fetch is one opaque call, no graph break;
+    layerwise::refuse(Tensor(a!) fence, Tensor token, str message)
+        put in the graph instead of layer_ready / layer_done where the compiled
+        forward would build a backward through a streamed layer; its kernel raises
+        the message (see _grad_refusal).
 
 [Note: ordering by declared mutation] The operators declare that they write the
 module's input tensors (ready) and output tensors (done), and one fence tensor
@@ -50,11 +59,14 @@ from layerwise.contract import compile_guard
 TOKEN = "_layerwise_token"
 FENCE = "_layerwise_fence"
 _ENTRY = "_layerwise_entry"
+_ROUTING = "_layerwise_routing"  # an expert module's (position, keyword) of its routing argument
 
 _LIB = torch.library.Library("layerwise", "DEF")
 _OPS = ("layer_ready", "layer_done", "step_begin", "step_end")
 for _name in _OPS:
     _LIB.define(f"{_name}(Tensor(a!) fence, Tensor token, Tensor(b!)[] tensors) -> ()")
+_LIB.define("experts_ready(Tensor(a!) fence, Tensor token, Tensor(b!)[] tensors, bool routed) -> ()")
+_LIB.define("refuse(Tensor(a!) fence, Tensor token, str message) -> ()")
 
 _lock = threading.Lock()
 _entries: dict[int, weakref.ref] = {}  # token address -> the module that holds it
@@ -97,9 +109,29 @@ def _fake(fence, token, tensors) -> None:
     return None
 
 
+def _experts_kernel(fence: torch.Tensor, token: torch.Tensor, tensors: list, routed: bool) -> None:
+    _module_of(token).__dict__[_ENTRY](tensors[0] if routed else None)
+
+
+def _refuse_kernel(fence: torch.Tensor, token: torch.Tensor, message: str) -> None:
+    raise RuntimeError(message)
+
+
+def _fake_experts(fence, token, tensors, routed) -> None:
+    return None
+
+
+def _fake_refuse(fence, token, message) -> None:
+    return None
+
+
 for _name in _OPS:
     _LIB.impl(_name, _kernel(_name in ("layer_ready", "step_begin")), "CompositeExplicitAutograd")
     torch.library.register_fake(f"layerwise::{_name}", _fake, lib=_LIB)
+_LIB.impl("experts_ready", _experts_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("layerwise::experts_ready", _fake_experts, lib=_LIB)
+_LIB.impl("refuse", _refuse_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("layerwise::refuse", _fake_refuse, lib=_LIB)
 
 
 # ------------------------------------------------------------------ traced side
@@ -113,39 +145,52 @@ def _tensors(tree) -> list:
     return out
 
 
-def _refuse_grad(module, inputs) -> None:
-    """A traced layer that a backward would run through: its compiled backward would
-    read the layer's weights (to compute its inputs' gradients too, where the weights
-    themselves are frozen) from a ring slot that later layers refill; and the write
-    that layer_ready declares on its inputs bumps their version counters, which
-    autograd then refuses."""
+def _grad_refusal(module, tensors: list, what: str) -> str | None:
+    """The error of a compiled forward that would build a backward through a streamed
+    layer (`tensors`: its inputs or outputs), or None.
+
+    [Note: grad under compile] The compiled backward would read the weights it saved
+    from ring slots that later layers refilled (eager, saved-tensor hooks read them
+    back; a compiled graph saves them at its end, outside every layer): wrong
+    gradients, whether the parameters or only the activations require grad. The
+    error is raised at run time by layerwise::refuse, not while dynamo traces: an
+    exception raised in traced code makes dynamo wrap it (fullgraph) or fall back
+    to eager frame by frame and trace into the manager (default)."""
     if not torch.is_grad_enabled():
-        return
+        return None
     if any(p.requires_grad for p in module.parameters()):
-        what = "with grad enabled"
-    elif any(t.requires_grad for t in inputs):
-        what = "with grad enabled and an input that requires grad (a backward through its frozen layers)"
+        cause = "its parameters require grad"
+    elif any(t.requires_grad for t in tensors):
+        cause = f"its {what} require grad"
     else:
-        return
-    raise RuntimeError(
-        f"layerwise: torch.compile of a streamed model traced {what}: the compiled backward would "
-        "read weights from ring slots that later layers refill. Run the compiled model under "
-        "torch.no_grad() or torch.inference_mode() (or model.requires_grad_(False) and inputs that do not "
-        "require grad); a backward through a streamed model runs eagerly.")
+        return None
+    return (f"layerwise: a compiled forward of a streamed layer with grad enabled ({type(module).__name__}: {cause}): "
+            "the compiled backward would read weights from ring slots that later layers refill. Run the compiled "
+            "model under torch.no_grad() or torch.inference_mode(), or freeze it (model.requires_grad_(False)) "
+            "and pass inputs that do not require grad; a backward through a streamed model runs eagerly "
+            "(uncompiled).")
 
 
 def _layer_pre(module, args, kwargs):
     if torch.compiler.is_compiling():
-        inputs = _tensors((args, kwargs))
-        _refuse_grad(module, inputs)
-        torch.ops.layerwise.layer_ready(getattr(module, FENCE), getattr(module, TOKEN), inputs)
+        tensors = _tensors((args, kwargs))
+        refusal = _grad_refusal(module, tensors, "inputs")
+        if refusal is not None:
+            torch.ops.layerwise.refuse(getattr(module, FENCE), getattr(module, TOKEN), refusal)
+            return None
+        torch.ops.layerwise.layer_ready(getattr(module, FENCE), getattr(module, TOKEN), tensors)
         return None
     return module.__dict__[_ENTRY][0](args)
 
 
 def _layer_post(module, args, kwargs, output):
     if torch.compiler.is_compiling():
-        torch.ops.layerwise.layer_done(getattr(module, FENCE), getattr(module, TOKEN), _tensors(output))
+        tensors = _tensors(output)
+        refusal = _grad_refusal(module, tensors, "outputs")
+        if refusal is not None:
+            torch.ops.layerwise.refuse(getattr(module, FENCE), getattr(module, TOKEN), refusal)
+            return None
+        torch.ops.layerwise.layer_done(getattr(module, FENCE), getattr(module, TOKEN), tensors)
         return None
     return module.__dict__[_ENTRY][1](output)
 
@@ -186,10 +231,56 @@ class Installed:
         token = module.__dict__.pop(TOKEN, None)
         module.__dict__.pop(FENCE, None)
         module.__dict__.pop(_ENTRY, None)
+        module.__dict__.pop(_ROUTING, None)
         if token is not None:
             with _lock:
                 if (ref := _entries.get(token.data_ptr())) is not None and ref() in (module, None):
                     del _entries[token.data_ptr()]
+
+
+def _routing_of(module, args, kwargs):
+    pos, name = module.__dict__[_ROUTING]
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if pos < len(args) else None
+
+
+def _experts_pre(module, args, kwargs):
+    routing = _routing_of(module, args, kwargs)
+    if torch.compiler.is_compiling():
+        tensors = _tensors((args, kwargs))
+        routed = isinstance(routing, torch.Tensor)
+        if routed:  # first, where the kernel finds it
+            tensors = [routing] + [t for t in tensors if t is not routing]
+        torch.ops.layerwise.experts_ready(getattr(module, FENCE), getattr(module, TOKEN), tensors, routed)
+        return None
+    module.__dict__[_ENTRY](routing if isinstance(routing, torch.Tensor) else None)
+    return None
+
+
+def _register(module: nn.Module, device, entry) -> torch.Tensor:
+    token = torch.zeros(1, dtype=torch.uint8, device=device)
+    compile_guard.mark_static(token)
+    module.__dict__[TOKEN] = token
+    module.__dict__[FENCE] = _fence(device)
+    module.__dict__[_ENTRY] = entry
+    with _lock:
+        _entries[token.data_ptr()] = weakref.ref(module)
+    return token
+
+
+def install_experts(module: nn.Module, ready, routing: tuple, device) -> Installed:
+    """A pre-hook on the expert module `module` that calls `ready(the routing
+    tensor, or None where the forward got none)` before its forward, eagerly; where
+    torch.compile traces it, layerwise::experts_ready, whose kernel calls `ready`
+    with the routing the graph computed. `routing`: (position in the forward's
+    arguments after self, keyword name), kept on the module as constants, so that
+    one graph serves every expert module of a class. The pre-hook goes first."""
+    device = torch.device(device)
+    module.__dict__[_ROUTING] = tuple(routing)
+    _register(module, device, ready)
+    return Installed(module, [_fixed_id(module.register_forward_pre_hook(_experts_pre, prepend=True, with_kwargs=True),
+                                        EXPERTS_ID, first=True)])
 
 
 def install(module: nn.Module, enter, leave, leave_compiled, device, root: bool = False) -> Installed:
@@ -199,13 +290,7 @@ def install(module: nn.Module, enter, leave, leave_compiled, device, root: bool 
     matching operators, whose kernels call `enter(None)` and `leave_compiled(the
     output's tensors)`. The pre-hook goes first (prepend)."""
     device = torch.device(device)
-    token = torch.zeros(1, dtype=torch.uint8, device=device)
-    compile_guard.mark_static(token)
-    module.__dict__[TOKEN] = token
-    module.__dict__[FENCE] = _fence(device)
-    module.__dict__[_ENTRY] = (enter, leave, leave_compiled)
-    with _lock:
-        _entries[token.data_ptr()] = weakref.ref(module)
+    _register(module, device, (enter, leave, leave_compiled))
     pre, post = (_root_pre, _root_post) if root else (_layer_pre, _layer_post)
     handles = [_fixed_id(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), PRE_ID, first=True),
                _fixed_id(module.register_forward_hook(post, with_kwargs=True, always_call=True), POST_ID)]
@@ -217,9 +302,9 @@ def install(module: nn.Module, enter, leave, leave_compiled, device, root: bool 
 # (and `..._with_kwargs`) with that number: every streamed model would compile a
 # graph of its own, and the ninth instance of a class would hit dynamo's recompile
 # limit (measured: torch 2.13, torch.compile(model, fullgraph=True) of 10 models).
-# Our two hooks take the same two keys on every module instead (negative: torch's
+# Our hooks take one fixed key per kind on every module instead (negative: torch's
 # counter never gives one), so one graph serves every instance of a class.
-PRE_ID, POST_ID = -0x1A7E, -0x1A7F
+PRE_ID, POST_ID, EXPERTS_ID = -0x1A7E, -0x1A7F, -0x1A80
 
 
 def _fixed_id(handle, key: int, first: bool = False):
