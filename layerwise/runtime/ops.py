@@ -171,26 +171,27 @@ def _grad_refusal(module, tensors: list, what: str) -> str | None:
             "(uncompiled).")
 
 
+def _traced_layer(module, tensors: list, what: str, op) -> None:
+    """One end of a traced layer: `op` (layer_ready or layer_done) with the module's
+    fence, token and `tensors` (its `what`: inputs or outputs), or layerwise::refuse
+    where the compiled forward would build a backward through the layer."""
+    refusal = _grad_refusal(module, tensors, what)
+    if refusal is not None:
+        torch.ops.layerwise.refuse(getattr(module, FENCE), getattr(module, TOKEN), refusal)
+    else:
+        op(getattr(module, FENCE), getattr(module, TOKEN), tensors)
+
+
 def _layer_pre(module, args, kwargs):
     if torch.compiler.is_compiling():
-        tensors = _tensors((args, kwargs))
-        refusal = _grad_refusal(module, tensors, "inputs")
-        if refusal is not None:
-            torch.ops.layerwise.refuse(getattr(module, FENCE), getattr(module, TOKEN), refusal)
-            return None
-        torch.ops.layerwise.layer_ready(getattr(module, FENCE), getattr(module, TOKEN), tensors)
+        _traced_layer(module, _tensors((args, kwargs)), "inputs", torch.ops.layerwise.layer_ready)
         return None
     return module.__dict__[_ENTRY][0](args)
 
 
 def _layer_post(module, args, kwargs, output):
     if torch.compiler.is_compiling():
-        tensors = _tensors(output)
-        refusal = _grad_refusal(module, tensors, "outputs")
-        if refusal is not None:
-            torch.ops.layerwise.refuse(getattr(module, FENCE), getattr(module, TOKEN), refusal)
-            return None
-        torch.ops.layerwise.layer_done(getattr(module, FENCE), getattr(module, TOKEN), tensors)
+        _traced_layer(module, _tensors(output), "outputs", torch.ops.layerwise.layer_done)
         return None
     return module.__dict__[_ENTRY][1](output)
 

@@ -15,7 +15,6 @@ import copy
 import os
 import random
 import signal
-import threading
 import time
 
 import pytest
@@ -28,6 +27,7 @@ import layerwise
 
 from helpers import archs, moe, quantized
 from helpers import disk as disk_model
+from helpers.interrupts import call_with_a_random_sigint
 from helpers.models import TwoGroupModel
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
@@ -107,6 +107,17 @@ def steps_exact(case, cm, refs, seeds):
         if first is None:
             first = graphs(), recompiles()
     assert (graphs(), recompiles()) == first  # one compile for the shape, none per step
+
+
+def exact_in_both_modes(case, model, refs):
+    """Compiled with fullgraph=True, then (dynamo reset) by default: every step equals
+    the twin's, and the default compile breaks no graph."""
+    counters.clear()
+    steps_exact(case, torch.compile(model, fullgraph=True), refs, SEEDS)
+    torch._dynamo.reset()
+    counters.clear()
+    steps_exact(case, torch.compile(model), refs, SEEDS)
+    assert not counters["graph_break"]
 
 
 def streams(managers) -> bool:
@@ -309,18 +320,7 @@ def test_a_sigint_during_a_compiled_forward_leaves_the_next_call_exact():
     span = max(time.perf_counter() - t0, 1e-4)
     rng = random.Random(5)
     for n in range(20):
-        timer = threading.Timer(rng.uniform(0, 1.2 * span), os.kill, (os.getpid(), signal.SIGINT))
-        try:
-            try:
-                timer.start()  # (a timer that fires at once interrupts its own start)
-                case.run(cm, case.inputs(n % 4))
-                time.sleep(1.5 * span)  # (a signal after the call lands here)
-            finally:
-                timer.cancel()
-                timer.join()
-            time.sleep(0.005)  # (a signal sent while joining is taken here)
-        except KeyboardInterrupt:
-            pass
+        call_with_a_random_sigint(lambda: case.run(cm, case.inputs(n % 4)), rng, span, within=1.2, after=1.5)
         assert torch.equal(case.run(cm, case.inputs((n + 1) % 4)), refs[(n + 1) % 4]), n
     assert streams(managers)
 
@@ -419,12 +419,7 @@ def test_disk_tier_under_compile(tmp_path):
     m = managers[0]
     assert [s.kind for s in m.sources].count("disk") >= 3
     refs = [case.run(torch.compile(twin, fullgraph=True), case.inputs(s)) for s in SEEDS]
-    counters.clear()
-    steps_exact(case, torch.compile(model, fullgraph=True), refs, SEEDS)
-    torch._dynamo.reset()
-    counters.clear()
-    steps_exact(case, torch.compile(model), refs, SEEDS)
-    assert not counters["graph_break"]
+    exact_in_both_modes(case, model, refs)
     assert m.stats()["disk"]["bytes_read"] > 0 and streams(managers)
 
 
@@ -452,12 +447,7 @@ def test_quantized_wrappers_under_compile(kind):
     model, managers, twin = pair(case, prefetch_depth=1)
     quantized.assert_computes_from_slots(model)
     refs = [case.run(torch.compile(twin, fullgraph=True), case.inputs(s)) for s in SEEDS]
-    counters.clear()
-    steps_exact(case, torch.compile(model, fullgraph=True), refs, SEEDS)
-    torch._dynamo.reset()
-    counters.clear()
-    steps_exact(case, torch.compile(model), refs, SEEDS)
-    assert not counters["graph_break"]
+    exact_in_both_modes(case, model, refs)
     assert streams(managers)
 
 

@@ -19,6 +19,7 @@ import torch
 import layerwise
 from layerwise.runtime import group as manager_mod
 
+from helpers.interrupts import call_with_a_random_sigint
 from helpers.residency import GROUPS, inputs, leaves_equal, make, outputs, quantized, same
 
 
@@ -229,18 +230,7 @@ def test_real_sigints_at_random_moments_leave_one_placement_whole():
     for n in range(40):
         old = placement(a)[:2]
         new = plans[(n + 1) % len(plans)]
-        timer = threading.Timer(rng.uniform(0, 1.5 * span), os.kill, (os.getpid(), signal.SIGINT))
-        try:
-            try:
-                timer.start()  # (a timer that fires at once interrupts its own start)
-                a.set_residency(*new)
-                time.sleep(1.6 * span)  # (an interrupt after the change lands here)
-            finally:
-                timer.cancel()
-                timer.join()
-            time.sleep(0.005)  # (a signal sent while joining is taken here)
-        except KeyboardInterrupt:
-            pass
+        call_with_a_random_sigint(lambda: a.set_residency(*new), rng, span)
         assert placement(a)[:2] in (old, (new[0], new[1]))
         assert same(outputs(model, xs), want), n
         assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.state_dict().items())
