@@ -166,9 +166,10 @@ def _root_post_hook(model, args, output):
             forwards["threads"].pop(threading.get_ident(), None)
             forwards["cond"].notify_all()
     for m in managers_of(model):
-        if m.streaming:
-            m.end_captured_step()
-        if m.streaming and m.meter.step_open:
+        if not m.streaming:
+            continue
+        m.end_captured_step()
+        if m.meter.step_open:
             m.meter.end_step()
 
 
