@@ -68,6 +68,7 @@ def configure_layerwise_offload(
     expert_modules=None,
     expert_cache=None,
     expert_prefetch: bool = False,
+    share_host: bool | str = False,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -97,6 +98,12 @@ def configure_layerwise_offload(
     `expert_cache` (bytes or "auto") keeps recently used experts on the device;
     `expert_prefetch=True` copies the experts each MoE layer used at its previous
     call while the layer before it computes.
+
+    `share_host=True` (or a key string) keeps the streamed layers' host blocks in
+    one read-only arena per machine: the first process packs it, every other
+    process that configures the same layout of the same weights maps it instead
+    of packing a copy (docs/share-host.md). With True the weights' identity is a
+    checksum of their bytes (one read of the model); a string asserts it.
 
     `measure_stalls=False` skips the timing of waits behind stats()' stall figures.
     Every option is validated once, into a layerwise.options.OffloadOptions.

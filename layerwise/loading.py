@@ -54,6 +54,7 @@ from layerwise.formats import safetensors as sft
 from layerwise.formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
 from layerwise.options import OffloadOptions, named_options
 from layerwise.planning.device_budget import record_host_budget
+from layerwise.planning import share_key
 from layerwise.planning.host_budget import plan_host_budget
 
 log = logging.getLogger("layerwise")
@@ -76,7 +77,8 @@ def _parameter_entries(model: nn.Module):
 def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefetch_depth: int = 1,
                    resident_layers=0, residency_policy: str = "leading", pin_memory: bool | str = "auto",
                    device_budget=None, budget_margin=None, strict: bool = True, dtype: torch.dtype | None = None,
-                   host_budget=None, spill_dir=None, disk_prefetch_depth: int | None = None, **kwargs):
+                   host_budget=None, spill_dir=None, disk_prefetch_depth: int | None = None, share_host: bool | str = False,
+                   **kwargs):
     """Load `checkpoint` (a .safetensors file, a list of them, or an index JSON)
     into `model` (built on the meta device) and stream `layer_names` to `device`.
     Returns the managers, as configure_layerwise_offload does.
@@ -105,6 +107,11 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
     this way and reads only its share of each streamed layer from the files
     (contiguous parameters; a strided one is read whole), so the node reads and
     holds the streamed layers about once (layerwise/stages/split/).
+    `share_host=True`: every process on the machine that loads the same files
+    (the same path, inode, size and modification time, and header) with the same
+    layout maps one shared arena of the streamed layers instead of holding its
+    own copy (docs/share-host.md); a key string asserts the weights' identity
+    instead of the files'.
     """
     options = OffloadOptions.build(caller="load_offloaded", **named_options(locals()), **kwargs)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -121,6 +128,8 @@ def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefe
                 raise ValueError(f"checkpoint: tensor {key!r} is in both {stored[key].path} and {path}")
             stored[key] = s
 
+    if options.share_host is True:  # the weights' identity: these files, as they are now, read as asked
+        options = dataclasses.replace(options, share_host=share_key.checkpoint_identity(files, dtype))
     managers = prepare_groups(model, layer_names, options)  # (a configured model, bad paths) before anything changes
     keep = None  # what from_pretrained keeps in fp32; None: dtype= is model.to(dtype)
     if dtype is not None:

@@ -64,6 +64,9 @@ class OffloadOptions:
     expert_modules: object = field(default=None, compare=False)  # None | (names in a layer) | predicate(name, module)
     expert_cache: int | str | None = None  # bytes | "auto" | None: device cache of recently used experts
     expert_prefetch: bool = False  # copy the experts each MoE layer used last, while the one before computes
+    # False | True | a key string: the streamed layers' host blocks live in one arena per machine, packed by
+    # the first process and mapped by the others (docs/share-host.md). A string asserts the weights' identity.
+    share_host: bool | str = False
 
     @classmethod
     def build(cls, *, caller: str = "OffloadOptions.build", also: tuple = (), **options) -> OffloadOptions:
@@ -94,6 +97,7 @@ class OffloadOptions:
             v["host_budget"], v["spill_dir"], v["disk_prefetch_depth"])
         v["split_fetch"] = validate_split_fetch(v["split_fetch"])
         v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"] = validate_experts(v)
+        v["share_host"] = validate_share_host(v["share_host"], v["split_fetch"])
         return cls(**v)
 
     @property
@@ -452,6 +456,29 @@ def auto_expert_cache_bytes(expert_bytes: int, room: int | None) -> int:
     entries (stages/experts.cache_size)."""
     asked = expert_bytes // 4
     return asked if room is None else min(asked, max(room, 0) // 4)
+
+
+def validate_share_host(share_host, split_fetch):
+    """False, True (the weights' identity from the checkpoint files or the weights'
+    bytes) or a key string (the caller asserts that every process giving it
+    streams the same weights). Needs Linux's memfd_create (sealed shared memory
+    that no SIGKILL can leak); refused with split_fetch, which already keeps one
+    copy per host, shared out between ranks in lockstep."""
+    if share_host is False or share_host is None:
+        return False
+    if share_host is not True:
+        if not isinstance(share_host, str) or not share_host.strip() or len(share_host) > 256 \
+                or not share_host.isprintable():
+            raise ValueError(f"share_host must be False, True or a non-empty printable key string of at most 256 "
+                             f"characters, got {share_host!r}")
+    if not hasattr(os, "memfd_create"):
+        raise ValueError("share_host needs Linux (os.memfd_create: sealed shared memory that the kernel frees with "
+                         "its last process); this platform has none. Drop share_host. The model is unchanged.")
+    if split_fetch is not None:
+        raise ValueError("share_host does not compose with split_fetch: split_fetch already keeps one copy of the "
+                         "layers per host, shared out between ranks in lockstep. Pass one of them. The model is "
+                         "unchanged.")
+    return share_host
 
 
 def validate_pin_memory(pin_memory):

@@ -155,6 +155,20 @@ def _summary(r: dict) -> str:
         else:
             text += " (on a CPU device this only means its pages may be swapped out)"
         parts.append(text)
+    sh = r.get("share_host")
+    if sh:
+        if sh["role"] == "private":
+            parts.append(f"share_host: the packer at {sh['address']} did not finish in time: this process packed a "
+                         "private copy")
+        else:
+            holders = sh["holders"]
+            text = (f"share_host: {fmt_bytes(sh['shared_bytes'])} in the machine's shared arena {sh['address']}, "
+                    f"{'packed here' if sh['role'] == 'packer' else 'packed by process ' + str(sh['packer_pid'])}"
+                    + (f", held by {holders} process{'es' if holders != 1 else ''}" if holders else "")
+                    + f"; {fmt_bytes(sh['private_bytes'])} of this process's own")
+            if sh["copied_layers"]:
+                text += f" ({len(sh['copied_layers'])} layer(s) copied on write: {sh['copied_layers']})"
+            parts.append(text)
     parts.append(f"on the device: ring {fmt_bytes(r['ring_bytes'])}, resident layers {fmt_bytes(r['resident_bytes'])}")
     if r.get("placement"):
         parts.append(f"placement in force: {r['placement']}")
@@ -290,6 +304,7 @@ def _row(m, s: dict) -> dict:
         "disk": s.get("disk"),
         "disk_bytes_per_step": last.get("bytes_read") if has and s.get("disk") else None,
         "disk_wait_ms_per_step": last["read_wait_s"] * 1e3 if has and s.get("disk") else None,
+        "share_host": s.get("share_host"),  # runtime/host_share.py: role, key, holders, shared / private bytes
         "split_fetch": s.get("split_fetch"),  # stages/split/: shares, bytes copied locally / gathered, waits
         "experts": s.get("experts"),  # experts="routed" (stages/experts.py): hits, misses, speculative bytes, cache
         "step_ms": last["wall_s"] * 1e3 if has and last.get("wall_s") is not None else None,

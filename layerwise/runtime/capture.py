@@ -84,6 +84,10 @@ def refusal(group, api) -> str | None:
                     "share": "a split-fetch gather (a collective across ranks)"}.get(src.kind, f"a {src.kind} fetch")
             return (f"{name}[{i}]: {what} cannot be captured; capture a model streamed from host memory "
                     "(no spill_dir/host_budget spill, compress=None, split_fetch=None)")
+        if src.shared:
+            return (f"{name}[{i}]: its host block is in the machine's shared arena (share_host), and a write "
+                    "(load_state_dict, a LoRA merge) would move it to a block of this process's own that a captured "
+                    "graph would not read; capture a model configured with share_host=False")
         if not api.pinned(src.host):
             return (f"{name}[{i}]: its host block is not pinned (pin_memory was off or refused), and a copy from "
                     "pageable memory cannot be captured; configure with pin_memory=True")

@@ -47,6 +47,7 @@ from layerwise.planning.layout import GroupPlan, build_group_plan
 from layerwise.planning.layout import device_bytes as planned_device_bytes
 from layerwise.planning.routes import TierChoice
 from layerwise.runtime import capture, expert_hooks, gpu_checks, ops
+from layerwise.runtime.host_share import HostShare
 from layerwise.runtime.host_store import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
 from layerwise.runtime.meter import Meter
 from layerwise.runtime.ring import SlotRing
@@ -456,9 +457,7 @@ class LayerwiseOffloadManager:
         model's non-layer weights are not the group's (HostBudget adds them)."""
         if not self.enabled or not self.packed:
             return 0
-        host = self._host
-        total = (host.arena.capacity if host.arena is not None else 0) + sum(
-            src.stored_bytes for src, block in zip(host.src, host.blocks) if block is None)
+        total = sum(self._host.held())  # (a shared arena: this process relies on all of it, once)
         disk = self.chain.disk if self.chain is not None else None
         total += disk.staging_bytes if disk is not None else 0
         if self.streaming and self.device.type == "cpu":
@@ -514,9 +513,23 @@ class LayerwiseOffloadManager:
         far gets its exact bytes back. `fill(entry, block)`: as HostLayers.pack."""
         if self.packed or not self.enabled:
             return
-        routes = self.tier_plan(sizes=False)
-        chain = stages.Chain.for_group(self.layer_name, self.options, self.tiers)
-        self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory)
+        share = None
+        if self.options.share_host:  # the machine's one arena of this group (runtime/host_share.py)
+            share = HostShare.join(self.plan, self.options, self.resident, self.layer_name)
+            try:
+                if share.attached:
+                    share.adopt_disk_layers(self.tiers)
+            except BaseException:
+                share.leave()
+                raise
+        try:
+            routes = self.tier_plan(sizes=False)
+            chain = stages.Chain.for_group(self.layer_name, self.options, self.tiers)
+        except BaseException:
+            if share is not None:
+                share.abandon()
+            raise
+        self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory, share)
         with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)
             try:
                 self._host.pack(routes, chain, fill)
@@ -524,6 +537,8 @@ class LayerwiseOffloadManager:
                 with contract.defer_interrupts():
                     self._host.chain = chain  # (its files, closed with it)
                     self._restore_parameters(original_devices=True)
+                    if share is not None:
+                        share.abandon()
                 raise
         self.state, self.tiers.fixed = Lifecycle.PACKED, True
         self.plan.module_list.__dict__[GROUP_KEY] = self

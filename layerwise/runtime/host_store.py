@@ -158,8 +158,9 @@ def _plain(route) -> bool:
 class HostLayers:
     """The group's arena, each layer's source and the parameters' placeholders."""
 
-    def __init__(self, plan, group: str, device: torch.device, pin_memory):
+    def __init__(self, plan, group: str, device: torch.device, pin_memory, share=None):
         self.plan, self.group, self.device, self.pin_memory = plan, group, device, pin_memory
+        self.share = share  # runtime/host_share.HostShare (share_host), or None
         self.arena = None
         self.blocks: list = []  # arena blocks (None: the layer lives elsewhere)
         self.src: list = []  # each layer's source of truth (stages/source.py)
@@ -189,10 +190,38 @@ class HostLayers:
         copying the parameter (from a checkpoint, say); a parameter that had data of
         its own keeps it until the whole configure succeeds (`commit`)."""
         self.chain = chain
+        share = self.share if self.share is not None and self.share.role != "private" else None
+        try:
+            self._pack(routes, chain, fill, share)
+        except BaseException:
+            if share is not None:
+                share.abandon()  # (those waiting for it re-elect a packer)
+            raise
+
+    def _private_block(self, n: int):
+        from layerwise.stages.shared import private_block
+
+        return private_block(n, self.device, self.pin_memory, f"layer group {self.group!r} (a layer copied on write)")
+
+    def _shared(self, n: int, alloc):
+        """An encoded payload's place in the shared arena being packed (Chain.keep's `place`)."""
+        from layerwise.stages.shared import SharedSource
+
+        return SharedSource(self.arena.allocate(max(n, 1), alignment=BLOCK_ALIGN)[:n], self.arena, alloc)
+
+    def _pack(self, routes, chain, fill, share) -> None:
+        from layerwise.stages.shared import SharedSource
+
         total = self.capacity(self.plan, routes)
         cuda = self.device.type == "cuda"
-        self.arena = _native.HostArena(total, pinned=self.pin_memory is not False, cuda=cuda,
-                                       device=self.device.index if cuda else -1)
+        pin = dict(pinned=self.pin_memory is not False, cuda=cuda, device=self.device.index if cuda else -1)
+        attached = share is not None and share.attached
+        if share is None:
+            self.arena = _native.HostArena(total, **pin)
+        elif attached:
+            self.arena = share.map_arena(**pin)
+        else:
+            self.arena = share.create_arena(share.upper_bound(self.plan, routes), **pin)
         bar = None
         if total >= _PROGRESS_MIN_BYTES and sys.stderr.isatty():
             from tqdm.auto import tqdm
@@ -202,6 +231,9 @@ class HostLayers:
         try:
             for lp, route in zip(self.plan.layers, routes):
                 elsewhere = not _plain(route)
+                if attached and route.where in ("arena", "device"):  # another process packed it
+                    self._attach(lp, route, chain, share)
+                    continue
                 if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
                     if scratch is None:
                         size = max(self.plan.layers[r.index].nbytes for r in routes if not _plain(r))
@@ -213,7 +245,10 @@ class HostLayers:
                     block = self.arena.allocate(lp.nbytes, alignment=BLOCK_ALIGN)
                     self.blocks.append(block)
                 # (for a layer stored elsewhere: what a failure restores from, until stored)
-                self.src.append(stages.ArenaSource(block, None if elsewhere else self.arena))
+                if share is not None and not elsewhere:
+                    self.src.append(SharedSource(block, self.arena, self._private_block))
+                else:
+                    self.src.append(stages.ArenaSource(block, None if elsewhere else self.arena))
                 wrapped = []  # quantized wrappers' leaves: copied here, rebound together below
                 for e in lp.params:
                     if fill is not None:
@@ -239,18 +274,75 @@ class HostLayers:
                 assign([(e, self.leaf_placeholder(e)) for e in wrapped])
                 del wrapped
                 if elsewhere:
-                    self.src[-1] = chain.keep(lp, route, block)
+                    place = self._shared if share is not None and route.where == "arena" else None
+                    self.src[-1] = chain.keep(lp, route, block, place)
                 else:
                     self.src[-1] = chain.keep_plain(lp, self.src[-1])
+                if share is not None:
+                    self._record(lp, route, share)
                 if bar is not None:
                     bar.update(round_up(lp.nbytes, BLOCK_ALIGN))
         finally:
             if bar is not None:
                 bar.close()
         self.routes = routes
+        if share is not None and not attached:
+            share.publish(self.plan, self.arena, [r.index for r in routes if r.where in ("spill", "checkpoint")])
         # pin_memory=True: pageable memory would silently cost the overlap, an error (the
         # caller's rollback gives every parameter back); "auto": a warning.
         _native.check_pinned(self.arena, self.pin_memory, f"layer group {self.group!r}")
+
+    def _placeholders_for(self, lp) -> None:
+        """Layer `lp`'s parameters become placeholders (their bytes are in the arena)."""
+        wrapped = []
+        for e in lp.params:
+            if e.leaf is not None:
+                wrapped.append(e)
+                continue
+            e.packed = True
+            if e.dspec is None:
+                aliases.follow(e.param, e.owner)
+            e.param.data = e.wrap(self.placeholder(e.dtype))
+        for e in wrapped:
+            e.packed = True
+        assign([(e, self.leaf_placeholder(e)) for e in wrapped])
+
+    def _attach(self, lp, route, chain, share) -> None:
+        """Layer `lp` from the shared arena another process packed: its block as the
+        manifest places it; nothing read or copied. A layer the packer encoded is
+        encoded here too (its pieces checked against the payload's headers)."""
+        from layerwise.runtime.host_share import pieces_of
+        from layerwise.stages.shared import SharedSource
+
+        block, entry = share.view(self.arena, lp.index)
+        if entry.get("disk"):
+            raise RuntimeError(f"layerwise: internal: {self.group}[{lp.index}] is on disk in the shared arena")
+        if entry["codec"]:
+            if chain.codec is None:
+                raise RuntimeError(f"layerwise: internal: {self.group}[{lp.index}] is encoded in the shared arena "
+                                   "but this group does not compress")
+            inner = SharedSource(block, self.arena, chain.codec.host_block)
+            pieces = pieces_of(entry, dict((str(d), d) for d in {e.dtype for e in lp.params}).__getitem__)
+            self.blocks.append(None)
+            self.src.append(chain.attach(lp, inner, pieces))
+        else:
+            if block.numel() != lp.nbytes:
+                raise RuntimeError(f"layerwise: internal: {self.group}[{lp.index}] is {block.numel()} bytes in the "
+                                   f"shared arena, {lp.nbytes} in this plan")
+            self.blocks.append(block)
+            self.src.append(chain.keep_plain(lp, SharedSource(block, self.arena, self._private_block)))
+        self._placeholders_for(lp)
+
+    def _record(self, lp, route, share) -> None:
+        """The packer's manifest entry for layer `lp`, from the source just kept."""
+        if route.where in ("spill", "checkpoint"):
+            share.record_disk(lp.index)
+            return
+        holders = list(self.src[-1].holders())
+        codec = next((h for h in holders if getattr(h, "kind", None) == "lossless"), None)
+        payload = holders[-1]
+        share.record(self.arena, lp.index, payload.block, codec.pieces if codec is not None else None,
+                     codec is not None)
 
     def commit(self) -> None:
         """The whole configure succeeded: drop what a rollback would have needed."""
@@ -258,20 +350,44 @@ class HostLayers:
             for e in lp.params:
                 e.saved = None
 
+    def held(self) -> tuple[int, int]:
+        """(shared, private): the host bytes of the group's layers in the machine's
+        shared arena (what this process maps of it, counted once however many map
+        it), and those of this process's own (its arena, the blocks its stages keep,
+        layers copied on write)."""
+        if self.arena is None:
+            return 0, 0
+        if self.share is None or self.share.role == "private":
+            return 0, self.arena.capacity + sum(src.stored_bytes for src, blk in zip(self.src, self.blocks)
+                                                if blk is None)
+        payloads = [list(src.holders())[-1] for src in self.src]
+        return self.arena.used, sum(h.stored_bytes for h in payloads if not h.shared)
+
+    def share_figures(self) -> dict | None:
+        """stats()' `share_host` section: the arena's key and address, this process's
+        role, the processes that hold it now (best effort), the bytes shared and
+        private and the layers copied on write."""
+        if self.share is None:
+            return None
+        shared, private = self.held()
+        cow = [i for i, src in enumerate(self.src) if getattr(list(src.holders())[-1], "copied_bytes", 0)]
+        return {**self.share.figures(), "shared_bytes": shared, "private_bytes": private,
+                "copied_layers": cow}
+
     def figures(self, packed: bool, streaming: bool) -> dict:
         """The host memory the group takes (its arena and what its stages keep, pinned
         or not), the stages' own figures (the disk stage's once streaming) and the
         tier plan, for stats()."""
         arena = self.arena
-        # Layers a stage keeps (encoded, a share, ...) are host memory of this group too.
-        kept = sum(src.stored_bytes for src, blk in zip(self.src, self.blocks) if blk is None)
+        shared, private = self.held()
         chain = self.chain if packed else None
         stage_pinned, stage_pin_error = chain.pinned() if chain is not None else (True, None)
         pinned = bool(arena.pinned) if arena is not None else False
         if chain is not None and chain.codec is not None and arena is not None:  # an empty arena does not count
             pinned = (pinned or not arena.capacity) and stage_pinned
         return {
-            "arena_bytes": (arena.capacity if arena is not None else 0) + kept,
+            "arena_bytes": shared + private,
+            "share_host": self.share_figures(),
             "arena_pinned": pinned,
             "arena_pin_error": (arena.pin_error or None if arena is not None else None) or stage_pin_error,
             **(chain.stats() if chain is not None else {"compress": None}),
@@ -341,5 +457,8 @@ class HostLayers:
             attempt("closing a layer source", src.close)
         if self.chain is not None:
             self.chain.close(attempt)
+        if self.share is not None:  # (others keep the arena; the kernel frees it with the last mapping)
+            attempt("leaving the shared arena", self.share.leave)
+            self.share = None
         self.chain = self.routes = self.arena = None
         self.blocks, self.src, self._placeholders = [], [], {}

@@ -80,9 +80,11 @@ class Chain:
         return chain
 
     # ------------------------------------------------------------ pack time
-    def keep(self, lp, route, block: torch.Tensor):
+    def keep(self, lp, route, block: torch.Tensor, place=None):
         """Layer `lp`'s source for `route`, from its plan-layout bytes `block` (a
-        scratch block: the chain keeps its own copy, or a file)."""
+        scratch block: the chain keeps its own copy, or a file). `place(n, alloc)`,
+        if given, is where an encoded payload is kept instead of a block of the
+        codec's own: a SharedSource in the machine's shared arena (stages/shared.py)."""
         what = f"layer {self.group}[{lp.index}]"
         lo, hi = (route.split[1], route.split[2]) if route.split is not None else (0, lp.nbytes)
         payload = block[lo:hi]
@@ -96,7 +98,10 @@ class Chain:
             src = self.file_store(lp, payload, route.split and (lo, hi), what)
             self._disk_of[lp.index] = src
         elif codec is not None:
-            src = ArenaSource(*codec.host_block(payload.numel()), alloc=codec.host_block)
+            if place is not None:
+                src = place(payload.numel(), codec.host_block)
+            else:
+                src = ArenaSource(*codec.host_block(payload.numel()), alloc=codec.host_block)
             src.block.copy_(payload)
         elif self.split is not None and route.split is not None:
             src = self.split.hold(payload)
@@ -106,6 +111,14 @@ class Chain:
             src = CodecSource(codec, lp.index, segments, hi - lo, src, pieces)
         if route.split is not None:
             src = self.split.wrap(lp.index, lp.nbytes, src)
+        return self.keep_plain(lp, src)
+
+    def attach(self, lp, inner, pieces):
+        """The source of an encoded layer that another process packed into the shared
+        arena: `inner` (a SharedSource) holds its payload, `pieces` its encoding as
+        the manifest gives it (None: kept raw); checked here (CodecTier.adopt)."""
+        segments = segments_of(lp) if self.experts is None else self.experts.plan.segments(lp)
+        src = CodecSource(self.codec, lp.index, segments, lp.nbytes, inner, self.codec.adopt(inner.block, pieces))
         return self.keep_plain(lp, src)
 
     def keep_plain(self, lp, src):

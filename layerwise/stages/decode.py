@@ -338,6 +338,23 @@ class CodecTier:
                             _codec.parse_header(enc[p.enc_off : p.enc_off + p.enc_n], p.enc_n)) for p in pieces]
         return enc, pieces
 
+    def adopt(self, payload: torch.Tensor, pieces) -> list | None:
+        """`pieces` of an encoding another process made (a shared arena's manifest,
+        stages/shared.py), checked against `payload`'s headers (and given them where
+        the device decodes with Triton): a piece whose header does not parse, or does
+        not decode to its size, is refused before anything streams."""
+        if pieces is None:
+            return None
+        out = []
+        for p in pieces:
+            if p.enc_off < 0 or p.enc_n <= 0 or p.enc_off + p.enc_n > payload.numel():
+                raise ValueError(f"layerwise: {self.group}: a shared encoded piece [{p.enc_off}, +{p.enc_n}) lies "
+                                 f"outside its {payload.numel()}-byte payload")
+            head = _codec.parse_header(payload[p.enc_off : p.enc_off + p.enc_n], p.enc_n)
+            out.append(Piece(p.enc_off, p.enc_n, p.dst_off, p.dst_n, p.dtype,
+                             head if self.device.type == "cuda" else None))
+        return out
+
     # ------------------------------------------------------------ run time
     def start(self, engine, transfer, pending, compute_ready) -> None:
         """Staging buffers on the device (each the largest encoded payload), once packed.

@@ -39,6 +39,9 @@ class Source:
     # The plan-layout bytes as a host uint8 tensor that *is* the truth (a write into it
     # reaches the model), or None where the truth is elsewhere (a file, encoded, shares).
     host: torch.Tensor | None = None
+    # The payload is in the machine's shared arena (stages/shared.py): read-only, and a
+    # write moves the layer to a block of this process's own.
+    shared = False
 
     @property
     def slot_bytes(self) -> int:
