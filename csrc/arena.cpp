@@ -1,8 +1,10 @@
 #include "layerwise.h"
 #include "sim_bus.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,7 +67,55 @@ std::string mlock_failure(int err) {
                    : "; whether the process has CAP_IPC_LOCK is unknown");
   return s.str();
 }
+
+// Where an fd leads, for errors ("/memfd:layerwise:key (deleted)"), or "fd N".
+std::string fd_target(int fd) {
+  char buf[512];
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = readlink(link.c_str(), buf, sizeof buf - 1);
+  if (n <= 0) return "fd " + std::to_string(fd);
+  return "fd " + std::to_string(fd) + " (" + std::string(buf, static_cast<size_t>(n)) + ")";
+}
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1; older libc headers lack it
+#endif
+
+// Why a read-write mapping of `fd` failed, in terms a caller can act on.
+std::string rw_map_failure(int fd, int err) {
+  if (err == EPERM) {
+    const int seals = fcntl(fd, F_GET_SEALS);
+    if (seals > 0 && (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)))
+      return "the file is sealed against writing (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE): its bytes are final, "
+             "map it with writable=False";
+  }
+  if (err == EACCES) return "the fd is not open for writing: map it with writable=False, or pass a read-write fd";
+  return "";
+}
 }  // namespace
+
+// One pin-kind selection for every arena: CUDA where asked for (or, with
+// cuda=None, where a device is present), else mlock; none unless pinned.
+static HostArena::PinKind choose_pin_kind(bool pinned, std::optional<bool> cuda) {
+  bool use_cuda = false;
+#ifdef LAYERWISE_WITH_CUDA
+  if (pinned && cuda.value_or(false)) {
+    cuda_device_count_or_throw("a CUDA-pinned HostArena");
+    use_cuda = true;
+  } else if (pinned && !cuda.has_value()) {
+    try {
+      use_cuda = cuda_device_count_or_throw("a CUDA-pinned HostArena") > 0;
+    } catch (const std::exception&) {
+      use_cuda = false;
+    }
+  }
+#else
+  TORCH_CHECK(!(pinned && cuda.value_or(false)),
+              "HostArena(cuda=True): layerwise was built without CUDA; rebuild with "
+              "LAYERWISE_BUILD=cuda (see docs/api.md, \"Build and kernels\")");
+#endif
+  return !pinned ? HostArena::PinKind::None : (use_cuda ? HostArena::PinKind::Cuda : HostArena::PinKind::Mlock);
+}
 
 struct HostArena::Block {
   void* base = nullptr;
@@ -74,6 +124,8 @@ struct HostArena::Block {
   std::vector<void*> cuda_registered;
   const Origin origin;
   int device = -1;
+  bool shared = false;    // a MAP_SHARED mapping of a file (over_fd), not anonymous memory
+  bool writable = true;   // PROT_WRITE; false once protect()ed or when mapped read-only
 
   // `in_use`: tensors of the block may be the source of copies in flight (a pin
   // that failed part way: earlier allocations are out), so wait for the device
@@ -106,24 +158,7 @@ struct HostArena::Block {
 
 HostArena::HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda, int device) : device_(device) {
   TORCH_CHECK_VALUE(nbytes >= 0, "HostArena: nbytes must be >= 0, got ", nbytes);
-  bool use_cuda = false;
-#ifdef LAYERWISE_WITH_CUDA
-  if (pinned && cuda.value_or(false)) {
-    cuda_device_count_or_throw("a CUDA-pinned HostArena");
-    use_cuda = true;
-  } else if (pinned && !cuda.has_value()) {
-    try {
-      use_cuda = cuda_device_count_or_throw("a CUDA-pinned HostArena") > 0;
-    } catch (const std::exception&) {
-      use_cuda = false;
-    }
-  }
-#else
-  TORCH_CHECK(!(pinned && cuda.value_or(false)),
-              "HostArena(cuda=True): layerwise was built without CUDA; rebuild with "
-              "LAYERWISE_BUILD=cuda (see docs/api.md, \"Build and kernels\")");
-#endif
-  pin_kind_ = !pinned ? PinKind::None : (use_cuda ? PinKind::Cuda : PinKind::Mlock);
+  pin_kind_ = choose_pin_kind(pinned, cuda);
 
   block_ = std::make_shared<Block>();
   block_->device = device;
@@ -135,6 +170,61 @@ HostArena::HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda, int 
     TORCH_CHECK(p != MAP_FAILED, "HostArena: mmap of ", block_->capacity, " bytes failed: ", std::strerror(errno));
     block_->base = p;
   }
+}
+
+HostArena::HostArena(bool pinned, std::optional<bool> cuda, int device) : device_(device) {
+  pin_kind_ = choose_pin_kind(pinned, cuda);
+  block_ = std::make_shared<Block>();
+  block_->device = device;
+}
+
+std::shared_ptr<HostArena> HostArena::over_fd(int fd, int64_t offset, int64_t nbytes, bool writable, bool pinned,
+                                              std::optional<bool> cuda, int device) {
+  TORCH_CHECK_VALUE(nbytes >= 0, "HostArena.over_fd: nbytes must be >= 0, got ", nbytes);
+  TORCH_CHECK_VALUE(offset >= 0 && static_cast<size_t>(offset) % page_size() == 0,
+                    "HostArena.over_fd: offset must be a multiple of the page size (", page_size(),
+                    " bytes) and >= 0, got ", offset);
+  struct stat st {};
+  TORCH_CHECK_VALUE(fstat(fd, &st) == 0, "HostArena.over_fd: fd ", fd,
+                    " is not an open file descriptor: ", std::strerror(errno));
+  TORCH_CHECK_VALUE(S_ISREG(st.st_mode), "HostArena.over_fd: ", fd_target(fd),
+                    " is not a regular file (a memfd is one)");
+  // Pages past the end of the file fault with SIGBUS when touched: refuse them here instead.
+  TORCH_CHECK_VALUE(offset <= st.st_size && nbytes <= st.st_size - offset, "HostArena.over_fd: ",
+                    fd_target(fd), " is ", st.st_size, " bytes, too short for offset ", offset, " + nbytes ", nbytes,
+                    " (a mapping past the end of a file faults when touched)");
+  std::shared_ptr<HostArena> arena(new HostArena(pinned, cuda, device));
+  Block& b = *arena->block_;
+  b.shared = true;
+  b.writable = writable;
+  b.capacity = round_up(static_cast<size_t>(nbytes), page_size());
+  if (b.capacity > 0) {
+    // MAP_SHARED: every process that maps the file reads the same pages. The
+    // mapping keeps the file alive after its last fd is closed.
+    void* p = mmap(nullptr, b.capacity, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, offset);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      const std::string why = writable ? rw_map_failure(fd, err) : "";
+      TORCH_CHECK(false, "HostArena.over_fd: mmap(", writable ? "PROT_READ|PROT_WRITE" : "PROT_READ",
+                  ", MAP_SHARED) of ", b.capacity, " bytes at offset ", offset, " of ", fd_target(fd),
+                  " failed: ", std::strerror(err), " (errno ", err, ")", why.empty() ? "" : "; ", why);
+    }
+    b.base = p;
+  }
+  return arena;
+}
+
+void HostArena::protect() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (block_->capacity > 0 && block_->writable)
+    TORCH_CHECK(mprotect(block_->base, block_->capacity, PROT_READ) == 0, "HostArena.protect: mprotect(PROT_READ) of ",
+                block_->capacity, " bytes failed: ", std::strerror(errno));
+  block_->writable = false;
+}
+
+bool HostArena::writable() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return block_->writable;
 }
 
 int64_t HostArena::capacity() const { return static_cast<int64_t>(block_->capacity); }
@@ -170,6 +260,9 @@ at::Tensor HostArena::allocate(int64_t nbytes, int64_t alignment) {
   TORCH_CHECK_VALUE(alignment > 0 && (alignment & (alignment - 1)) == 0,
                     "HostArena.allocate: alignment must be a power of two, got ", alignment);
   std::lock_guard<std::mutex> l(mu_);
+  TORCH_CHECK(block_->writable, "HostArena.allocate: the arena is read-only (",
+              block_->shared ? "a shared mapping, mapped read-only or protect()ed" : "protect()ed",
+              "): its bytes are final; reach them with view(offset, nbytes)");
   const uintptr_t base = reinterpret_cast<uintptr_t>(block_->base);
   const size_t cap = block_->capacity;
   const size_t a = static_cast<size_t>(alignment);
@@ -190,6 +283,24 @@ at::Tensor HostArena::allocate(int64_t nbytes, int64_t alignment) {
                        at::TensorOptions().dtype(at::kByte));
 }
 
+at::Tensor HostArena::view(int64_t offset, int64_t nbytes, int64_t alignment) {
+  TORCH_CHECK_VALUE(alignment > 0 && (alignment & (alignment - 1)) == 0,
+                    "HostArena.view: alignment must be a power of two, got ", alignment);
+  const int64_t cap = static_cast<int64_t>(block_->capacity);
+  TORCH_CHECK_VALUE(offset >= 0 && nbytes >= 0 && offset <= cap && nbytes <= cap - offset, "HostArena.view: offset ",
+                    offset, ", nbytes ", nbytes, " is outside the arena's capacity of ", cap,
+                    " bytes (both must be >= 0 and offset + nbytes <= ", cap, ")");
+  char* at = static_cast<char*>(block_->base) + offset;
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(at) % static_cast<uintptr_t>(alignment) == 0, "HostArena.view: offset ",
+                    offset, " is not aligned to ", alignment, " bytes");
+  std::lock_guard<std::mutex> l(mu_);
+  used_ = std::max(used_, static_cast<size_t>(offset + nbytes));
+  if (pin_kind_ != PinKind::None && nbytes > 0)
+    pin_locked(static_cast<size_t>(offset), static_cast<size_t>(nbytes), /*bounds=*/true);
+  auto keep = block_;
+  return at::from_blob(at, {nbytes}, [keep](void*) {}, at::TensorOptions().dtype(at::kByte));
+}
+
 void HostArena::pin_range(int64_t offset, int64_t nbytes) {
   const int64_t cap = static_cast<int64_t>(block_->capacity);
   TORCH_CHECK_VALUE(offset >= 0 && nbytes >= 0 && offset <= cap && nbytes <= cap - offset,
@@ -199,47 +310,30 @@ void HostArena::pin_range(int64_t offset, int64_t nbytes) {
   pin_locked(static_cast<size_t>(offset), static_cast<size_t>(nbytes));
 }
 
-void HostArena::pin_locked(size_t offset, size_t nbytes) {
+void HostArena::pin_locked(size_t offset, size_t nbytes, bool bounds) {
   if (pin_kind_ == PinKind::None) return;
-  // Pages are pinned once, in increasing order: a range that starts below the
-  // high-water mark only pins what lies above it.
-  size_t begin = std::max(offset / page_size() * page_size(), pinned_upto_);
-  const size_t end = round_up(offset + nbytes, page_size());
-  char* base = static_cast<char*>(block_->base);
-  while (begin < end) {
-    size_t n = end - begin;  // the whole allocation in one registration
-    std::string failure;
-    if (pin_kind_ == PinKind::Mlock) {
-      if (mlock(base + begin, n) == 0) {
-        block_->mlocked.emplace_back(base + begin, n);
-        note_pinned_range(base + begin, n, true);  // (the CPU backend's simulated bus: sim_bus.h)
-      } else
-        failure = mlock_failure(errno);
-    } else if (block_->origin.forked()) {
-      failure = "cudaHostRegister not tried: the arena was created in process " +
-                std::to_string(block_->origin.pid) + " before fork(), and a forked child cannot use its CUDA context";
-    } else {
-#ifdef LAYERWISE_WITH_CUDA
-      failure = cuda_host_register(base + begin, n, device_);
-      if (failure.empty()) {
-        block_->cuda_registered.push_back(base + begin);
-      } else if (n > kPinChunk) {
-        // Too large for one registration: in pieces, each a registration of its own.
-        std::string piece_failure;
-        size_t at = begin;
-        while (at < end && piece_failure.empty()) {
-          const size_t m = std::min(kPinChunk, end - at);
-          piece_failure = cuda_host_register(base + at, m, device_);
-          if (piece_failure.empty()) {
-            block_->cuda_registered.push_back(base + at);
-            if (at != begin) piece_starts_.push_back(at);
-          }
-          at += m;
-        }
-        failure = piece_failure;
-      }
-#endif
+  // Pages are pinned once. Above the high-water mark a range pins what lies
+  // above it (the pages between the mark and the range are left for later);
+  // below it, only the pages that an earlier range left unpinned.
+  const size_t lo = offset / page_size() * page_size();
+  const size_t hi = round_up(offset + nbytes, page_size());
+  std::vector<std::pair<size_t, size_t>> todo, left;
+  for (const auto& g : unpinned_) {
+    const size_t a = std::max(g.first, lo), b = std::min(g.second, hi);
+    if (a >= b) {
+      left.push_back(g);
+      continue;
     }
+    todo.emplace_back(a, b);
+    if (g.first < a) left.emplace_back(g.first, a);
+    if (b < g.second) left.emplace_back(b, g.second);
+  }
+  if (hi > pinned_upto_) {
+    if (lo > pinned_upto_) left.emplace_back(pinned_upto_, lo);
+    todo.emplace_back(std::max(lo, pinned_upto_), hi);
+  }
+  for (const auto& span : todo) {
+    std::string failure = pin_span(span.first, span.second);
     if (!failure.empty()) {
       // Half a pinned arena would hold locked memory and still copy at pageable
       // speed: give it all back and say why.
@@ -248,9 +342,53 @@ void HostArena::pin_locked(size_t offset, size_t nbytes) {
       pin_error_ = std::move(failure);
       return;
     }
-    begin += n;
-    pinned_upto_ = begin;
+    // A copy must not span two registrations: a view whose pages begin in one
+    // registered earlier is split where its own begins.
+    if (bounds && pin_kind_ == PinKind::Cuda && span.first > offset && span.first < offset + nbytes)
+      piece_starts_.push_back(span.first);
   }
+  unpinned_ = std::move(left);
+  pinned_upto_ = std::max(pinned_upto_, hi);
+}
+
+std::string HostArena::pin_span(size_t begin, size_t end) {
+  char* base = static_cast<char*>(block_->base);
+  const size_t n = end - begin;  // the whole range in one registration
+  std::string failure;
+  if (pin_kind_ == PinKind::Mlock) {
+    if (mlock(base + begin, n) == 0) {
+      block_->mlocked.emplace_back(base + begin, n);
+      note_pinned_range(base + begin, n, true);  // (the CPU backend's simulated bus: sim_bus.h)
+    } else
+      failure = mlock_failure(errno);
+  } else if (block_->origin.forked()) {
+    failure = "cudaHostRegister not tried: the arena was created in process " + std::to_string(block_->origin.pid) +
+              " before fork(), and a forked child cannot use its CUDA context";
+  } else {
+#ifdef LAYERWISE_WITH_CUDA
+    // A read-only mapping cannot be registered for device writes: it is registered read-only.
+    const bool read_only = !block_->writable;
+    failure = cuda_host_register(base + begin, n, device_, read_only);
+    if (failure.empty()) {
+      block_->cuda_registered.push_back(base + begin);
+    } else if (n > kPinChunk) {
+      // Too large for one registration: in pieces, each a registration of its own.
+      std::string piece_failure;
+      size_t at = begin;
+      while (at < end && piece_failure.empty()) {
+        const size_t m = std::min(kPinChunk, end - at);
+        piece_failure = cuda_host_register(base + at, m, device_, read_only);
+        if (piece_failure.empty()) {
+          block_->cuda_registered.push_back(base + at);
+          if (at != begin) piece_starts_.push_back(at);
+        }
+        at += m;
+      }
+      failure = piece_failure;
+    }
+#endif
+  }
+  return failure;
 }
 
 std::vector<int64_t> HostArena::split_points(int64_t offset, int64_t nbytes) const {
@@ -259,6 +397,7 @@ std::vector<int64_t> HostArena::split_points(int64_t offset, int64_t nbytes) con
   for (size_t p : piece_starts_)
     if (static_cast<int64_t>(p) > offset && static_cast<int64_t>(p) < offset + nbytes)
       out.push_back(static_cast<int64_t>(p) - offset);
+  std::sort(out.begin(), out.end());  // views pinned out of order record their starts out of order
   return out;
 }
 

@@ -234,11 +234,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<HostArena, std::shared_ptr<HostArena>>(m, "HostArena")
       .def(py::init<int64_t, bool, std::optional<bool>, int>(), py::arg("nbytes"), py::arg("pinned") = true,
            py::arg("cuda") = py::none(), py::arg("device") = -1)
+      .def_static("over_fd", &HostArena::over_fd, py::arg("fd"), py::arg("offset"), py::arg("nbytes"),
+                  py::arg("writable"), py::arg("pinned") = true, py::arg("cuda") = py::none(), py::arg("device") = -1,
+                  "An arena over [offset, offset + nbytes) of the open file `fd` (a memfd shared between processes), "
+                  "mapped MAP_SHARED, read-only unless `writable`; `offset` must be page aligned. The mapping keeps "
+                  "the file alive; the fd stays the caller's to close. Pinned like HostArena(...), as its bytes are "
+                  "handed out by allocate() or view()")
       .def("split_points", &HostArena::split_points, py::arg("offset"), py::arg("nbytes"))
       .def("allocate", &HostArena::allocate, py::arg("nbytes"), py::arg("alignment") = 256,
            py::call_guard<py::gil_scoped_release>())
       .def("pin_range", &HostArena::pin_range, py::arg("offset"), py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>())
+      .def("view", &HostArena::view, py::arg("offset"), py::arg("nbytes"), py::arg("alignment") = 256,
+           py::call_guard<py::gil_scoped_release>(),
+           "A uint8 tensor of the arena's bytes [offset, offset + nbytes), pinned as allocate() pins and keeping "
+           "the mapping alive like its tensors (how a process that did not pack a shared arena reaches its blocks). "
+           "`used` becomes at least offset + nbytes")
+      .def("protect", &HostArena::protect,
+           "Make the whole mapping read-only: a later write through any tensor of the arena faults with "
+           "SIGSEGV, and allocate() raises. Pins stay")
+      .def_property_readonly("writable", &HostArena::writable,
+                             "False once protect()ed or where the arena was mapped read-only")
       .def_property_readonly("capacity", &HostArena::capacity)
       .def_property_readonly("used", &HostArena::used)
       .def_property_readonly("pinned", &HostArena::pinned)

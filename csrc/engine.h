@@ -148,7 +148,9 @@ EnginePtr make_cpu_engine(int num_streams, int64_t debug_delay_us);
 #ifdef LAYERWISE_WITH_CUDA
 EnginePtr make_cuda_engine(int device, int num_streams);
 int cuda_device_count_or_throw(const char* what);
-std::string cuda_host_register(void* ptr, size_t n, int device);  // "" when pinned, else why not
+// "" when pinned, else why not. `read_only`: the pages are mapped PROT_READ
+// (a shared arena), registered with cudaHostRegisterReadOnly.
+std::string cuda_host_register(void* ptr, size_t n, int device, bool read_only);
 void cuda_host_unregister(void* ptr);
 void cuda_wait_for_device(int device);  // device < 0: the current one
 int cuda_runtime_version_compiled();

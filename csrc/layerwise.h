@@ -32,7 +32,21 @@ class HostArena {
   // `device`: the CUDA device the arena streams to (its pages are registered with
   // it current); -1 for the current one.
   HostArena(int64_t nbytes, bool pinned, std::optional<bool> cuda, int device = -1);
+  // The arena over [offset, offset + nbytes) of an open file (a memfd shared
+  // between processes): a MAP_SHARED mapping, read-only unless `writable`. The
+  // mapping holds the file open by itself; the fd stays the caller's. `offset`
+  // must be page aligned.
+  static std::shared_ptr<HostArena> over_fd(int fd, int64_t offset, int64_t nbytes, bool writable, bool pinned,
+                                            std::optional<bool> cuda, int device = -1);
   at::Tensor allocate(int64_t nbytes, int64_t alignment);
+  // The bytes [offset, offset + nbytes) of the mapping, pinned like an
+  // allocation: how a process that did not pack the arena reaches its blocks.
+  // `used` becomes at least offset + nbytes.
+  at::Tensor view(int64_t offset, int64_t nbytes, int64_t alignment);
+  // Makes the whole mapping read-only (a write through any tensor of it then
+  // faults with SIGSEGV); pins stay.
+  void protect();
+  bool writable() const;
   void pin_range(int64_t offset, int64_t nbytes);
   int64_t capacity() const;
   int64_t used() const;
@@ -48,12 +62,19 @@ class HostArena {
   struct Block;  // the mapping; freed when the arena and all its tensors are gone
 
  private:
-  void pin_locked(size_t offset, size_t nbytes);
+  HostArena(bool pinned, std::optional<bool> cuda, int device);  // the pin kind only; no mapping yet
+  // `bounds`: record each registration that begins strictly inside the range
+  // in piece_starts_ (a view may span pages pinned by an earlier call).
+  void pin_locked(size_t offset, size_t nbytes, bool bounds = false);
+  std::string pin_span(size_t begin, size_t end);  // "" when pinned, else why not
 
   mutable std::mutex mu_;  // allocate and pin_range run with the GIL released
   std::shared_ptr<Block> block_;
   size_t used_ = 0;
   size_t pinned_upto_ = 0;
+  // Page ranges below pinned_upto_ that no call has pinned (a range asked
+  // above the mark skips them): a later view into one pins it then.
+  std::vector<std::pair<size_t, size_t>> unpinned_;
   int device_ = -1;
   std::vector<size_t> piece_starts_;  // registrations that begin inside an allocation
   PinKind pin_kind_ = PinKind::None;

@@ -356,14 +356,32 @@ int cuda_device_count_or_throw(const char* what) {
   return count;
 }
 
-std::string cuda_host_register(void* ptr, size_t n, int device) {
+std::string cuda_host_register(void* ptr, size_t n, int device, bool read_only) {
   // Portable: pinned for every device's context. Registered with the target
   // device current, so that no context is created on another device for it.
+  // Read-only pages (PROT_READ, a sealed shared arena) cannot be pinned for
+  // device writes: without the ReadOnly flag the driver refuses them.
   QuietDeviceGuard g(device < 0 ? 0 : device);
-  cudaError_t e = cudaHostRegister(ptr, n, cudaHostRegisterPortable);
+  const unsigned flags = cudaHostRegisterPortable | (read_only ? cudaHostRegisterReadOnly : 0u);
+  cudaError_t e = cudaHostRegister(ptr, n, flags);
   if (e == cudaSuccess) return "";
   cudaGetLastError();
-  return std::string("cudaHostRegister failed: ") + cudaGetErrorString(e) + " (" + cudaGetErrorName(e) + ")";
+  std::string why = std::string(read_only ? "cudaHostRegister of read-only memory (cudaHostRegisterReadOnly) failed: "
+                                          : "cudaHostRegister failed: ") +
+                    cudaGetErrorString(e) + " (" + cudaGetErrorName(e) + ")";
+  if (read_only) {
+    int supported = -1;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrHostRegisterReadOnlySupported, device < 0 ? 0 : device) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      supported = -1;
+    }
+    why += supported == 0 ? "; the device does not support registering read-only host memory "
+                            "(cudaDevAttrHostRegisterReadOnlySupported is 0)"
+                          : "";
+    why += "; the shared arena is mapped read-only, so it stays pageable and copies from it run at pageable speed";
+  }
+  return why;
 }
 
 void cuda_wait_for_device(int device) {
