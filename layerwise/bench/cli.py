@@ -25,6 +25,7 @@ from layerwise.bench import (
     quant,
     report,
     scatter,
+    shared,
     split,
     startup,
     stream,
@@ -37,13 +38,14 @@ from layerwise.runtime.gpu_checks import cuda_unusable
 # The default order puts a figure on the screen within seconds (h2d), then the
 # headline sweep (stream), then the other suites shortest first.
 SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, hooks, tune, startup, bus, moe, quant, disk, compile_suite,
-                                   pipeline, compress, split)}
+                                   pipeline, compress, split, shared)}
 # Run only when named: it needs diffusers and transformers, and starts a fresh
 # interpreter per method (python -m layerwise.bench pipeline).
 # compress (python -m layerwise.bench compress) too, until the manager streams
 # compressed layers and the stream sweep can compare both.
-# split (python -m layerwise.bench split) starts N processes per method.
-ON_REQUEST = {pipeline.NAME, compress.NAME, split.NAME}
+# split (python -m layerwise.bench split) and shared (python -m layerwise.bench shared) start
+# N processes per method.
+ON_REQUEST = {pipeline.NAME, compress.NAME, split.NAME, shared.NAME}
 
 # Seconds a suite takes with --quick on the CPU, quoted by its progress line (2 cores of
 # an AMD EPYC VM, torch 2.13 CPU, load average about 3: 3 min in all; compile: with inductor's

@@ -45,6 +45,7 @@ SUITE_TITLES = {
     "tune": "layerwise.tune against the leading and strided policies at one device budget",
     "quant": "a quantized model streamed as its quantized bytes (torchao, optimum-quanto), beside bf16",
     "split": "split fetch over torch.distributed: N ranks each fetch 1/N of a layer, then all-gather",
+    "shared": "share_host: N processes stream one model from one shared host arena, against N separate arenas",
     "compile": "torch.compile(fullgraph=True) of a streamed model beside eager and resident (simulated bus)",
     "moe": "routed experts: bytes per token and step of tiny MoE models against the ideal (simulated bus)",
 }

@@ -79,6 +79,7 @@ class HostShare:
 
         membership = rendezvous.join(name, validate=validate)
         share = cls(group, digest, name, membership)
+        share.key_given = options.share_host
         if share.attached:
             share._check_layout(plan)
         log.info("layerwise: %s: share_host: %s the arena %s", group,
@@ -125,8 +126,9 @@ class HostShare:
     def create_arena(self, nbytes: int, pinned: bool, cuda: bool, device: int):
         from layerwise.runtime import shared_arena
 
+        nbytes = max(nbytes, 1)  # (every layer on disk: an arena of one page that holds nothing)
         self.file = shared_arena.SharedFile.create(self.name, nbytes)
-        return _native.HostArena.over_fd(self.file.fd, self.file.data_offset, max(nbytes, 1), writable=True,
+        return _native.HostArena.over_fd(self.file.fd, self.file.data_offset, nbytes, writable=True,
                                          pinned=pinned, cuda=cuda, device=device)
 
     def map_arena(self, pinned: bool, cuda: bool, device: int):

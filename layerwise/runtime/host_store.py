@@ -232,7 +232,7 @@ class HostLayers:
             for lp, route in zip(self.plan.layers, routes):
                 elsewhere = not _plain(route)
                 if attached and route.where in ("arena", "device"):  # another process packed it
-                    self._attach(lp, route, chain, share)
+                    self._attach(lp, chain, share, check=fill is None)
                     continue
                 if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
                     if scratch is None:
@@ -292,10 +292,18 @@ class HostLayers:
         # caller's rollback gives every parameter back); "auto": a warning.
         _native.check_pinned(self.arena, self.pin_memory, f"layer group {self.group!r}")
 
-    def _placeholders_for(self, lp) -> None:
-        """Layer `lp`'s parameters become placeholders (their bytes are in the arena)."""
+    def _placeholders_for(self, lp, own: bool) -> None:
+        """Layer `lp`'s parameters become placeholders (their bytes are in the arena
+        another process packed). A parameter with data of its own keeps it until the
+        whole configure succeeds (`commit`), so that a rollback gives back exactly
+        what it had (`own`: the parameters hold the weights; else as `pack` with a
+        fill keeps them)."""
         wrapped = []
         for e in lp.params:
+            if own and not e.source().is_meta:
+                e.saved = e.source() if e.leaf is not None else e.param.data
+            elif not own and not e.param.is_meta:
+                e.saved = e.param.data
             if e.leaf is not None:
                 wrapped.append(e)
                 continue
@@ -307,10 +315,12 @@ class HostLayers:
             e.packed = True
         assign([(e, self.leaf_placeholder(e)) for e in wrapped])
 
-    def _attach(self, lp, route, chain, share) -> None:
+    def _attach(self, lp, chain, share, check: bool) -> None:
         """Layer `lp` from the shared arena another process packed: its block as the
         manifest places it; nothing read or copied. A layer the packer encoded is
-        encoded here too (its pieces checked against the payload's headers)."""
+        encoded here too (its pieces checked against the payload's headers).
+        `check`: the parameters hold the weights (not a checkpoint's fill): they
+        must be the arena's bytes (_check_same)."""
         from layerwise.runtime.host_share import pieces_of
         from layerwise.stages.shared import SharedSource
 
@@ -331,7 +341,28 @@ class HostLayers:
                                    f"shared arena, {lp.nbytes} in this plan")
             self.blocks.append(block)
             self.src.append(chain.keep_plain(lp, SharedSource(block, self.arena, self._private_block)))
-        self._placeholders_for(lp)
+        if check and any(not e.source().is_meta for e in lp.params):
+            self._check_same(lp, self.src[-1].read() if entry["codec"] else block, share)
+        self._placeholders_for(lp, check)
+
+    def _check_same(self, lp, block, share) -> None:
+        """Where this process has the weights itself (configure of a model in memory),
+        the arena's bytes must be them: a key string that two different models give
+        would otherwise stream another model's weights. One compare per parameter
+        (memory speed); a model on meta (load_offloaded) has nothing to compare."""
+        from layerwise.runtime.shared_arena import SharedArenaError
+
+        for e in lp.params:
+            data = e.source()
+            if data.is_meta:
+                continue
+            flat = torch.as_strided(data.detach(), (e.span,), (1,), data.storage_offset()).contiguous()
+            if not torch.equal(flat.view(torch.uint8).cpu(), block[e.offset : e.offset + e.span_bytes]):
+                raise SharedArenaError(
+                    f"layerwise: {self.group}: parameter {e.qualname!r} differs from the bytes of the shared arena "
+                    f"at {share.address}, which another process packed under the same share_host key "
+                    f"({share.key_given!r}): the key names other weights. Give each model its own key, or "
+                    "share_host=True (the weights' bytes identify them). The model is unchanged.")
 
     def _record(self, lp, route, share) -> None:
         """The packer's manifest entry for layer `lp`, from the source just kept."""

@@ -9,8 +9,8 @@ OPTIONS_JSON: {"options": {...load_offloaded keywords}, "per": {"INDEX": {...}},
 "wait": bool (wait until all N hold the model before the forwards), "lsd": INDEX
 (that process changes one weight with load_state_dict once all hold the model;
 the others run after it), "slow_pack_ms": ms slept per packed layer (prints
-"packing layer K"), "hang_layer": K (a forward prints "in layer K" and sleeps
-there), "config": a configure_layerwise_offload on an in-memory model instead}.
+"packing layer K"), "hang": {"INDEX": K} (that process's forward prints "in layer K" and
+sleeps there), "config": a configure_layerwise_offload on an in-memory model instead}.
 Prints "role R", "inode I", "shared_pss B", "shared_bytes B", "copied L",
 "rank INDEX ok".
 """
@@ -83,6 +83,7 @@ def main():
     torch.set_num_threads(1)
     arch = archs.ARCHS[arch_name]
     options = {**cfg.get("options", {}), **cfg.get("per", {}).get(str(index), {})}
+    options = {k: str(tmp) if v == "$TMP" else v for k, v in options.items()}
     dtype = getattr(torch, options.pop("dtype")) if "dtype" in options else None
     reference = reference_of(arch, ckpt, dtype)
 
@@ -97,6 +98,7 @@ def main():
             return record(self, lp, route, share)
         host_store.HostLayers._record = slow
 
+    time.sleep(cfg.get("delay", {}).get(str(index), 0))
     if cfg.get("config"):
         model = reference_of(arch, ckpt, dtype)
         managers = layerwise.configure_layerwise_offload(model, arch.groups, device="cpu", share_host=True,
@@ -107,19 +109,24 @@ def main():
                                             **options)
     roles = [m.stats()["share_host"]["role"] for m in managers]
     say("role", ",".join(roles))
+    say("key", ",".join(m.stats()["share_host"]["key"] for m in managers))
     inodes, _ = memfd_mappings()
     say("inode", ",".join(str(x) for x in sorted(inodes)))
     say("shared_bytes", sum(m.stats()["share_host"]["shared_bytes"] for m in managers))
+    say("disk_layers", sum(len(m.tier_plan()) - sum(r.where in ("arena", "device") for r in m.tier_plan())
+                           for m in managers))
+    say("encoded_layers", sum(sum(r.encoded for r in m.tier_plan()) for m in managers))
     if cfg.get("wait", True):
         barrier(tmp, f"{scenario}.held", index, n)
 
     rng = random.Random(index)
     pace = lambda *_: time.sleep(rng.random() * 0.003)  # noqa: E731 - each process at its own pace
+    hang = cfg.get("hang", {}).get(str(index))
     for g in arch.groups:
         for k, block in enumerate(model.get_submodule(g)):
             block.register_forward_pre_hook(pace)
-            if cfg.get("hang_layer") == k and g == arch.groups[0]:
-                block.register_forward_pre_hook(lambda *_: (say(f"in layer {cfg['hang_layer']}"), time.sleep(60)))
+            if hang == k and g == arch.groups[0]:
+                block.register_forward_pre_hook(lambda *_: (say(f"in layer {hang}"), time.sleep(60)))
 
     if "lsd" in cfg:
         changed = cfg["lsd"]
@@ -140,7 +147,7 @@ def main():
             assert torch.equal(out, ref), (index, k, (out - ref).abs().max().item())
     inodes, pss = memfd_mappings()
     say("shared_pss", pss)
-    if cfg.get("wait", True):
+    if cfg.get("wait", True) and not cfg.get("hang"):
         barrier(tmp, f"{scenario}.ran", index, n)  # (every process still maps the arena when each measured)
     layerwise.remove_layerwise_offload(model)
     inodes_after, _ = memfd_mappings()
