@@ -53,8 +53,8 @@ from layerwise.formats import quantized
 from layerwise.formats import safetensors as sft
 from layerwise.formats.safetensors import PageCacheDrop, Stored, bytes_of, checkpoint_files, read_header
 from layerwise.options import OffloadOptions, named_options
-from layerwise.planning.device_budget import record_host_budget
 from layerwise.planning import share_key
+from layerwise.planning.device_budget import record_host_budget
 from layerwise.planning.host_budget import plan_host_budget
 
 log = logging.getLogger("layerwise")
@@ -77,8 +77,8 @@ def _parameter_entries(model: nn.Module):
 def load_offloaded(model: nn.Module, checkpoint, layer_names, device=None, prefetch_depth: int = 1,
                    resident_layers=0, residency_policy: str = "leading", pin_memory: bool | str = "auto",
                    device_budget=None, budget_margin=None, strict: bool = True, dtype: torch.dtype | None = None,
-                   host_budget=None, spill_dir=None, disk_prefetch_depth: int | None = None, share_host: bool | str = False,
-                   **kwargs):
+                   host_budget=None, spill_dir=None, disk_prefetch_depth: int | None = None,
+                   share_host: bool | str = False, **kwargs):
     """Load `checkpoint` (a .safetensors file, a list of them, or an index JSON)
     into `model` (built on the meta device) and stream `layer_names` to `device`.
     Returns the managers, as configure_layerwise_offload does.

@@ -11,7 +11,6 @@ behind once the last one exits.
 """
 import copy
 import os
-import re
 import uuid
 from pathlib import Path
 

@@ -99,6 +99,6 @@ def content_identity(plan) -> str:
                                  "share_host=True), or give share_host a key string")
             flat = torch.as_strided(data.detach(), (e.span,), (1,), data.storage_offset())
             raw = flat.cpu().contiguous().view(torch.uint8)
-            h.update(zlib.crc32(memoryview(raw.numpy())).to_bytes(4, "little"))
+            h.update(zlib.crc32(raw.numpy().data).to_bytes(4, "little"))
             h.update(e.span_bytes.to_bytes(8, "little"))
     return "content:" + h.hexdigest()

@@ -15,7 +15,6 @@ Prints "role R", "inode I", "shared_pss B", "shared_bytes B", "copied L",
 "rank INDEX ok".
 """
 import json
-import os
 import random
 import sys
 import time
@@ -25,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import archs  # noqa: E402
-
 import layerwise  # noqa: E402
+
+from helpers import archs  # noqa: E402
 
 
 def say(*a):
