@@ -105,6 +105,31 @@ def check_bitwise(steps: dict, reference: torch.Tensor, what: str) -> None:
                                      f"(max |diff| {diff:.3g})")
 
 
+def finish_processes(procs: list, outs: list, timeout: float, what: str) -> list:
+    """Wait for the worker processes of a multi-process suite (split, shared), then
+    read the JSON each wrote to its path in `outs`. A worker still running at
+    `timeout` is killed; the first that failed is raised with its stderr's tail
+    (`what`: the suite and run, for the message)."""
+    import json
+
+    errs = []
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    bad = [(i, p.returncode, e) for i, (p, e) in enumerate(zip(procs, errs)) if p.returncode != 0]
+    if bad:
+        i, rc, err = bad[0]
+        raise RuntimeError(f"{what}: process {i} exited with {rc}:\n{(err or '')[-3000:]}")
+    res = []
+    for path in outs:
+        with open(path) as f:
+            res.append(json.load(f))
+    return res
+
+
 def clone_module(model: nn.Module) -> nn.Module:
     """An independent copy of a (host) model: every method gets its own weights."""
     return copy.deepcopy(model)

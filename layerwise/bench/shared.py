@@ -10,8 +10,9 @@ own inputs, two ways:
              today).
 
 Each process measures its proportional set size (PSS: a page shared by k
-processes counts 1/k in each) before it loads and once every process holds
-the model, the wall time of its load, and its median step time. The
+processes counts 1/k in each) of anonymous and shared memory (not of files:
+the libraries' and the checkpoint's pages) before it loads and once every
+process holds the model, the wall time of its load, and its median step time. The
 processes start one at a time, each once the one before is ready (the first
 packs, the others attach), so that each load time is its own; then all stream
 at once.
@@ -38,24 +39,32 @@ import sys
 import tempfile
 import time
 
-from layerwise.bench.common import Context, MiB, Row, Stat, SuiteResult, Target
+from layerwise.bench.common import Context, MiB, Row, Stat, SuiteResult, Target, finish_processes
 from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "shared"
 COUNTS = (1, 2, 4)
 # layers, hidden size (an MLP block of 2 * 4 * d * d fp32 weights: d=640 -> 12.5 MiB)
-SHAPE = {"full": (32, 1024), "quick": (32, 640), "tiny": (4, 128)}
-STEPS = {"full": 10, "quick": 6, "tiny": 3}
+SHAPE = {"full": (32, 1024), "quick": (32, 640), "tiny": (4, 256)}
+STEPS = {"full": 20, "quick": 20, "tiny": 3}
 TIMEOUT_S = {"full": 600, "quick": 300, "tiny": 120}
 
 
 def _pss() -> int:
-    """This process's proportional set size in bytes (smaps_rollup)."""
+    """This process's proportional set size in anonymous and shared memory, in
+    bytes (smaps_rollup's Pss_Anon + Pss_Shmem). File-backed pages are left out:
+    the libraries' pages are shared by more processes as more start, which would
+    make the PSS of every process shrink by itself; and the checkpoint's page
+    cache is the file system's, whoever reads it."""
+    got = {}
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss in /proc/self/smaps_rollup")
+            key, _, rest = line.partition(":")
+            if key in ("Pss_Anon", "Pss_Shmem"):
+                got[key] = int(rest.split()[0]) * 1024
+    if len(got) != 2:
+        raise RuntimeError("no Pss_Anon / Pss_Shmem in /proc/self/smaps_rollup (Linux 5.4 or later has them)")
+    return got["Pss_Anon"] + got["Pss_Shmem"]
 
 
 def _net(layers: int, d: int):
@@ -146,23 +155,16 @@ def _launch(n: int, mode: str, tmp: str, layers: int, d: int, steps: int, device
             procs.append(start(i))
             while not os.path.exists(os.path.join(tmp, f"{mode}-{n}-ready.{i}")):
                 if procs[i].poll() is not None or time.monotonic() > end:
+                    procs[i].kill()  # (past the time: its stderr is read after it ends)
                     raise RuntimeError(f"shared bench: process {i} ({mode}, N={n}) did not get ready:\n"
                                        f"{procs[i].communicate()[1][-3000:]}")
                 time.sleep(0.01)
-        errs = [p.communicate(timeout=max(1.0, end - time.monotonic()))[1] for p in procs]
-    finally:
+    except BaseException:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-    bad = [(i, p.returncode, e) for i, (p, e) in enumerate(zip(procs, errs)) if p.returncode != 0]
-    if bad:
-        i, rc, err = bad[0]
-        raise RuntimeError(f"shared bench: process {i} ({mode}, N={n}) exited with {rc}:\n{err[-3000:]}")
-    out = []
-    for i in range(n):
-        with open(os.path.join(tmp, f"{mode}-{n}-{i}.json")) as f:
-            out.append(json.load(f))
-    return out
+            p.kill()
+        raise
+    outs = [os.path.join(tmp, f"{mode}-{n}-{i}.json") for i in range(n)]
+    return finish_processes(procs, outs, max(1.0, end - time.monotonic()), f"shared bench ({mode}, N={n})")
 
 
 def run(ctx: Context) -> SuiteResult:

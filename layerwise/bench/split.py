@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from layerwise.bench.common import Context, GiB, MiB, Row, Skip, Stat, SuiteResult
+from layerwise.bench.common import Context, GiB, MiB, Row, Skip, Stat, SuiteResult, finish_processes
 from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "split"
@@ -152,21 +152,7 @@ def _launch(world: int, modes: str, layers: int, d: int, steps: int, timeout: fl
                                str(layers), str(d), str(steps), outs[r], kind],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
-    try:
-        errs = [p.communicate(timeout=timeout)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    bad = [(r, p.returncode, e) for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode != 0]
-    if bad:
-        r, rc, err = bad[0]
-        raise RuntimeError(f"split bench: rank {r} ({modes}) exited with {rc}:\n{err[-3000:]}")
-    res = []
-    for path in outs:
-        with open(path) as f:
-            res.append(json.load(f))
-    return res
+    return finish_processes(procs, outs, timeout, f"split bench ({modes})")
 
 
 def _model_note(world: int, ag_gibs: float | None, measured: bool) -> str:

@@ -230,9 +230,8 @@ def scenario_offer(i, n, tmp, name):
     scenario_kill_server(i, n, tmp, name, offer=True)
 
 
-def scenario_holders(i, n, tmp, name):
-    """Three holders count 3; after a holder leaves, 2; after the server leaves, the
-    last one serves itself and counts 1."""
+def three_holders(i, tmp, name):
+    """Worker 0 packs and publishes, then workers 1 and 2 attach; returns once all three hold it."""
     if i == 0:
         m = join(name)
         touch(tmp, "published.0")
@@ -241,6 +240,13 @@ def scenario_holders(i, n, tmp, name):
         m = join(name)
     touch(tmp, f"attached.{i}")
     wait_for(tmp, "attached.0", "attached.1", "attached.2")
+    return m
+
+
+def scenario_holders(i, n, tmp, name):
+    """Three holders count 3; after a holder leaves, 2; after the server leaves, the
+    last one serves itself and counts 1."""
+    m = three_holders(i, tmp, name)
     say(f"holders {wait_until(lambda: m.holders() == 3 and 3, 'three holders')}")
     if i == 1:  # a second membership in one process: still three processes
         second = rv.join(name, validate=validator(name))
@@ -273,14 +279,7 @@ def scenario_holders(i, n, tmp, name):
 
 def scenario_kill_holder(i, n, tmp, name):
     """Worker 2, a holder, is SIGKILLed at "holding": the others count 2."""
-    if i == 0:
-        m = join(name)
-        touch(tmp, "published.0")
-    else:
-        wait_for(tmp, "published.0")
-        m = join(name)
-    touch(tmp, f"attached.{i}")
-    wait_for(tmp, "attached.0", "attached.1", "attached.2")
+    m = three_holders(i, tmp, name)
     wait_until(lambda: m.holders() == 3, "three holders")
     touch(tmp, f"counted.{i}")
     wait_for(tmp, "counted.0", "counted.1", "counted.2")
