@@ -22,7 +22,7 @@ import layerwise
 from layerwise.runtime import capture
 
 from helpers import archs
-from helpers.contract import inputs, make, run
+from helpers.contract import assert_fingerprint, fingerprint, inputs, make, run
 from helpers.ranks import run_sharers
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="share_host needs Linux (memfd_create)")
@@ -191,6 +191,54 @@ def test_share_host_refusals_name_the_option():
     model = layerwise.empty_model(make)
     with pytest.raises(ValueError, match="meta device"):
         layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", share_host=True)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_failure_once_the_arena_is_served_is_the_callers_and_leaves_nothing(monkeypatch, exc):
+    from layerwise.runtime import rendezvous
+
+    publish = rendezvous.Membership.publish
+
+    def served_then_fails(self, fd):  # (an interrupt lands just after the fd is served)
+        publish(self, fd)
+        raise exc("injected")
+
+    key = f"test-{uuid.uuid4().hex}"
+    model = make(seed=0)
+    before = fingerprint(model)
+    monkeypatch.setattr(rendezvous.Membership, "publish", served_then_fails)
+    with pytest.raises(exc, match="injected"):
+        layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", share_host=key)
+    monkeypatch.undo()
+    assert_fingerprint(model, before)
+    other = make(seed=0)  # the failed configure serves nothing: the next one packs
+    mo = layerwise.configure_layerwise_offload(other, GROUPS, device="cpu", share_host=key)
+    assert _roles(mo) == ["packer", "packer"]
+    mm = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", share_host=key)
+    assert _roles(mm) == ["attached", "attached"]
+    xs = inputs()
+    assert _equal(run(model, xs), run(make(seed=0), xs)) and _equal(run(other, xs), run(make(seed=0), xs))
+
+
+def test_a_pipeline_key_string_keeps_components_of_one_layout_apart():
+    """Two components of one class and layout but other weights (Wan 2.2's two
+    transformers): one key string for the pipeline shares each with its namesake
+    in another pipeline, never with each other."""
+    class Pipe:
+        def __init__(self):
+            self.transformer, self.transformer_2 = make(seed=0), make(seed=1)
+
+    key = f"test-{uuid.uuid4().hex}"
+    comps = {"transformer": GROUPS, "transformer_2": GROUPS}
+    p, q = Pipe(), Pipe()
+    mp = layerwise.offload_pipeline(p, device="cpu", components=comps, share_host=key)
+    mq = layerwise.offload_pipeline(q, device="cpu", components=comps, share_host=key)
+    assert _roles(mp["transformer"] + mp["transformer_2"]) == ["packer"] * 4
+    assert _roles(mq["transformer"] + mq["transformer_2"]) == ["attached"] * 4
+    xs = inputs()
+    for pipe in (p, q):
+        assert _equal(run(pipe.transformer, xs), run(make(seed=0), xs))
+        assert _equal(run(pipe.transformer_2, xs), run(make(seed=1), xs))
 
 
 # ---------------------------------------------------------------- processes

@@ -163,8 +163,10 @@ class HostShare:
         }
         arena.protect()
         self.file.seal(self.digest, manifest)
-        self.membership.publish(self.file.fd)
+        # Marked before the fd is served: once it is, a failure (an interrupt just
+        # after) must leave like any holder, not abandon an election already won.
         self.manifest, self.published = manifest, True
+        self.membership.publish(self.file.fd)
 
     # ------------------------------------------------------------ the way out
     def abandon(self) -> None:
