@@ -118,6 +118,19 @@ def test_a_write_copies_the_layer_on_write_and_the_other_model_stays_exact(path)
     assert _equal(run(b, xs), run(changed, xs))
 
 
+@pytest.mark.parametrize("compress", [None, "lossless"])
+def test_a_write_of_the_same_bytes_keeps_the_layer_shared(compress):
+    """load_state_dict of the weights the model has (a server reloading its
+    checkpoint) copies nothing: N processes doing so keep one copy, not N + 1."""
+    ref, (a, ma), (b, mb) = _pair(compress=compress)
+    b.load_state_dict(make(seed=0).state_dict())
+    for m in mb:
+        sh = m.stats()["share_host"]
+        assert sh["copied_layers"] == [] and sh["private_bytes"] == 0
+    xs = inputs()
+    assert _equal(run(b, xs), run(ref, xs)) and _equal(run(a, xs), run(ref, xs))
+
+
 def test_a_lora_merge_in_one_model_leaves_the_other_exact():
     peft = pytest.importorskip("peft")
     pytest.importorskip("diffusers")
