@@ -233,6 +233,27 @@ def test_a_failure_once_the_arena_is_served_is_the_callers_and_leaves_nothing(mo
     assert _equal(run(model, xs), run(make(seed=0), xs)) and _equal(run(other, xs), run(make(seed=0), xs))
 
 
+@pytest.mark.parametrize("compress", [None, "lossless"])
+def test_a_layer_of_no_bytes_of_its_own_attaches(compress):
+    """TiedModel's layer 2 is layer 0's linear again: its block is empty, and the
+    manifest places it like any other."""
+    from helpers.models import TiedModel
+
+    def tied():
+        torch.manual_seed(0)
+        return TiedModel()
+
+    key = f"test-{uuid.uuid4().hex}"
+    a, b = tied(), tied()
+    ma = layerwise.configure_layerwise_offload(a, ["blocks"], device="cpu", share_host=key, compress=compress)
+    mb = layerwise.configure_layerwise_offload(b, ["blocks"], device="cpu", share_host=key, compress=compress)
+    assert _roles(ma) == ["packer"] and _roles(mb) == ["attached"]
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = tied()(x)
+        assert torch.equal(a(x), want) and torch.equal(b(x), want)
+
+
 def test_a_pipeline_key_string_keeps_components_of_one_layout_apart():
     """Two components of one class and layout but other weights (Wan 2.2's two
     transformers): one key string for the pipeline shares each with its namesake

@@ -142,8 +142,10 @@ class HostShare:
 
     def record(self, arena, index: int, block, pieces=None, codec: bool = False) -> None:
         """What the packer put where (the manifest's entry of layer `index`)."""
+        # (an empty block, a layer whose parameters are all another layer's, has no address)
+        offset = block.data_ptr() - arena.data_ptr if block.numel() else 0
         self.entries[index] = {
-            "index": index, "offset": block.data_ptr() - arena.data_ptr, "length": block.numel(), "codec": codec,
+            "index": index, "offset": offset, "length": block.numel(), "codec": codec,
             "pieces": None if pieces is None else [[p.enc_off, p.enc_n, p.dst_off, p.dst_n, str(p.dtype)]
                                                    for p in pieces]}
 
