@@ -10,6 +10,7 @@ SIGKILL of the packer mid-pack and of a process mid-forward, and nothing left
 behind once the last one exits.
 """
 import copy
+import gc
 import os
 import re
 import uuid
@@ -231,6 +232,45 @@ def test_a_failure_once_the_arena_is_served_is_the_callers_and_leaves_nothing(mo
     assert _roles(mm) == ["attached", "attached"]
     xs = inputs()
     assert _equal(run(model, xs), run(make(seed=0), xs)) and _equal(run(other, xs), run(make(seed=0), xs))
+
+
+def _memfds() -> int:
+    """This process's open fds of layerwise's shared arenas (each keeps one alive)."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return sum("memfd:layerwise" in f for f in fds)
+
+
+def test_an_arena_refused_for_its_layout_is_closed(monkeypatch):
+    """An arena whose manifest holds another layout under this key is refused, the
+    model unchanged, and the file received closed: an fd kept open would keep the
+    arena's memory alive for the life of the process."""
+    from layerwise.runtime import shared_arena
+
+    key = f"test-{uuid.uuid4().hex}"
+    a = make(seed=0)
+    layerwise.configure_layerwise_offload(a, GROUPS, device="cpu", share_host=key)
+    gc.collect()
+    fds = _memfds()
+    real_open = shared_arena.SharedFile.open.__func__
+
+    def forged(cls, fd, digest, where):
+        file, manifest = real_open(cls, fd, digest, where)
+        return file, {**manifest, "layout": []}
+
+    monkeypatch.setattr(shared_arena.SharedFile, "open", classmethod(forged))
+    b = make(seed=0)
+    before = fingerprint(b)
+    with pytest.raises(shared_arena.SharedArenaError, match="does not hold this group's layout"):
+        layerwise.configure_layerwise_offload(b, GROUPS, device="cpu", share_host=key)
+    monkeypatch.undo()
+    assert_fingerprint(b, before)
+    gc.collect()
+    assert _memfds() == fds
 
 
 @pytest.mark.parametrize("compress", [None, "lossless"])

@@ -81,7 +81,11 @@ class HostShare:
         share = cls(group, digest, name, membership)
         share.key_given = options.share_host
         if share.attached:
-            share._check_layout(plan)
+            try:
+                share._check_layout(plan)
+            except BaseException:
+                share.leave()  # (the file's fd would keep the arena alive for the life of the process)
+                raise
         log.info("layerwise: %s: share_host: %s the arena %s", group,
                  {"packer": "packing", "attached": "attached to", "private": "packing a private copy of"}[share.role],
                  where)
