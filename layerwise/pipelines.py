@@ -426,7 +426,7 @@ def _offload(pipe, options: OffloadOptions, components, pin_budget, uses, warmup
         if c.layer_names is None:
             contract.check_configurable(c.module, [])
             continue
-        c.managers = prepare_groups(c.module, c.layer_names, options)
+        c.managers = prepare_groups(c.module, c.layer_names, _component_options(options, c.name))
         contract.check_configurable(c.module, c.managers)
     for c in parts:
         c.uses, c.uses_source = _uses(pipe, c, uses)
@@ -488,6 +488,16 @@ def _plan_and_configure(pipe, parts, kept, streamed_managers, options: OffloadOp
 
     configure_models([(c.module, c.managers) for c in parts], dev, finish=finish, warn_saves_nothing=False)
     return budget
+
+
+def _component_options(options: OffloadOptions, name: str) -> OffloadOptions:
+    """A component's options. A share_host key string names the pipeline's weights:
+    each component shares under it with the same component of another pipeline,
+    never with another component of this one (two of one class, as Wan 2.2's two
+    transformers, have the same layout and group paths but other weights)."""
+    if isinstance(options.share_host, str):
+        return dataclasses.replace(options, share_host=f"{options.share_host} (component {name})")
+    return options
 
 
 def _held_bytes(parts: list[Component]) -> int:

@@ -10,6 +10,7 @@ SIGKILL of the packer mid-pack and of a process mid-forward, and nothing left
 behind once the last one exits.
 """
 import copy
+import gc
 import os
 import uuid
 from pathlib import Path
@@ -21,7 +22,7 @@ import layerwise
 from layerwise.runtime import capture
 
 from helpers import archs
-from helpers.contract import inputs, make, run
+from helpers.contract import assert_fingerprint, fingerprint, inputs, make, run
 from helpers.ranks import run_sharers
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="share_host needs Linux (memfd_create)")
@@ -117,6 +118,19 @@ def test_a_write_copies_the_layer_on_write_and_the_other_model_stays_exact(path)
     assert _equal(run(b, xs), run(changed, xs))
 
 
+@pytest.mark.parametrize("compress", [None, "lossless"])
+def test_a_write_of_the_same_bytes_keeps_the_layer_shared(compress):
+    """load_state_dict of the weights the model has (a server reloading its
+    checkpoint) copies nothing: N processes doing so keep one copy, not N + 1."""
+    ref, (a, ma), (b, mb) = _pair(compress=compress)
+    b.load_state_dict(make(seed=0).state_dict())
+    for m in mb:
+        sh = m.stats()["share_host"]
+        assert sh["copied_layers"] == [] and sh["private_bytes"] == 0
+    xs = inputs()
+    assert _equal(run(b, xs), run(ref, xs)) and _equal(run(a, xs), run(ref, xs))
+
+
 def test_a_lora_merge_in_one_model_leaves_the_other_exact():
     peft = pytest.importorskip("peft")
     pytest.importorskip("diffusers")
@@ -190,6 +204,114 @@ def test_share_host_refusals_name_the_option():
     model = layerwise.empty_model(make)
     with pytest.raises(ValueError, match="meta device"):
         layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", share_host=True)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_failure_once_the_arena_is_served_is_the_callers_and_leaves_nothing(monkeypatch, exc):
+    from layerwise.runtime import rendezvous
+
+    publish = rendezvous.Membership.publish
+
+    def served_then_fails(self, fd):  # (an interrupt lands just after the fd is served)
+        publish(self, fd)
+        raise exc("injected")
+
+    key = f"test-{uuid.uuid4().hex}"
+    model = make(seed=0)
+    before = fingerprint(model)
+    monkeypatch.setattr(rendezvous.Membership, "publish", served_then_fails)
+    with pytest.raises(exc, match="injected"):
+        layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", share_host=key)
+    monkeypatch.undo()
+    assert_fingerprint(model, before)
+    other = make(seed=0)  # the failed configure serves nothing: the next one packs
+    mo = layerwise.configure_layerwise_offload(other, GROUPS, device="cpu", share_host=key)
+    assert _roles(mo) == ["packer", "packer"]
+    mm = layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", share_host=key)
+    assert _roles(mm) == ["attached", "attached"]
+    xs = inputs()
+    assert _equal(run(model, xs), run(make(seed=0), xs)) and _equal(run(other, xs), run(make(seed=0), xs))
+
+
+def _memfds() -> int:
+    """This process's open fds of layerwise's shared arenas (each keeps one alive)."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return sum("memfd:layerwise" in f for f in fds)
+
+
+def test_an_arena_refused_for_its_layout_is_closed(monkeypatch):
+    """An arena whose manifest holds another layout under this key is refused, the
+    model unchanged, and the file received closed: an fd kept open would keep the
+    arena's memory alive for the life of the process."""
+    from layerwise.runtime import shared_arena
+
+    key = f"test-{uuid.uuid4().hex}"
+    a = make(seed=0)
+    layerwise.configure_layerwise_offload(a, GROUPS, device="cpu", share_host=key)
+    gc.collect()
+    fds = _memfds()
+    real_open = shared_arena.SharedFile.open.__func__
+
+    def forged(cls, fd, digest, where):
+        file, manifest = real_open(cls, fd, digest, where)
+        return file, {**manifest, "layout": []}
+
+    monkeypatch.setattr(shared_arena.SharedFile, "open", classmethod(forged))
+    b = make(seed=0)
+    before = fingerprint(b)
+    with pytest.raises(shared_arena.SharedArenaError, match="does not hold this group's layout"):
+        layerwise.configure_layerwise_offload(b, GROUPS, device="cpu", share_host=key)
+    monkeypatch.undo()
+    assert_fingerprint(b, before)
+    gc.collect()
+    assert _memfds() == fds
+
+
+@pytest.mark.parametrize("compress", [None, "lossless"])
+def test_a_layer_of_no_bytes_of_its_own_attaches(compress):
+    """TiedModel's layer 2 is layer 0's linear again: its block is empty, and the
+    manifest places it like any other."""
+    from helpers.models import TiedModel
+
+    def tied():
+        torch.manual_seed(0)
+        return TiedModel()
+
+    key = f"test-{uuid.uuid4().hex}"
+    a, b = tied(), tied()
+    ma = layerwise.configure_layerwise_offload(a, ["blocks"], device="cpu", share_host=key, compress=compress)
+    mb = layerwise.configure_layerwise_offload(b, ["blocks"], device="cpu", share_host=key, compress=compress)
+    assert _roles(ma) == ["packer"] and _roles(mb) == ["attached"]
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = tied()(x)
+        assert torch.equal(a(x), want) and torch.equal(b(x), want)
+
+
+def test_a_pipeline_key_string_keeps_components_of_one_layout_apart():
+    """Two components of one class and layout but other weights (Wan 2.2's two
+    transformers): one key string for the pipeline shares each with its namesake
+    in another pipeline, never with each other."""
+    class Pipe:
+        def __init__(self):
+            self.transformer, self.transformer_2 = make(seed=0), make(seed=1)
+
+    key = f"test-{uuid.uuid4().hex}"
+    comps = {"transformer": GROUPS, "transformer_2": GROUPS}
+    p, q = Pipe(), Pipe()
+    mp = layerwise.offload_pipeline(p, device="cpu", components=comps, share_host=key)
+    mq = layerwise.offload_pipeline(q, device="cpu", components=comps, share_host=key)
+    assert _roles(mp["transformer"] + mp["transformer_2"]) == ["packer"] * 4
+    assert _roles(mq["transformer"] + mq["transformer_2"]) == ["attached"] * 4
+    xs = inputs()
+    for pipe in (p, q):
+        assert _equal(run(pipe.transformer, xs), run(make(seed=0), xs))
+        assert _equal(run(pipe.transformer_2, xs), run(make(seed=1), xs))
 
 
 # ---------------------------------------------------------------- processes

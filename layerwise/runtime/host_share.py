@@ -81,7 +81,11 @@ class HostShare:
         share = cls(group, digest, name, membership)
         share.key_given = options.share_host
         if share.attached:
-            share._check_layout(plan)
+            try:
+                share._check_layout(plan)
+            except BaseException:
+                share.leave()  # (the file's fd would keep the arena alive for the life of the process)
+                raise
         log.info("layerwise: %s: share_host: %s the arena %s", group,
                  {"packer": "packing", "attached": "attached to", "private": "packing a private copy of"}[share.role],
                  where)
@@ -142,8 +146,10 @@ class HostShare:
 
     def record(self, arena, index: int, block, pieces=None, codec: bool = False) -> None:
         """What the packer put where (the manifest's entry of layer `index`)."""
+        # (an empty block, a layer whose parameters are all another layer's, has no address)
+        offset = block.data_ptr() - arena.data_ptr if block.numel() else 0
         self.entries[index] = {
-            "index": index, "offset": block.data_ptr() - arena.data_ptr, "length": block.numel(), "codec": codec,
+            "index": index, "offset": offset, "length": block.numel(), "codec": codec,
             "pieces": None if pieces is None else [[p.enc_off, p.enc_n, p.dst_off, p.dst_n, str(p.dtype)]
                                                    for p in pieces]}
 
@@ -163,8 +169,10 @@ class HostShare:
         }
         arena.protect()
         self.file.seal(self.digest, manifest)
-        self.membership.publish(self.file.fd)
+        # Marked before the fd is served: once it is, a failure (an interrupt just
+        # after) must leave like any holder, not abandon an election already won.
         self.manifest, self.published = manifest, True
+        self.membership.publish(self.file.fd)
 
     # ------------------------------------------------------------ the way out
     def abandon(self) -> None:
