@@ -196,6 +196,30 @@ def test_capture_of_a_shared_layer_is_refused_naming_share_host():
     assert why and "share_host" in why
 
 
+@pytest.mark.parametrize("compress", [None, "lossless"])
+def test_one_key_string_for_two_checkpoints_of_one_layout_is_refused(tmp_path, compress):
+    from safetensors.torch import save_file
+
+    from layerwise.runtime.shared_arena import SharedArenaError
+
+    key = f"test-{uuid.uuid4().hex}"
+    paths = []
+    for seed in (0, 1):
+        path = tmp_path / f"m{seed}.safetensors"
+        save_file({k: v.contiguous() for k, v in make(seed=seed).state_dict().items()}, str(path))
+        paths.append(str(path))
+    a = layerwise.empty_model(make)
+    layerwise.load_offloaded(a, paths[0], GROUPS, device="cpu", share_host=key, compress=compress)
+    b = layerwise.empty_model(make)
+    with pytest.raises(SharedArenaError, match="the key names other weights"):
+        layerwise.load_offloaded(b, paths[1], GROUPS, device="cpu", share_host=key, compress=compress)
+    assert not layerwise.managers_of(b) and all(p.is_meta for p in b.parameters())
+    c = layerwise.empty_model(make)  # the same checkpoint under the key attaches, exact
+    mc = layerwise.load_offloaded(c, paths[0], GROUPS, device="cpu", share_host=key, compress=compress)
+    assert _roles(mc) == ["attached", "attached"]
+    assert _equal(run(c, inputs()), run(make(seed=0), inputs()))
+
+
 def test_share_host_refusals_name_the_option():
     with pytest.raises(ValueError, match="share_host must be"):
         layerwise.configure_layerwise_offload(make(), GROUPS, device="cpu", share_host="")

@@ -33,6 +33,7 @@ import torch
 from layerwise.planning.layout import BLOCK_ALIGN, PARAM_ALIGN
 
 FORMAT = 1  # bumped when what an arena holds, or how, changes
+CHECKPOINT = "checkpoint:"  # the prefix of an identity made from checkpoint files (checkpoint_identity)
 
 
 def layout_of(plan) -> list:
@@ -82,7 +83,7 @@ def checkpoint_identity(files, dtype) -> str:
         h.update(json.dumps([real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]).encode())
         h.update(hashlib.sha256(header).digest())
     h.update(str(dtype).encode())
-    return "checkpoint:" + h.hexdigest()
+    return CHECKPOINT + h.hexdigest()
 
 
 def content_identity(plan) -> str:

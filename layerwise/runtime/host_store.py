@@ -216,6 +216,10 @@ class HostLayers:
         cuda = self.device.type == "cuda"
         pin = dict(pinned=self.pin_memory is not False, cuda=cuda, device=self.device.index if cuda else -1)
         attached = share is not None and share.attached
+        # a key string with weights from a checkpoint: the first and last layers attached are
+        # read from it and compared (two checkpoints of one layout under one key never share)
+        held = [lp.index for lp, r in zip(self.plan.layers, routes) if r.where in ("arena", "device") and lp.nbytes]
+        spot = {held[0], held[-1]} if held else set()
         if share is None:
             self.arena = _native.HostArena(total, **pin)
         elif attached:
@@ -233,6 +237,8 @@ class HostLayers:
                 elsewhere = not _plain(route)
                 if attached and route.where in ("arena", "device"):  # another process packed it
                     self._attach(lp, chain, share, check=fill is None)
+                    if fill is not None and share.asserted and lp.nbytes and lp.index in spot:
+                        self._spot_check(lp, fill, share)
                     continue
                 if elsewhere:  # packed into scratch, then kept by the layer's chain of stages
                     if scratch is None:
@@ -345,19 +351,34 @@ class HostLayers:
             self._check_same(lp, self.src[-1].read() if entry["codec"] else block, share)
         self._placeholders_for(lp, check)
 
-    def _check_same(self, lp, block, share) -> None:
-        """Where this process has the weights itself (configure of a model in memory),
-        the arena's bytes must be them: a key string that two different models give
-        would otherwise stream another model's weights. One compare per parameter
-        (memory speed); a model on meta (load_offloaded) has nothing to compare."""
+    def _spot_check(self, lp, fill, share) -> None:
+        """Layer `lp` read from this process's checkpoint (`fill`) must be the bytes
+        of the arena another process packed under the caller's key string: a key
+        given to two checkpoints of one layout would otherwise stream the other's
+        weights. One layer read, and compared to the arena's (decoded) bytes."""
+        scratch = torch.zeros(lp.nbytes, dtype=torch.uint8)
+        for e in lp.params:
+            fill(e, scratch)
+        src = self.src[-1]
+        self._check_same(lp, src.read(), share, theirs=scratch)
+
+    def _check_same(self, lp, block, share, theirs=None) -> None:
+        """Where this process has the weights itself (configure of a model in memory;
+        or `theirs`: a layer read from its checkpoint), the arena's bytes must be
+        them: a key string that two different models give would otherwise stream
+        another model's weights. One compare per parameter (memory speed)."""
         from layerwise.runtime.shared_arena import SharedArenaError
 
         for e in lp.params:
-            data = e.source()
-            if data.is_meta:
-                continue
-            flat = torch.as_strided(data.detach(), (e.span,), (1,), data.storage_offset()).contiguous()
-            if not torch.equal(flat.view(torch.uint8).cpu(), block[e.offset : e.offset + e.span_bytes]):
+            if theirs is not None:  # (the layer as this process's checkpoint has it)
+                flat = theirs[e.offset : e.offset + e.span_bytes]
+            else:
+                data = e.source()
+                if data.is_meta:
+                    continue
+                flat = torch.as_strided(data.detach(), (e.span,), (1,), data.storage_offset()).contiguous()
+                flat = flat.view(torch.uint8).cpu()
+            if not torch.equal(flat, block[e.offset : e.offset + e.span_bytes]):
                 raise SharedArenaError(
                     f"layerwise: {self.group}: parameter {e.qualname!r} differs from the bytes of the shared arena "
                     f"at {share.address}, which another process packed under the same share_host key "
