@@ -381,8 +381,8 @@ class HostLayers:
             if not torch.equal(flat, block[e.offset : e.offset + e.span_bytes]):
                 raise SharedArenaError(
                     f"layerwise: {self.group}: parameter {e.qualname!r} differs from the bytes of the shared arena "
-                    f"at {share.address}, which another process packed under the same share_host key "
-                    f"({share.key_given!r}): the key names other weights. Give each model its own key, or "
+                    f"at {share.address}, which another model (here or in another process) packed under the same "
+                    f"share_host key ({share.key_given!r}): the key names other weights. Give each model its own key, or "
                     "share_host=True (the weights' bytes identify them). The model is unchanged.")
 
     def _record(self, lp, route, share) -> None:
