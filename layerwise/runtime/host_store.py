@@ -383,7 +383,8 @@ class HostLayers:
                     f"layerwise: {self.group}: parameter {e.qualname!r} differs from the bytes of the shared arena "
                     f"at {share.address}, which another model (here or in another process) packed under the same "
                     f"share_host key ({share.key_given!r}): the key names other weights. Give each model its own "
-                    "key, or share_host=True (the weights' bytes identify them). The model is unchanged.")
+                    "key, or share_host=True (then the checkpoint files, or a model's bytes in memory, identify the "
+                    "weights). The model is unchanged.")
 
     def _record(self, lp, route, share) -> None:
         """The packer's manifest entry for layer `lp`, from the source just kept."""

@@ -532,8 +532,9 @@ def _attach(name: str, addr: bytes, sock: socket.socket, validate, deadline: flo
         if now >= limit:
             _close(sock)
             what = "is still packing the shared arena" if answered else "accepted but never answered"
-            log.warning("layerwise: %s: pid %d %s after %g s (%s=%g); this process packs a private copy",
-                        _show(addr), pid, what, now - (deadline - wait_s), WAIT_ENV, wait_s)
+            log.warning("layerwise: %s: pid %d %s after %.1f s (%s=%g); this process packs a private copy. "
+                        "Set %s higher to wait longer", _show(addr), pid, what, now - (deadline - wait_s), WAIT_ENV,
+                        wait_s, WAIT_ENV)
             return Membership(_State(name, addr, "private"))
         sock.settimeout(max(0.001, min(limit, next_log) - now))
         try:
