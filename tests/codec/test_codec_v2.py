@@ -200,7 +200,9 @@ def _long_codes(n=1 << 16, seed=7):
     one dominant exponent, the others ever rarer (geometric), so that the CPU decoder's
     pair tables (11-bit windows) send some windows to the single table."""
     g = torch.Generator().manual_seed(seed)
-    e = (torch.distributions.Geometric(torch.tensor(0.55)).sample((n,)).long() % 120) + 100
+    with torch.random.fork_rng(devices=[]):  # (Geometric samples from the global generator: seeded here,
+        torch.manual_seed(seed)              # so that the codes do not depend on the tests run before)
+        e = (torch.distributions.Geometric(torch.tensor(0.55)).sample((n,)).long() % 120) + 100
     perm = torch.randperm(n, generator=g)
     e = e[perm]
     mant = torch.randint(0, 128, (n,), generator=g)
