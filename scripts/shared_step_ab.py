@@ -10,7 +10,8 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from layerwise.bench.shared import SHAPE, _launch, _net
+from layerwise.bench.common import mlp_stack
+from layerwise.bench.shared import SHAPE, _launch
 
 
 def main(rounds: int = 3, n: int = 2) -> None:
@@ -18,7 +19,7 @@ def main(rounds: int = 3, n: int = 2) -> None:
     tmp = tempfile.mkdtemp()
     torch.manual_seed(0)
     ckpt = os.path.join(tmp, "model.safetensors")
-    save_file({k: v.contiguous() for k, v in _net(layers, d).state_dict().items()}, ckpt)
+    save_file({k: v.contiguous() for k, v in mlp_stack(layers, d).state_dict().items()}, ckpt)
     for r in range(rounds):
         for mode in ("separate", "shared"):
             run = tempfile.mkdtemp(dir=tmp)

@@ -105,6 +105,24 @@ def check_bitwise(steps: dict, reference: torch.Tensor, what: str) -> None:
                                      f"(max |diff| {diff:.3g})")
 
 
+def mlp_stack(layers: int, d: int) -> nn.Module:
+    """A module whose `blocks` are `layers` MLP blocks (d -> 4d -> d, no bias, a
+    residual): 32 d^2 bytes of fp32 weights each. The model of the multi-process
+    suites (split, shared), whose processes build it by name."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(d, 4 * d, bias=False)
+            self.down = nn.Linear(4 * d, d, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    net = nn.Module()
+    net.blocks = nn.ModuleList([Block() for _ in range(layers)])
+    return net
+
+
 def finish_processes(procs: list, outs: list, timeout: float, what: str) -> list:
     """Wait for the worker processes of a multi-process suite (split, shared), then
     read the JSON each wrote to its path in `outs`. A worker still running at

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from layerwise.bench.common import Context, MiB, Row, Stat, SuiteResult, Target, finish_processes
+from layerwise.bench.common import Context, MiB, Row, Stat, SuiteResult, Target, finish_processes, mlp_stack
 from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "shared"
@@ -67,23 +67,6 @@ def _pss() -> int:
     return got["Pss_Anon"] + got["Pss_Shmem"]
 
 
-def _net(layers: int, d: int):
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up = nn.Linear(d, 4 * d, bias=False)
-            self.down = nn.Linear(4 * d, d, bias=False)
-
-        def forward(self, x):
-            return x + self.down(self.up(x).relu_())
-
-    net = nn.Module()
-    net.blocks = nn.ModuleList([Block() for _ in range(layers)])
-    return net
-
-
 def _barrier(tmp: str, name: str, index: int, n: int, timeout: float) -> None:
     open(os.path.join(tmp, f"{name}.{index}"), "w").close()
     end = time.monotonic() + timeout
@@ -102,7 +85,7 @@ def _worker(index: int, n: int, tmp: str, mode: str, layers: int, d: int, steps:
     torch.set_num_threads(1)  # N processes share this machine's cores
     dev = torch.device(device)
     before = _pss()
-    model = layerwise.empty_model(_net, layers, d)
+    model = layerwise.empty_model(mlp_stack, layers, d)
     t0 = time.perf_counter()
     managers = layerwise.load_offloaded(model, os.path.join(tmp, "model.safetensors"), "blocks", device=dev,
                                         share_host=mode == "shared")
@@ -184,7 +167,7 @@ def run(ctx: Context) -> SuiteResult:
     runs = {}
     with made as tmp:
         torch.manual_seed(0)
-        save_file({k: v.contiguous() for k, v in _net(layers, d).state_dict().items()},
+        save_file({k: v.contiguous() for k, v in mlp_stack(layers, d).state_dict().items()},
                   os.path.join(tmp, "model.safetensors"))
         for n in COUNTS:
             for mode in ("shared", "separate") if n > 1 else ("shared",):

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from layerwise.bench.common import Context, GiB, MiB, Row, Skip, Stat, SuiteResult, finish_processes
+from layerwise.bench.common import Context, GiB, MiB, Row, Skip, Stat, SuiteResult, finish_processes, mlp_stack
 from layerwise.stages.disk.reader import held_interrupts
 
 NAME = "split"
@@ -61,7 +61,6 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
 
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     import layerwise
     from layerwise.stages.split.collectives import gather as _gather
@@ -79,20 +78,10 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
         if cuda:
             torch.cuda.synchronize(dev)
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up = nn.Linear(d, 4 * d, bias=False)
-            self.down = nn.Linear(4 * d, d, bias=False)
-
-        def forward(self, x):
-            return x + self.down(torch.relu(self.up(x)))
-
     res = {}
     for mode in modes.split(","):  # one after the other in the same processes (start-up paid once)
         torch.manual_seed(0)
-        model = nn.Module()
-        model.blocks = nn.ModuleList([Block() for _ in range(layers)])
+        model = mlp_stack(layers, d)
         managers = layerwise.configure_layerwise_offload(
             model, "blocks", device=dev, prefetch_depth=1,
             split_fetch=dist.group.WORLD if mode == "split" else None)

@@ -516,18 +516,14 @@ class LayerwiseOffloadManager:
         share = None
         if self.options.share_host:  # the machine's one arena of this group (runtime/host_share.py)
             share = HostShare.join(self.plan, self.options, self.resident, self.layer_name)
-            try:
-                if share.attached:
-                    share.adopt_disk_layers(self.tiers)
-            except BaseException:
-                share.leave()
-                raise
         try:
+            if share is not None and share.attached:
+                share.adopt_disk_layers(self.tiers)
             routes = self.tier_plan(sizes=False)
             chain = stages.Chain.for_group(self.layer_name, self.options, self.tiers)
         except BaseException:
             if share is not None:
-                share.abandon()
+                share.abandon()  # (an attached one only leaves)
             raise
         self._host = HostLayers(self.plan, self.layer_name, self.device, self.pin_memory, share)
         with torch.inference_mode(False):  # arena blocks must be ordinary tensors (version counters)

@@ -146,7 +146,7 @@ class HostShare:
     def view(self, arena, index: int):
         """(block, entry) of layer `index` as packed (attached)."""
         e = self.entries[index]
-        return arena.view(e["offset"], e["length"])[: e["length"]], e
+        return arena.view(e["offset"], e["length"]), e
 
     def record(self, arena, index: int, block, pieces=None, codec: bool = False) -> None:
         """What the packer put where (the manifest's entry of layer `index`)."""
@@ -199,10 +199,12 @@ class HostShare:
                 "packer_pid": (self.manifest or {}).get("pid")}
 
 
-def pieces_of(entry, dtype_of) -> list | None:
-    """The codec pieces of a manifest entry (the header parsed where CUDA needs it)."""
+def pieces_of(entry, dtypes) -> list | None:
+    """The codec pieces of a manifest entry, their dtypes named among `dtypes` (the
+    layer's); Chain.attach checks them against the payload's headers."""
     if entry.get("pieces") is None:
         return None
     from layerwise.stages.decode import Piece
 
-    return [Piece(a, b, c, d, dtype_of(t)) for a, b, c, d, t in entry["pieces"]]
+    named = {str(d): d for d in dtypes}
+    return [Piece(a, b, c, d, named[t]) for a, b, c, d, t in entry["pieces"]]

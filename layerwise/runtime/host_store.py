@@ -269,15 +269,8 @@ class HostLayers:
                     if e.leaf is not None:
                         wrapped.append(e)
                         continue
-                    # Marked before the swap: a rollback that finds the mark restores the
-                    # same bytes from the arena even if the swap below never happened.
-                    e.packed = True
-                    if e.dspec is None:
-                        aliases.follow(e.param, e.owner)  # they follow the parameter from here on
-                    e.param.data = e.wrap(self.placeholder(e.dtype))
-                for e in wrapped:  # (marked before the rebind, as above)
-                    e.packed = True
-                assign([(e, self.leaf_placeholder(e)) for e in wrapped])
+                    self._to_placeholder(e)  # (its original freed now, before the next is copied)
+                self._leaves_to_placeholders(wrapped)
                 del wrapped
                 if elsewhere:
                     place = self._shared if share is not None and route.where == "arena" else None
@@ -304,22 +297,30 @@ class HostLayers:
         whole configure succeeds (`commit`), so that a rollback gives back exactly
         what it had (`own`: the parameters hold the weights; else as `pack` with a
         fill keeps them)."""
-        wrapped = []
         for e in lp.params:
             if own and not e.source().is_meta:
                 e.saved = e.source() if e.leaf is not None else e.param.data
             elif not own and not e.param.is_meta:
                 e.saved = e.param.data
-            if e.leaf is not None:
-                wrapped.append(e)
-                continue
+            if e.leaf is None:
+                self._to_placeholder(e)
+        self._leaves_to_placeholders([e for e in lp.params if e.leaf is not None])
+
+    def _to_placeholder(self, e) -> None:
+        """A plain parameter whose bytes are in the arena becomes a placeholder.
+        Marked before the swap: a rollback that finds the mark restores the same
+        bytes from the arena even if the swap never happened."""
+        e.packed = True
+        if e.dspec is None:
+            aliases.follow(e.param, e.owner)  # they follow the parameter from here on
+        e.param.data = e.wrap(self.placeholder(e.dtype))
+
+    def _leaves_to_placeholders(self, leaves) -> None:
+        """Quantized wrappers' leaves (bytes in the arena): each wrapper rebuilt once
+        over placeholders (marked before the rebind, as _to_placeholder)."""
+        for e in leaves:
             e.packed = True
-            if e.dspec is None:
-                aliases.follow(e.param, e.owner)
-            e.param.data = e.wrap(self.placeholder(e.dtype))
-        for e in wrapped:
-            e.packed = True
-        assign([(e, self.leaf_placeholder(e)) for e in wrapped])
+        assign([(e, self.leaf_placeholder(e)) for e in leaves])
 
     def _attach(self, lp, chain, share, check: bool) -> None:
         """Layer `lp` from the shared arena another process packed: its block as the
@@ -338,7 +339,7 @@ class HostLayers:
                 raise RuntimeError(f"layerwise: internal: {self.group}[{lp.index}] is encoded in the shared arena "
                                    "but this group does not compress")
             inner = SharedSource(block, self.arena, chain.codec.host_block)
-            pieces = pieces_of(entry, dict((str(d), d) for d in {e.dtype for e in lp.params}).__getitem__)
+            pieces = pieces_of(entry, {e.dtype for e in lp.params})
             self.blocks.append(None)
             self.src.append(chain.attach(lp, inner, pieces))
         else:
