@@ -428,7 +428,7 @@ def test_sigkill_of_the_packer_mid_pack_leaves_the_others_exact(tmp_path):
     pytest.importorskip("transformers")
     ckpt = _checkpoint(tmp_path, "llama")
     outs = run_sharers(3, tmp_path, "killpack", "llama", ckpt,
-                       '{"slow_pack_ms": 400, "wait": false, "rounds": 2, "delay": {"1": 2, "2": 2}}',
+                       '{"slow_pack_ms": 400, "wait": false, "rounds": 2, "after_packing": ["1", "2"]}',
                        worker="share_model_worker.py", kill=(0, "packing layer 2"))
     assert "packing layer 2" in outs[0] and "rank 0 ok" not in outs[0]  # killed mid-pack
     survivors = [_facts(lines, "role")[0] for lines in outs[1:]]

@@ -10,7 +10,8 @@ OPTIONS_JSON: {"options": {...load_offloaded keywords}, "per": {"INDEX": {...}},
 (that process changes one weight with load_state_dict once all hold the model;
 the others run after it), "slow_pack_ms": ms slept per packed layer (prints
 "packing layer K"), "hang": {"INDEX": K} (that process's forward prints "in layer K" and
-sleeps there), "config": a configure_layerwise_offload on an in-memory model instead}.
+sleeps there), "config": a configure_layerwise_offload on an in-memory model instead,
+"after_packing": [INDEX, ...] (those join only once a process packs)}.
 Prints "role R", "inode I", "shared_pss B", "shared_bytes B", "copied L",
 "rank INDEX ok".
 """
@@ -93,11 +94,13 @@ def main():
 
         def slow(self, lp, route, share):
             say(f"packing layer {lp.index}")
+            (tmp / "packing").touch()  # (only a packer records layers)
             time.sleep(cfg["slow_pack_ms"] / 1e3)
             return record(self, lp, route, share)
         host_store.HostLayers._record = slow
 
-    time.sleep(cfg.get("delay", {}).get(str(index), 0))
+    if str(index) in cfg.get("after_packing", []):  # join once another process is packing: a waiter
+        wait_for(tmp / "packing")
     if cfg.get("config"):
         model = reference_of(arch, ckpt, dtype)
         managers = layerwise.configure_layerwise_offload(model, arch.groups, device="cpu", share_host=True,
