@@ -10,6 +10,7 @@ from layerwise.pipelines import offload_pipeline, remove_pipeline_offload, repor
 from layerwise.planning.detect import detect_layer_groups
 from layerwise.runtime.group import LayerwiseOffloadManager
 from layerwise.scatter import build_scatter_table, scatter_segment
+from layerwise.together import run_together
 from layerwise.tune import TunePlan, tune
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "remove_pipeline_offload",
     "report",
     "report_pipeline",
+    "run_together",
     "scatter_segment",
     "tune",
 ]

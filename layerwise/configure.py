@@ -69,6 +69,7 @@ def configure_layerwise_offload(
     expert_cache=None,
     expert_prefetch: bool = False,
     share_host: bool | str = False,
+    share_calls: bool = True,
 ) -> list[LayerwiseOffloadManager]:
     """Stream every block list in `layer_names` to `device`.
 
@@ -104,6 +105,9 @@ def configure_layerwise_offload(
     process that configures the same layout of the same weights maps it instead
     of packing a copy (docs/share-host.md). With True the weights' identity is a
     checksum of their bytes (one read of the model); a string asserts it.
+
+    Threads that call the model at the same time share each layer's fetch
+    (docs/cohort.md); `share_calls=False` makes each call fetch its own layers.
 
     `measure_stalls=False` skips the timing of waits behind stats()' stall figures.
     Every option is validated once, into a layerwise.options.OffloadOptions.

@@ -67,6 +67,8 @@ class OffloadOptions:
     # False | True | a key string: the streamed layers' host blocks live in one arena per machine, packed by
     # the first process and mapped by the others (docs/share-host.md). A string asserts the weights' identity.
     share_host: bool | str = False
+    # Threads that call the model at once share each layer's fetch (runtime/cohort.py, docs/cohort.md).
+    share_calls: bool = True
 
     @classmethod
     def build(cls, *, caller: str = "OffloadOptions.build", also: tuple = (), **options) -> OffloadOptions:
@@ -98,6 +100,7 @@ class OffloadOptions:
         v["split_fetch"] = validate_split_fetch(v["split_fetch"])
         v["experts"], v["expert_modules"], v["expert_cache"], v["expert_prefetch"] = validate_experts(v)
         v["share_host"] = validate_share_host(v["share_host"], v["split_fetch"])
+        v["share_calls"] = validate_flag("share_calls", v["share_calls"])
         return cls(**v)
 
     @property

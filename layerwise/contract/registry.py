@@ -20,6 +20,7 @@ from layerwise.runtime import ops
 MANAGERS = "_layerwise_managers"
 _HANDLES = "_layerwise_contract_handles"
 FORWARDS = "_layerwise_forwards"  # forwards in progress per thread, for removal
+COHORT = "_layerwise_cohort"  # the calls under way and the fetches they share (runtime/cohort.py)
 _CONFIGURING = "_layerwise_configuring"  # front doors under way on the model (rollback_on_failure)
 
 
@@ -73,6 +74,7 @@ def detach(model: nn.Module) -> None:
     model.__dict__.pop(MANAGERS, None)
     model.__dict__.pop(FORWARDS, None)
     model.__dict__.pop(locking.LOCK, None)
+    model.__dict__.pop(COHORT, None)
     _STREAMING.discard(model)
     _release_if_none_streams()
 
@@ -145,7 +147,10 @@ def _root_pre_hook(model, args):
                 forwards["cond"].wait()
             # The frame of this call of the model: gone from the thread's stack, the
             # forward is over even if an interrupt skipped the post-hook.
-            forwards["threads"][threading.get_ident()] = locking.module_call_frame()
+            frame = forwards["threads"][threading.get_ident()] = locking.module_call_frame()
+            co = model.__dict__.get(COHORT)
+            if co is not None:  # calls under way at once share each layer's fetch (runtime/cohort.py)
+                co.begin(frame)
         for m in managers_of(model):
             if not m.streaming:
                 continue
@@ -162,6 +167,9 @@ def _root_post_hook(model, args, output):
     has per-step figures from the first forward on."""
     forwards = model.__dict__.get(FORWARDS)
     if forwards is not None:
+        co = model.__dict__.get(COHORT)
+        if co is not None:
+            co.end()
         with forwards["cond"]:
             forwards["threads"].pop(threading.get_ident(), None)
             forwards["cond"].notify_all()

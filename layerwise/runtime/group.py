@@ -26,6 +26,7 @@ import enum
 import functools
 import logging
 import threading
+import time
 from numbers import Integral
 
 import torch
@@ -46,7 +47,7 @@ from layerwise.planning import experts
 from layerwise.planning.layout import GroupPlan, build_group_plan
 from layerwise.planning.layout import device_bytes as planned_device_bytes
 from layerwise.planning.routes import TierChoice
-from layerwise.runtime import capture, expert_hooks, gpu_checks, ops
+from layerwise.runtime import capture, cohort, expert_hooks, gpu_checks, ops
 from layerwise.runtime.host_share import HostShare
 from layerwise.runtime.host_store import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
 from layerwise.runtime.meter import Meter
@@ -167,6 +168,7 @@ class LayerwiseOffloadManager:
         # Filled when the group is finalised (_finalize_initialization), emptied by its removal:
         self._engine = None  # the copy engine (layerwise._native.CopyEngine): its copy streams and events
         self._lock = None  # the model's lock (contract.ModelLock), shared by the model's groups
+        self._cohort: cohort.Cohort | None = None  # the model's calls under way (runtime/cohort.py)
         self._dirty = False  # the ring's record may be behind what was queued: the next hook resyncs
         self.guard: contract.GroupGuard | None = None  # the state contract's own record of this group
         self.bound: rebinds.Bound | None = None  # where each streamed parameter must still point (rebinds.py)
@@ -571,6 +573,11 @@ class LayerwiseOffloadManager:
                 debug_delay_us=-1 if self.options.debug_copy_delay_us is None else self.options.debug_copy_delay_us,
             )
             self._lock = contract.model_lock(self.model)
+            self._cohort = cohort.of(self.model)
+            # Calls share fetches where every group of the model does; split_fetch's ranks
+            # must issue the same collectives in the same order, which threads' timing cannot promise.
+            self._cohort.sharing = self._cohort.sharing and self.options.share_calls \
+                and self.options.split_fetch is None
             layers = self.plan.layers
             self._grad_hooks = []
             self._dirty = False
@@ -643,6 +650,8 @@ class LayerwiseOffloadManager:
         s = ring.slot_of[i]
         if ring.busy[s] and not ring.may_take(i, prefetch, self.layer_name):
             return False
+        if prefetch and self._cohort.shared() and not self._cohort.may_fill(self, i, self._held(s)):
+            return False  # calls still need what the slot holds, or another layer goes first
         self._dirty = True  # until the record below matches what the engine has queued
         after = ring.event[s]
         if after is not None:
@@ -657,8 +666,11 @@ class LayerwiseOffloadManager:
             stream = self.compute_stream()
             if after is not None:
                 self._engine.wait(after, stream)
+            for done in ring.take_done(s):  # other calls' computes on the slot, on their own streams
+                self._engine.wait(done, stream)
             after = self._engine.record(stream, False)
         ring.gen[s] += 1
+        self._cohort.fetches += 1
         ev = src.fetch(i, ring.dst[i], after, self.meter.timing)
         ring.queued(i, version, ev)
         self.meter.fetched(src, prefetch, ev, i)
@@ -741,6 +753,8 @@ class LayerwiseOffloadManager:
         """`group`'s layers follow this group's last one: its prefetches continue into
         them (cross-group prefetch, contract.registry.link)."""
         self.next_manager = group
+        if self._cohort is not None:
+            self._cohort.regroup()
 
     def _reset_entered(self) -> None:
         """forget_entered, and this thread's saved-tensor hooks of that forward."""
@@ -751,10 +765,10 @@ class LayerwiseOffloadManager:
                 ctx.__exit__(None, None, None)
         self._grad_hooks = [(o, c) for o, c in self._grad_hooks if o != me]
 
-    def _prefetch_after(self, i: int) -> None:
-        """Issue copies of the next prefetch_depth streamed layers after layer i,
-        continuing into the next group (and wrapping around) at the end."""
-        want = self.options.prefetch_depth
+    def _prefetch_after(self, i: int, extra: int = 0) -> None:
+        """Issue copies of the next prefetch_depth (+ extra) streamed layers after
+        layer i, continuing into the next group (and wrapping around) at the end."""
+        want = self.options.prefetch_depth + extra
         mgr, pos = self, self.ring.next_pos[i] + (1 if self.ring.slot_of[i] >= 0 else 0)
         for _ in range(64):  # a walk over the chain of groups, bounded
             for j in mgr.ring.streamed[pos : pos + want]:
@@ -824,11 +838,78 @@ class LayerwiseOffloadManager:
         if self.ring.slots[s]._version != self.ring.seen[s]:
             self.ring.refuse_write_in_place(s, self.plan, self._host.blocks, self._engine, self.layer_name)
 
+    def _held(self, s: int) -> int:
+        """The layer whose current bytes slot s holds (fetched or queued), or -1."""
+        h = self.ring.holder[s]
+        return h if h >= 0 and self.ring.version[s] == self._host.src[h].version() else -1
+
+    def _join(self, i: int) -> None:
+        """Phase 1 of streamed layer i's pre-hook while other calls of the model are
+        under way (runtime/cohort.py): join the fetch of layer i in its slot, or queue
+        it when the schedule lets the slot be refilled, or wait (without the model's
+        lock) until it does; then, on the CPU backend, wait for the bytes, still
+        without the lock, so that another call computes meanwhile. Phase 2 (the rest
+        of the pre-hook, under the lock) checks the slot again: nothing here decides
+        what a layer computes with."""
+        co, lock = self._cohort, self._lock
+        call = co.mine()
+        if call is None or lock.is_owned():  # a block called alone, or inside another block
+            return
+        s, t0, copies0, ev, waited = self.ring.slot_of[i], time.monotonic(), self.meter.copies, None, False
+        try:
+            while True:
+                seq = co.seq()
+                with lock:
+                    if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing():
+                        return
+                    if self._dirty:
+                        self._resync()
+                    co.waiting(call, self, i)
+                    held = self._held(s)
+                    loaded = held != i and co.may_fill(self, i, held)
+                    if loaded:
+                        self._load(i, prefetch=False)
+                    if loaded or held == i:
+                        ev = self.ring.fetched[i]
+                        waited_s = time.monotonic() - t0 if waited else 0.0
+                        co.joined(call, self, i, not loaded, waited_s,
+                                  (self.meter.copies - copies0) / max(1, len(self.ring.streamed)))
+                        break
+                waited = True
+                co.wait(seq)
+                if cohort.CANCELLED:
+                    cohort.check_cancelled()
+        finally:
+            if call.state == cohort.WAITING:  # (an interrupt, or the model stopped streaming)
+                call.at(cohort.RUNNING)
+        if loaded:
+            co.notify()
+        if ev is not None and not self._engine.is_cuda and not stages.is_deferred(ev):
+            t = time.perf_counter()
+            try:
+                ev.synchronize()
+            except Exception:  # noqa: BLE001 - waited for again under the lock, where the failure is handled
+                pass
+            call.stall_s += time.perf_counter() - t
+
     def _pre_hook(self, i: int, module, args):
+        if cohort.CANCELLED:
+            cohort.check_cancelled()
+        call = None
+        if self.state is Lifecycle.STREAMING and self._cohort.shared() and self.ring.slot_of[i] >= 0:
+            self._join(i)
+            call = self._cohort.mine()
         # Released by the post-hook (which also runs when a forward raises; a hold that
         # a KeyboardInterrupt abandons is taken over by the next thread: contract.ModelLock).
         self._lock.acquire(contract.module_call_frame())
+        if call is not None:
+            call.at(cohort.COMPUTING)
+            if call.stall_s:
+                self.meter.stalled(call.stall_s)
+                call.stall_s = 0.0
         if self.state is not Lifecycle.STREAMING:  # removed while this call waited for the lock: runs plain
+            if call is not None:
+                self._cohort.left(call, self, i)
             self._lock.release()
             return
         if self.guard.error is not None:
@@ -865,7 +946,8 @@ class LayerwiseOffloadManager:
                 except Exception as err:
                     self._fetch_failed(i, err)
                     raise
-                self.ring.fetched[i] = None
+                if call is None:  # (calls that share the fetch each make their own stream wait for it)
+                    self.ring.fetched[i] = None
             if torch.is_grad_enabled():
                 ctx = contract.saved_slot_hooks(self)
                 ctx.__enter__()
@@ -960,8 +1042,26 @@ class LayerwiseOffloadManager:
                         break
                 self.bound.check(self, i)  # a parameter its module rebound is adopted or refused
         finally:
-            self._lock.release()
+            try:
+                self._leave_cohort(i)
+            finally:
+                self._lock.release()
         return replaced
+
+    def _leave_cohort(self, i: int) -> None:
+        """This call computed layer i: the cohort's schedule moves on (runtime/cohort.py)."""
+        co = self._cohort
+        call = co.mine()
+        if call is None:
+            return
+        co.left(call, self, i)
+        if not co.shared() or self.state is not Lifecycle.STREAMING or self._dirty:
+            return
+        s = self.ring.slot_of[i]
+        if s >= 0 and self._engine.is_cuda:  # the next fetch into the slot waits for this call's compute
+            self.ring.done[s].append(self._engine.record(self.compute_stream(), False))
+        self._prefetch_after(i, extra=1)  # (the slot of layer i may be free now)
+        co.notify()
 
     # ---------------------------------------------------------------- stats
     def _reset_stats(self) -> None:
@@ -1009,6 +1109,8 @@ class LayerwiseOffloadManager:
             **host,  # arena bytes and pinning, and the stages' own figures (compress, disk, split fetch)
             "managed_bytes": self.plan.managed_bytes,
             **self.meter.figures(),
+            # the model's calls under way at once and the fetches they shared (runtime/cohort.py)
+            "calls": self._cohort.figures() if self._cohort is not None else None,
         }
         return out
 

@@ -105,6 +105,12 @@ class Meter:
             engine.wait(ev, stream)
             self.stall_s += time.perf_counter() - t0
 
+    def stalled(self, seconds: float) -> None:
+        """The host waited `seconds` for a fetch outside wait() (a call sharing
+        it with others waits before it takes the model's lock: runtime/cohort.py)."""
+        if self.timing and not self.cuda:
+            self.stall_s += seconds
+
     def dropped(self) -> None:
         """Events it holds keep tensors alive (ring slices, host blocks): drop them."""
         self.stall_pairs, self.timed_copies = [], []

@@ -56,6 +56,28 @@ class SlotRing:
         self.event = [start] * self.num_slots
         self.fetched = [None] * n  # per layer: its fetch's result, until the compute waited on it
         self.seen = [t._version for t in self.slots]
+        # CUDA, calls sharing the ring (runtime/cohort.py): per slot, the events that mark the
+        # end of each call's compute on its holding, on that call's stream; the next fetch
+        # into the slot waits for them.
+        self.done: list[list] = [[] for _ in range(self.num_slots)]
+        self._first = None  # first_in_slot's table, made at its first use
+
+    def first_in_slot(self, i: int, s: int) -> int:
+        """The first streamed layer at or after layer i that lives in slot s, or -1."""
+        if self._first is None:
+            n = len(self.slot_of)
+            table, nxt = [None] * (n + 1), [-1] * self.num_slots
+            table[n] = tuple(nxt)
+            for j in reversed(range(n)):
+                if self.slot_of[j] >= 0:
+                    nxt[self.slot_of[j]] = j
+                table[j] = tuple(nxt)
+            self._first = table
+        return self._first[min(i, len(self._first) - 1)][s]
+
+    def take_done(self, s: int) -> list:
+        done, self.done[s] = self.done[s], []
+        return done
 
     def holds(self, i: int, version) -> bool:
         s = self.slot_of[i]
@@ -205,3 +227,4 @@ class SlotRing:
     def release(self) -> None:
         """Events hold the tensors their fetches read and wrote: drop them with the slots."""
         self.slots, self.dst, self.event, self.fetched, self.holder, self.ptrs = [], [], [], [], [], {}
+        self.done = [[] for _ in self.done]

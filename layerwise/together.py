@@ -1,0 +1,128 @@
+"""run_together: a server's batch of calls of one streamed model or pipeline, run
+at once on threads so that they share each layer's fetch (docs/cohort.md)."""
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+import time
+
+from torch import nn
+
+from layerwise import lifecycle, pipelines
+from layerwise.runtime import cohort
+
+_CANCELLED = "layerwise.run_together: cancelled by Ctrl-C"
+
+
+def _takes_target(fn) -> bool:
+    """`fn` takes one positional argument (the model or pipeline); False: none."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # (a builtin without a signature: called with the target)
+        return True
+    params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty]
+    var = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
+    if len(required) > 1:
+        raise ValueError(f"layerwise.run_together: each call takes at most one argument (the model or pipeline), "
+                         f"{getattr(fn, '__name__', fn)!r} requires {len(required)}")
+    return bool(required) or var or bool(params)
+
+
+def call_view(pipe):
+    """A pipeline for one call: the pipeline's attributes (its streamed components
+    among them, shared), with a scheduler of its own. A diffusers pipeline's
+    __call__ sets per-call state on the pipeline (`_guidance_scale`,
+    `_num_timesteps`, `_current_timestep`...) and steps its scheduler: two calls on
+    one object would change each other's."""
+    view = copy.copy(pipe)
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is not None and not isinstance(scheduler, nn.Module):
+        object.__setattr__(view, "scheduler", copy.deepcopy(scheduler))  # (diffusers' __setattr__ writes its config)
+    return view
+
+
+def run_together(model_or_pipe, calls) -> list:
+    """Run `calls` at once, each on its own thread, and return their results in
+    order. Streamed layers are fetched once for all the calls that need them at
+    the same time (a model's threads share fetches by default: this is the
+    convenience for a server's batch loop).
+
+    model_or_pipe: an offloaded model (configure_layerwise_offload,
+        load_offloaded) or an offloaded pipeline (offload_pipeline).
+    calls: callables. Each takes the model or pipeline as its one argument
+        (`lambda m: m(x)`, `lambda p: p(prompt, height=h)`); for a pipeline each
+        call gets a view of its own (call_view: the same components, its own
+        scheduler and per-call attributes). A model's call may take none.
+
+    If a call raises, the others still run to their end; then the failure that
+    came first is raised, with a note naming every call that failed. Ctrl-C
+    stops every call at its next streamed layer (each raises inside its forward,
+    so the model stays exact), waits for them, and raises KeyboardInterrupt."""
+    is_pipe = not isinstance(model_or_pipe, nn.Module)
+    if is_pipe:
+        if not pipelines.is_offloaded_pipeline(model_or_pipe):
+            raise ValueError(f"layerwise.run_together takes an offloaded model or pipeline; {type(model_or_pipe).__name__}"
+                             " is not offloaded: call layerwise.offload_pipeline(pipe) (or "
+                             "configure_layerwise_offload(model, ...)) first")
+    elif not lifecycle.is_offloaded(model_or_pipe):
+        raise ValueError(f"layerwise.run_together takes an offloaded model or pipeline; this "
+                         f"{type(model_or_pipe).__name__} is not offloaded: call "
+                         "layerwise.configure_layerwise_offload(model, ...) first")
+    if callable(calls) or not hasattr(calls, "__iter__"):
+        raise TypeError("layerwise.run_together(model_or_pipe, calls): `calls` is a list of callables")
+    calls = list(calls)
+    bad = [k for k, fn in enumerate(calls) if not callable(fn)]
+    if bad:
+        raise TypeError(f"layerwise.run_together: calls {bad} are not callable")
+    takes = [_takes_target(fn) for fn in calls]
+    if is_pipe and not all(takes):
+        raise ValueError("layerwise.run_together: with a pipeline, each call takes the pipeline as its argument "
+                         "(lambda p: p(...)), so that it runs on a view of its own (its own scheduler and "
+                         "per-call state); calls " + str([k for k, t in enumerate(takes) if not t]) + " take none")
+
+    results: list = [None] * len(calls)
+    failures: list = []  # (time, index, exception)
+
+    def run(k: int) -> None:
+        try:
+            fn = calls[k]
+            if not takes[k]:
+                results[k] = fn()
+            else:
+                results[k] = fn(call_view(model_or_pipe) if is_pipe else model_or_pipe)
+        except BaseException as err:  # noqa: BLE001 - reported to the caller
+            failures.append((time.monotonic(), k, err))
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"layerwise-call-{k}", daemon=True)
+               for k in range(len(calls))]
+    for t in threads:
+        t.start()
+    interrupted = False
+    try:
+        _join_all(threads)
+    except KeyboardInterrupt:
+        interrupted = True
+        cohort.cancel({t.ident for t in threads}, _CANCELLED)
+        _join_all(threads)
+    finally:
+        if interrupted:
+            cohort.uncancel({t.ident for t in threads})
+    if interrupted:
+        raise KeyboardInterrupt
+    if failures:
+        failures.sort(key=lambda f: f[0])
+        _, k, err = failures[0]
+        if len(failures) > 1:
+            err.add_note(f"layerwise.run_together: call {k} failed first; calls "
+                         f"{sorted(j for _, j, _ in failures)} failed")
+        raise err
+    return results
+
+
+def _join_all(threads) -> None:
+    """Wait for `threads`, in short waits (Ctrl-C reaches the caller between them)."""
+    for t in threads:
+        while t.is_alive():
+            t.join(0.1)
