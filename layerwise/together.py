@@ -63,9 +63,9 @@ def run_together(model_or_pipe, calls) -> list:
     is_pipe = not isinstance(model_or_pipe, nn.Module)
     if is_pipe:
         if not pipelines.is_offloaded_pipeline(model_or_pipe):
-            raise ValueError(f"layerwise.run_together takes an offloaded model or pipeline; {type(model_or_pipe).__name__}"
-                             " is not offloaded: call layerwise.offload_pipeline(pipe) (or "
-                             "configure_layerwise_offload(model, ...)) first")
+            raise ValueError("layerwise.run_together takes an offloaded model or pipeline; "
+                             f"{type(model_or_pipe).__name__} is not offloaded: call "
+                             "layerwise.offload_pipeline(pipe) (or configure_layerwise_offload(model, ...)) first")
     elif not lifecycle.is_offloaded(model_or_pipe):
         raise ValueError(f"layerwise.run_together takes an offloaded model or pipeline; this "
                          f"{type(model_or_pipe).__name__} is not offloaded: call "

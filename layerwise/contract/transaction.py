@@ -85,6 +85,7 @@ def rollback_on_failure(parts, undo=None, finish=None):
                 _restore_devices(snap)
                 if not model.__dict__.get(registry.MANAGERS):
                     model.__dict__.pop(locking.LOCK, None)
+                    model.__dict__.pop(registry.COHORT, None)
             if undo is not None:
                 undo()
         raise
