@@ -76,6 +76,9 @@ def refusal(group, api) -> str | None:
     if group.experts is not None:
         return (f"{name}: routed experts (experts='routed'): the host picks the expert rows to copy after the "
                 "router ran, which a graph cannot replay; configure with experts='all'")
+    if group.calls_under_way() > 1:
+        return (f"{name}: another call of the model is under way on another thread, and a captured step's copies "
+                "are its own (they cannot join another call's fetches); capture while no other thread calls the model")
     for i in group.ring.streamed:
         src = group.sources[i]
         if src.kind != "arena":

@@ -838,6 +838,10 @@ class LayerwiseOffloadManager:
         if self.ring.slots[s]._version != self.ring.seen[s]:
             self.ring.refuse_write_in_place(s, self.plan, self._host.blocks, self._engine, self.layer_name)
 
+    def calls_under_way(self) -> int:
+        """Forwards of the model under way now, on every thread (runtime/cohort.py)."""
+        return len(self._cohort.calls) if self._cohort is not None else 0
+
     def _held(self, s: int) -> int:
         """The layer whose current bytes slot s holds (fetched or queued), or -1."""
         h = self.ring.holder[s]

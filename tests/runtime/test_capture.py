@@ -283,3 +283,41 @@ def test_a_capture_interrupted_mid_step_leaves_nothing_to_the_next_one(fake_capt
     # every event the second capture waits on was recorded in it
     assert all(e[2] >= begin for e in second if e[0] == "wait")
     assert _joined(second)
+
+
+def test_capture_is_refused_while_another_call_of_the_model_runs():
+    """A captured step's copies are its own: with a second forward under way on
+    another thread the capture is refused, naming the cause; alone it is not."""
+    import threading
+
+    model = TwoGroupModel()
+    layerwise.configure_layerwise_offload(model, GROUPS, device="cpu")
+    group = layerwise.managers_of(model)[0]
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def hold(mod, args):
+        inside.set()
+        release.wait(30)
+
+    def other():
+        with torch.no_grad():
+            model(torch.randn(2, 32))
+
+    handle = model.head.register_forward_pre_hook(hold)
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(30)
+    handle.remove()
+
+    def probe(mod, args):
+        seen["why"] = capture.refusal(group, FakeApi("cpu"))
+
+    model.transformer_blocks[0].register_forward_pre_hook(probe, prepend=True)
+    with torch.no_grad():
+        model(torch.randn(2, 32))
+    release.set()
+    t.join(30)
+    assert seen["why"] is not None and "another call of the model is under way" in seen["why"]
+    with torch.no_grad():
+        model(torch.randn(2, 32))
+        assert capture.refusal(group, FakeApi("cpu")) is None
