@@ -859,17 +859,19 @@ class LayerwiseOffloadManager:
         call = co.mine()
         if call is None or lock.is_owned():  # a block called alone, or inside another block
             return
-        s, t0, copies0, ev, waited = self.ring.slot_of[i], time.monotonic(), self.meter.copies, None, False
+        t0, copies0, ev, waited = time.monotonic(), self.meter.copies, None, False
         try:
             while True:
                 seq = co.seq()
                 with lock:
-                    if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing():
+                    # (set_residency may have made a new ring meanwhile, with layer i resident)
+                    if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing() \
+                            or self.ring.slot_of[i] < 0:
                         return
                     if self._dirty:
                         self._resync()
                     co.waiting(call, self, i)
-                    held = self._held(s)
+                    held = self._held(self.ring.slot_of[i])
                     loaded = held != i and co.may_fill(self, i, held)
                     if loaded:
                         self._load(i, prefetch=False)
