@@ -855,13 +855,17 @@ class LayerwiseOffloadManager:
         call = co.mine()
         if call is None or lock.is_owned():  # a block called alone, or inside another block
             return
-        s, t0, copies0, ev, waited = self.ring.slot_of[i], time.monotonic(), self.meter.copies, None, False
+        t0, copies0, ev, waited = time.monotonic(), self.meter.copies, None, False
         try:
             while True:
                 seq = co.seq()
                 with lock:
                     if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing():
                         return
+                    # (read under the lock at each look: set_residency meanwhile replaces the ring)
+                    s = self.ring.slot_of[i]
+                    if s < 0:
+                        return  # made resident meanwhile: nothing to fetch
                     if self._dirty:
                         self._resync()
                     co.waiting(call, self, i)

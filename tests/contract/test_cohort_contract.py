@@ -56,7 +56,11 @@ def dump_and_fail(what):
 def run_threads(fns, timeout=HANG_S):
     """Run each fn on its own thread; the exceptions they raised (a hang fails the test)."""
     errors = []
+    join(start_threads(fns, errors), timeout)
+    return errors
 
+
+def start_threads(fns, errors):
     def wrap(fn):
         def body():
             try:
@@ -69,8 +73,7 @@ def run_threads(fns, timeout=HANG_S):
     threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in fns]
     for t in threads:
         t.start()
-    join(threads, timeout)
-    return errors
+    return threads
 
 
 def join(threads, timeout=HANG_S):
@@ -437,3 +440,155 @@ def test_a_second_ctrl_c_in_run_together_leaves_the_calls_cancelled(monkeypatch)
     join([s1, s2])
     assert ran_after == [0, 0]
     assert all(torch.equal(a, b) for a, b in zip(alone(model, xs), expect))
+
+
+# ------------------------------------------- operations while calls run
+def _calls_until(model, xs, expect_of, stop, wrong, counts, w):
+    """A thread's calls until `stop`; expect_of(k, out) says whether out is right."""
+    def fn():
+        k = w
+        while not stop.is_set():
+            out = model(xs[k % len(xs)])
+            if not expect_of(k % len(xs), out):
+                wrong.append((w, k))
+            counts[w] += 1
+            k += 1
+    return fn
+
+
+def _while_calls_run(model, xs, expect_of, op, rounds, threads=3):
+    """op(r) for r in range(rounds) on this thread while `threads` threads call the
+    model; each round waits until every thread has made a call since the last."""
+    stop, wrong, counts, errors = threading.Event(), [], [0] * threads, []
+    workers = start_threads([_calls_until(model, xs, expect_of, stop, wrong, counts, w) for w in range(threads)],
+                            errors)
+    try:
+        for r in range(rounds):
+            seen = list(counts)
+            deadline = time.monotonic() + HANG_S
+            while any(c == s for c, s in zip(counts, seen)) and all(t.is_alive() for t in workers):
+                if time.monotonic() > deadline:
+                    dump_and_fail("a call")
+                time.sleep(0.005)
+            op(r)
+    finally:
+        stop.set()
+        join(workers)
+    assert not errors and not wrong, (errors, wrong)
+
+
+def test_load_state_dict_of_one_layer_while_calls_run_is_seen_whole_by_calls_after_it():
+    model, ref = configured()
+    xs = shapes(3)
+    new = copy.deepcopy(ref)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for p in new.transformer_blocks[2].parameters():  # every tensor of the layer: half a load would show
+            p.copy_(torch.randn_like(p.float()).to(p.dtype))
+    states = [{k: v.clone() for k, v in m.transformer_blocks[2].state_dict().items()} for m in (ref, new)]
+    outs = [alone(ref, xs), alone(new, xs)]
+    started, finished = [0], [0]  # loads begun, loads returned
+    wrong = []
+
+    def call_checked(w):
+        def fn():
+            for k in range(40):
+                v0 = finished[0]
+                out = model(xs[k % 3])
+                v1 = started[0]
+                if not any(torch.equal(out, outs[v % 2][k % 3]) for v in range(v0, v1 + 1)):
+                    wrong.append((w, k, v0, v1))
+        return fn
+
+    def loads():
+        for r in range(30):
+            started[0] += 1
+            model.transformer_blocks[2].load_state_dict(states[(r + 1) % 2])
+            finished[0] += 1
+            time.sleep(0.002)
+
+    errors = run_threads([loads] + [call_checked(w) for w in range(3)])
+    assert not errors and not wrong, (errors, wrong)
+    assert torch.equal(alone(model, xs)[0], outs[started[0] % 2][0])
+
+
+def test_removal_while_calls_run_on_several_threads_is_exact():
+    """The removal waits for the calls in flight; the calls after it run on the plain
+    model. (A configure while calls run is not one: the plain model has no guard.)"""
+    model, ref = configured(delay=100)
+    xs = shapes(3)
+    expect = alone(ref, xs)
+    removed = [0]
+
+    def remove(r):
+        if r == 1:  # (round 0 waits for a call of every thread)
+            layerwise.remove_layerwise_offload(model)
+            removed[0] += 1
+
+    for depth in (1, 2):
+        _while_calls_run(model, xs, lambda k, out: torch.equal(out, expect[k]), remove, 3)
+        layerwise.configure_layerwise_offload(model, GROUPS, device="cpu", prefetch_depth=depth,
+                                              debug_copy_delay_us=100)
+    assert removed[0] == 2
+
+
+def test_set_residency_while_calls_run_is_exact():
+    model, ref = configured()
+    xs = shapes(3)
+    expect = alone(ref, xs)
+    rng = random.Random(2)
+
+    def change(r):
+        for m in managers_of(model):
+            m.set_residency(sorted(rng.sample(range(m.num_layers), rng.randint(0, m.num_layers - 1))),
+                            rng.randint(0, 2))
+
+    _while_calls_run(model, xs, lambda k, out: torch.equal(out, expect[k]), change, 12)
+
+
+def test_state_dict_while_calls_run_gives_the_true_weights():
+    model, ref = configured()
+    xs = shapes(3)
+    expect = alone(ref, xs)
+    true = ref.state_dict()
+
+    def read(r):
+        sd = model.state_dict()
+        assert set(sd) == set(true) and all(torch.equal(sd[k], v) for k, v in true.items())
+
+    _while_calls_run(model, xs, lambda k, out: torch.equal(out, expect[k]), read, 10)
+
+
+def test_tune_while_calls_run_on_other_threads_is_exact():
+    model, ref = configured()
+    xs = shapes(3)
+    expect = alone(ref, xs)
+    plans = []
+
+    def tune(r):
+        with torch.no_grad():
+            plans.append(layerwise.tune(model, lambda m: m(xs[0]), depths=(1, 2), repeats=1))
+
+    _while_calls_run(model, xs, lambda k, out: torch.equal(out, expect[k]), tune, 2)
+    assert len(plans) == 2
+    assert all(torch.equal(a, b) for a, b in zip(alone(model, xs), expect))
+
+
+# ------------------------------------------------------------ nested calls
+def test_nested_block_calls_under_concurrent_calls_are_exact():
+    from helpers.contract import make as _  # noqa: F401  (tests/ on the path)
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_contract import nested_model
+
+    model = nested_model([(0, 1), (3, 4)])
+    xs = [torch.randn(1 + k, 16) for k in range(3)]
+    with torch.no_grad():
+        expect = [model(x) for x in xs]
+    layerwise.configure_layerwise_offload(model, "blocks", device="cpu", prefetch_depth=1, debug_copy_delay_us=200)
+    bar = threading.Barrier(3, timeout=HANG_S)
+    model.blocks[0].register_forward_pre_hook(lambda m, a: (bar.wait(), None)[1], prepend=True)
+    wrong = []
+    errors = run_threads([loop_calls(model, xs[j:] + xs[:j], expect[j:] + expect[:j], 10, wrong) for j in range(3)])
+    assert not errors and not wrong, (errors, wrong)
+    assert managers_of(model)[0].stats()["calls"]["calls_max"] == 3
