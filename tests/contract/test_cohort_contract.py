@@ -144,6 +144,7 @@ def test_an_exception_inside_one_calls_block_leaves_the_others_and_the_next_call
     assert all(torch.equal(a, b) for a, b in zip(alone(model, xs), expect))
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies of it)
 def test_an_exception_in_the_models_own_code_between_two_layers_leaves_the_others_exact():
     """The model's forward raises between two blocks (the user's code; no layer is
     inside a hook then), and the thread then dies of it."""
@@ -172,6 +173,7 @@ def test_an_exception_in_the_models_own_code_between_two_layers_leaves_the_other
     assert all(torch.equal(a, b) for a, b in zip(alone(model, xs), expect))
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies of it)
 def test_a_thread_that_dies_inside_a_layer_does_not_block_the_other_calls():
     """A KeyboardInterrupt raised inside a layer of a worker thread: torch runs no
     post-hook for it (the model's lock and the call's place stay behind), and the
@@ -592,3 +594,34 @@ def test_nested_block_calls_under_concurrent_calls_are_exact():
     errors = run_threads([loop_calls(model, xs[j:] + xs[:j], expect[j:] + expect[:j], 10, wrong) for j in range(3)])
     assert not errors and not wrong, (errors, wrong)
     assert managers_of(model)[0].stats()["calls"]["calls_max"] == 3
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies of it)
+def test_a_call_abandoned_inside_a_layer_stops_ranking_in_the_schedule():
+    """A thread's forward left inside a layer by a KeyboardInterrupt (no post-hook
+    ran) stays on record as computing; the call still under way must not keep
+    putting off its fetches for it (each by Cohort.AGE_S) until the end of its
+    forward: it is dropped at the first look at the schedule."""
+    model, ref = configured()
+    x = shapes(1)[0]
+    expect = alone(ref, [x])[0]
+    bar = threading.Barrier(2, timeout=HANG_S)
+    model.transformer_blocks[0].register_forward_pre_hook(lambda m, a: (bar.wait(), None)[1], prepend=True)
+    victim = threading.Thread(target=lambda: (torch.set_grad_enabled(False), model(x)), name="victim", daemon=True)
+
+    def kill(mod, args):
+        if threading.current_thread() is victim:
+            raise KeyboardInterrupt("the thread dies inside layer 2")
+
+    model.transformer_blocks[2].register_forward_pre_hook(kill)
+    # (the other call reaches layer 4 once the victim has died: prepended, it holds nothing meanwhile)
+    model.transformer_blocks[4].register_forward_pre_hook(
+        lambda m, a: None if threading.current_thread() is victim else victim.join(HANG_S), prepend=True)
+    got = []
+    other = threading.Thread(target=lambda: (torch.set_grad_enabled(False), got.append(model(x))), daemon=True)
+    victim.start()
+    other.start()
+    join([victim, other])
+    assert torch.equal(got[0], expect)
+    calls = managers_of(model)[0].stats()["calls"]
+    assert (calls["calls_now"], calls["dropped"]) == (0, 1), calls
