@@ -9,7 +9,7 @@ import time
 
 from torch import nn
 
-from layerwise import lifecycle, pipelines
+from layerwise import contract, lifecycle, pipelines
 from layerwise.runtime import cohort
 
 _CANCELLED = "layerwise.run_together: cancelled by Ctrl-C"
@@ -59,7 +59,8 @@ def run_together(model_or_pipe, calls) -> list:
     If a call raises, the others still run to their end; then the failure that
     came first is raised, with a note naming every call that failed. Ctrl-C
     stops every call at its next streamed layer (each raises inside its forward,
-    so the model stays exact), waits for them, and raises KeyboardInterrupt."""
+    so the model stays exact), waits for them, and raises KeyboardInterrupt (a
+    second Ctrl-C raises it at once; the calls still stop at their next layer)."""
     is_pipe = not isinstance(model_or_pipe, nn.Module)
     if is_pipe:
         if not pipelines.is_offloaded_pipeline(model_or_pipe):
@@ -84,9 +85,18 @@ def run_together(model_or_pipe, calls) -> list:
 
     results: list = [None] * len(calls)
     failures: list = []  # (time, index, exception)
+    done = [threading.Event() for _ in calls]
+    mu = threading.Lock()  # (running and stopping change together)
+    running: dict[int, int] = {}  # call index -> its thread's ident, while the call runs
+    stopping: list = []  # non-empty once Ctrl-C cancelled the calls
 
     def run(k: int) -> None:
+        me = threading.get_ident()
         try:
+            with mu:
+                if stopping:  # (cancelled before it began)
+                    raise RuntimeError(_CANCELLED)
+                running[k] = me
             fn = calls[k]
             if not takes[k]:
                 results[k] = fn()
@@ -94,21 +104,29 @@ def run_together(model_or_pipe, calls) -> list:
                 results[k] = fn(call_view(model_or_pipe) if is_pipe else model_or_pipe)
         except BaseException as err:  # noqa: BLE001 - reported to the caller
             failures.append((time.monotonic(), k, err))
+        finally:
+            # The thread takes its own cancellation back as it ends: its ident may be
+            # reused by a thread that is none of these calls.
+            with mu:
+                running.pop(k, None)
+                cohort.uncancel([me])
+            done[k].set()
 
     threads = [threading.Thread(target=run, args=(k,), name=f"layerwise-call-{k}", daemon=True)
                for k in range(len(calls))]
-    for t in threads:
-        t.start()
     interrupted = False
     try:
-        _join_all(threads)
+        with contract.defer_interrupts():  # (a Ctrl-C meanwhile comes after: every call started is cancelled)
+            for t in threads:
+                t.start()
+        _wait_all(done)
     except KeyboardInterrupt:
         interrupted = True
-        cohort.cancel({t.ident for t in threads}, _CANCELLED)
-        _join_all(threads)
-    finally:
-        if interrupted:
-            cohort.uncancel({t.ident for t in threads})
+        with contract.defer_interrupts(), mu:
+            stopping.append(True)
+            cohort.cancel(running.values(), _CANCELLED)
+        # A second Ctrl-C stops this wait only: the calls stay cancelled, and stop at their next layer.
+        _wait_all(done)
     if interrupted:
         raise KeyboardInterrupt
     if failures:
@@ -121,8 +139,11 @@ def run_together(model_or_pipe, calls) -> list:
     return results
 
 
-def _join_all(threads) -> None:
-    """Wait for `threads`, in short waits (Ctrl-C reaches the caller between them)."""
-    for t in threads:
-        while t.is_alive():
-            t.join(0.1)
+def _wait_all(done) -> None:
+    """Wait until every call has ended, in short waits (Ctrl-C reaches the caller
+    between them). On the calls' own events, not Thread.join: a KeyboardInterrupt
+    inside Thread.join can mark a running thread as stopped (CPython 3.11's
+    _wait_for_tstate_lock), and the caller would then return while it runs."""
+    for d in done:
+        while not d.wait(0.1):
+            pass

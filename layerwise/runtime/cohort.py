@@ -166,11 +166,14 @@ class Cohort:
         if self._live(call):
             call.checked = now
             return True
+        self._drop(call)
+        return False
+
+    def _drop(self, call: Call) -> None:
         with self._mu:
             if self.calls.get(call.ident) is call:
                 self.calls = {k: c for k, c in self.calls.items() if c is not call}
                 self.dropped += 1
-        return False
 
     # ------------------------------------------------------------ waits
     def seq(self) -> int:
@@ -234,7 +237,16 @@ class Cohort:
         off = self.offset(group)
         turn = self.span  # (every layer of the model: at least one turn of the ring)
         best = None
+        me = threading.get_ident()
         for call in list(self.calls.values()):
+            if call.state == COMPUTING and call.ident != me:
+                # No other call computes while this thread holds the model's lock: that
+                # call's forward was abandoned inside a layer (a KeyboardInterrupt skips
+                # the post-hook), and nothing should be kept or put off for it.
+                self._drop(call)
+                continue
+            if call.state != RUNNING and not self._alive(call, now):
+                continue  # (its thread died, or left its forward, while joined or waiting)
             joined = call.joined
             if joined is not None and joined[0] is group and joined[1] == held >= 0 and self._alive(call, now):
                 return False  # it has not computed on the holding yet

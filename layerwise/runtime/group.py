@@ -868,6 +868,10 @@ class LayerwiseOffloadManager:
                     if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing() \
                             or self.ring.slot_of[i] < 0:
                         return
+                    # (read under the lock at each look: set_residency meanwhile replaces the ring)
+                    s = self.ring.slot_of[i]
+                    if s < 0:
+                        return  # made resident meanwhile: nothing to fetch
                     if self._dirty:
                         self._resync()
                     co.waiting(call, self, i)
