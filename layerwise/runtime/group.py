@@ -864,9 +864,7 @@ class LayerwiseOffloadManager:
             while True:
                 seq = co.seq()
                 with lock:
-                    # (set_residency may have made a new ring meanwhile, with layer i resident)
-                    if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing() \
-                            or self.ring.slot_of[i] < 0:
+                    if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing():
                         return
                     # (read under the lock at each look: set_residency meanwhile replaces the ring)
                     s = self.ring.slot_of[i]
@@ -875,7 +873,7 @@ class LayerwiseOffloadManager:
                     if self._dirty:
                         self._resync()
                     co.waiting(call, self, i)
-                    held = self._held(self.ring.slot_of[i])
+                    held = self._held(s)
                     loaded = held != i and co.may_fill(self, i, held)
                     if loaded:
                         self._load(i, prefetch=False)
@@ -1033,6 +1031,9 @@ class LayerwiseOffloadManager:
                     self._capture = None
                 return self.ring.own_output(output)
             finally:
+                call = self._cohort.mine()
+                if call is not None:  # (a captured step's copies are its own: no prefetch for other calls)
+                    self._cohort.left(call, self, i)
                 self._lock.release()
         try:
             chain = self._host.chain
