@@ -16,7 +16,9 @@ _CANCELLED = "layerwise.run_together: cancelled by Ctrl-C"
 
 
 def _takes_target(fn) -> bool:
-    """`fn` takes one positional argument (the model or pipeline); False: none."""
+    """`fn` takes one positional argument (the model or pipeline); False: none.
+    Optional parameters only (`lambda x=x: model(x)`, the usual way to bind a loop
+    variable) take none: the target passed there would replace what they bound."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # (a builtin without a signature: called with the target)
@@ -27,7 +29,7 @@ def _takes_target(fn) -> bool:
     if len(required) > 1:
         raise ValueError(f"layerwise.run_together: each call takes at most one argument (the model or pipeline), "
                          f"{getattr(fn, '__name__', fn)!r} requires {len(required)}")
-    return bool(required) or var or bool(params)
+    return bool(required) or var
 
 
 def call_view(pipe):
