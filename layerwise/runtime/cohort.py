@@ -19,20 +19,24 @@ a streamed layer's pre-hook has two phases (runtime/group.py):
 layer it needs (the groups' layers one after another, in the order the groups
 were configured). A slot keeps its holding (the fetch of one layer into it)
 while anything computes in it and while a call that joined it has not computed
-on it yet. Otherwise the slot goes to the layer that the calls need soonest:
-each call's next layer in that slot, ranked by how far ahead of the call's
-position it is, then by the call's position (the call behind first). The
-layer the slot holds competes too, so a holding stays while a call needs it
-first. A call that has waited for one turn of the ring (as many fetches as the
-model streams layers) is *aged* and ranks before every call that is not: no
-call waits more than about one turn. A call that stays STALL_S between two
-layers (in its own code, a resident layer) does not rank: nothing is kept for
-it meanwhile.
+on it yet. Otherwise the slot goes to the earliest layer (model-wide index)
+among each call's next layer in that slot: the call furthest behind first. The
+layer the slot holds competes too, so a holding stays while the call behind
+still needs it. Calls ahead therefore wait for the calls behind, which catch up
+on layers that are fetched for them alone, and from then on the calls move in
+step and every fetch serves them all: calls that start together never drift
+apart, and a call that starts late costs the others one wait while it catches
+up. A call that has waited for one turn of the ring (as many fetches as the
+model streams layers, less a ring's slots) or AGE_S is *aged* and ranks
+before every call that is not; it then waits at most for the fetches already
+queued into the slots and the computes of the calls that joined them, so no
+call waits for more than one turn of fetches. A call that stays STALL_S between two layers (in its own code, a
+resident layer) does not rank: nothing is kept for it meanwhile.
 
-No cycle of waits: the call furthest behind among those waiting ranks first in
-its own slot (its next layer is at distance 0, and no call behind it waits),
-so it gets the slot once the calls that joined the holding there have
-computed, which they do without waiting on anything else. The schedule only
+No cycle of waits: the call furthest behind among those waiting (the aged ones
+first) ranks first in its own slot, since every other call's next layer there
+comes at or after its own; it gets the slot once the calls that joined the
+holding there have computed, which they do without waiting on anything else. The schedule only
 decides which fetch goes first: whatever it decides, phase 2 reloads a layer
 that is not in its slot, so a call's output is exactly that of the call alone.
 """
@@ -102,6 +106,7 @@ class Cohort:
     def __init__(self, model=None):
         self._model = weakref.ref(model) if model is not None else (lambda: None)
         self._offsets: dict[int, int] = {}
+        self._groups: list = []  # the model's groups, in the order of their offsets
         self.span = 1  # layers of the model's groups, all together
         self.fetches = 0  # fetches queued by the model's groups
         self.calls: dict[int, Call] = {}  # replaced whole at every change: readers iterate what they took
@@ -200,7 +205,7 @@ class Cohort:
             groups = list(registry.managers_of(model)) if model is not None else []
             if all(m is not group for m in groups):
                 groups.append(group)
-            self._offsets, at = {}, 0
+            self._offsets, self._groups, at = {}, groups, 0
             for m in groups:
                 self._offsets[id(m)] = at
                 at += m.num_layers
@@ -208,13 +213,19 @@ class Cohort:
             off = self._offsets[id(group)]
         return off
 
+    def turn(self) -> int:
+        """Fetches in one turn of the ring: the streamed layers of the model's groups
+        (as of the last offset(), which every decision makes first)."""
+        return max(1, sum(len(m.ring.streamed) for m in self._groups if m.ring is not None))
+
     def regroup(self) -> None:
         """The model's groups changed (configured, removed): offsets are made again."""
         self._offsets = {}
 
     def _rank(self, call: Call, group, s: int, off: int, now: float, turn: int):
-        """(rank, layer): the next layer `call` needs from slot s of `group` and how
-        soon (smaller first); None where it needs none in this forward."""
+        """(rank, layer): the next layer `call` needs from slot s of `group`, ranked
+        (smaller first) by whether the call is aged, then by that layer's model-wide
+        index (the call furthest behind first); None where it needs none in this forward."""
         ring = group.ring
         p = call.pos
         if p >= off + group.num_layers:
@@ -224,7 +235,7 @@ class Cohort:
             return None
         aged = call.wait_from is not None and (self.fetches - call.wait_from[0] >= turn
                                                or now - call.wait_from[1] > self.AGE_S)
-        return (not aged, (off + w - p) % self.span, p), w
+        return (not aged, off + w), w
 
     def may_fill(self, group, i: int, held: int) -> bool:
         """May slot(i) of `group`, which holds layer `held` (-1: nothing valid), take
@@ -235,7 +246,10 @@ class Cohort:
             return False
         now = time.monotonic()
         off = self.offset(group)
-        turn = self.span  # (every layer of the model: at least one turn of the ring)
+        # Aged a ring's worth of fetches before the turn is over: once aged, a call
+        # waits at most for the fetches already queued into the slots.
+        rings = [m.ring for m in self._groups if m.ring is not None]
+        turn = max(1, self.turn() - max((r.num_slots for r in rings), default=0))
         best = None
         me = threading.get_ident()
         for call in list(self.calls.values()):
@@ -263,8 +277,15 @@ class Cohort:
             self.deferred += 1
         return best[1] == i
 
-    def joined(self, call: Call, group, i: int, shared: bool, waited_s: float, turns: float) -> None:
-        """`call` joined layer i's holding (under the model's lock)."""
+    def joined(self, call: Call, group, i: int, shared: bool, waited: bool) -> None:
+        """`call` joined layer i's holding (under the model's lock): it found it
+        (`shared`) or queued it; `waited`: not at its first look."""
+        if waited and call.wait_from is not None:
+            self.waits += 1
+            self.wait_s_max = max(self.wait_s_max, time.monotonic() - call.wait_from[1])
+            # (its own fetch, queued just now, is not part of its wait)
+            fetches = self.fetches - call.wait_from[0] - (not shared)
+            self.wait_turns_max = max(self.wait_turns_max, fetches / self.turn())
         call.joined = (group, i)
         call.at(JOINED)
         call.wait_from = None
@@ -272,10 +293,6 @@ class Cohort:
             self.joins += 1
         else:
             self.loads += 1
-        if waited_s > 0:
-            self.waits += 1
-            self.wait_s_max = max(self.wait_s_max, waited_s)
-            self.wait_turns_max = max(self.wait_turns_max, turns)
 
     def waiting(self, call: Call, group, i: int) -> None:
         """`call` waits for layer i of `group` (phase 1, under the model's lock)."""

@@ -859,7 +859,7 @@ class LayerwiseOffloadManager:
         call = co.mine()
         if call is None or lock.is_owned():  # a block called alone, or inside another block
             return
-        t0, copies0, ev, waited = time.monotonic(), self.meter.copies, None, False
+        ev, waited = None, False
         try:
             while True:
                 seq = co.seq()
@@ -879,9 +879,7 @@ class LayerwiseOffloadManager:
                         self._load(i, prefetch=False)
                     if loaded or held == i:
                         ev = self.ring.fetched[i]
-                        waited_s = time.monotonic() - t0 if waited else 0.0
-                        co.joined(call, self, i, not loaded, waited_s,
-                                  (self.meter.copies - copies0) / max(1, len(self.ring.streamed)))
+                        co.joined(call, self, i, not loaded, waited)
                         break
                 waited = True
                 co.wait(seq)
