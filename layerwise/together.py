@@ -85,7 +85,15 @@ def run_together(model_or_pipe, calls) -> list:
     results: list = [None] * len(calls)
     failures: list = []  # (time, index, exception)
 
+    # Every call begins once every thread is up. Started one by one, the calls would
+    # begin up to milliseconds apart (each start needs the GIL, which the calls already
+    # started hold between their ops); a call that begins after the others passed its
+    # first layers fetches them again, and the others wait for it (the schedule serves
+    # the call behind first).
+    go = threading.Event()
+
     def run(k: int) -> None:
+        go.wait()
         try:
             fn = calls[k]
             if not takes[k]:
@@ -97,8 +105,11 @@ def run_together(model_or_pipe, calls) -> list:
 
     threads = [threading.Thread(target=run, args=(k,), name=f"layerwise-call-{k}", daemon=True)
                for k in range(len(calls))]
-    for t in threads:
-        t.start()
+    try:
+        for t in threads:
+            t.start()
+    finally:
+        go.set()
     interrupted = False
     try:
         _join_all(threads)
