@@ -44,7 +44,8 @@ def test_the_cohort_suite_runs_every_call_together_exactly(one_compute_thread, m
                 assert [t.label for t in latency.targets] == ["bitwise = alone and resident"]
                 assert latency.met, latency
                 assert "bitwise equal to alone: yes, to resident: yes" in latency.note
-                assert set(latency.ratios) == {"x alone (median)", "x alone (worst)"}
+                assert set(latency.ratios) == {"x alone", "worst"}
+                assert latency.ratios["worst"] >= latency.ratios["x alone"]
                 assert len(run["latency_x_alone"]) == k
                 assert wall.ratios["x serial"] > 0 and wall.baselines["serial"].median > 0
                 # every call alone streams every layer of every forward (more layers than the ring
