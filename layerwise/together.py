@@ -92,8 +92,16 @@ def run_together(model_or_pipe, calls) -> list:
     running: dict[int, int] = {}  # call index -> its thread's ident, while the call runs
     stopping: list = []  # non-empty once Ctrl-C cancelled the calls
 
+    # Every call begins once every thread is up. Started one by one, the calls would
+    # begin up to milliseconds apart (each start needs the GIL, which the calls already
+    # started hold between their ops); a call that begins after the others passed its
+    # first layers fetches them again, and the others wait for it (the schedule serves
+    # the call behind first).
+    go = threading.Event()
+
     def run(k: int) -> None:
         me = threading.get_ident()
+        go.wait()
         try:
             with mu:
                 if stopping:  # (cancelled before it began)
@@ -118,9 +126,12 @@ def run_together(model_or_pipe, calls) -> list:
                for k in range(len(calls))]
     interrupted = False
     try:
-        with contract.defer_interrupts():  # (a Ctrl-C meanwhile comes after: every call started is cancelled)
-            for t in threads:
-                t.start()
+        try:
+            with contract.defer_interrupts():  # (a Ctrl-C meanwhile comes after: every call started is cancelled)
+                for t in threads:
+                    t.start()
+        finally:
+            go.set()  # (also where a start failed: the calls started must not wait for ever)
         _wait_all(done)
     except KeyboardInterrupt:
         interrupted = True

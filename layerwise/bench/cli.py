@@ -16,6 +16,7 @@ import torch
 
 from layerwise.bench import (
     bus,
+    cohort,
     compress,
     disk,
     h2d,
@@ -38,14 +39,16 @@ from layerwise.runtime.gpu_checks import cuda_unusable
 # The default order puts a figure on the screen within seconds (h2d), then the
 # headline sweep (stream), then the other suites shortest first.
 SUITES = {m.NAME: m.run for m in (h2d, scatter, stream, hooks, tune, startup, bus, moe, quant, disk, compile_suite,
-                                   pipeline, compress, split, shared)}
+                                   pipeline, compress, split, shared, cohort)}
 # Run only when named: it needs diffusers and transformers, and starts a fresh
 # interpreter per method (python -m layerwise.bench pipeline).
 # compress (python -m layerwise.bench compress) too, until the manager streams
 # compressed layers and the stream sweep can compare both.
 # split (python -m layerwise.bench split) and shared (python -m layerwise.bench shared) start
 # N processes per method.
-ON_REQUEST = {pipeline.NAME, compress.NAME, split.NAME, shared.NAME}
+# cohort (python -m layerwise.bench cohort) times K = 1..8 calls one after another and together, at
+# two bus speeds, for two models: minutes with --quick on 2 cores.
+ON_REQUEST = {pipeline.NAME, compress.NAME, split.NAME, shared.NAME, cohort.NAME}
 
 # Seconds a suite takes with --quick on the CPU, quoted by its progress line (2 cores of
 # an AMD EPYC VM, torch 2.13 CPU, load average about 3: 3 min in all; compile: with inductor's

@@ -48,6 +48,8 @@ SUITE_TITLES = {
     "shared": "share_host: N processes stream one model from one shared host arena, against N separate arenas",
     "compile": "torch.compile(fullgraph=True) of a streamed model beside eager and resident (simulated bus)",
     "moe": "routed experts: bytes per token and step of tiny MoE models against the ideal (simulated bus)",
+    "cohort": "K concurrent calls of one streamed model (run_together) against the same calls one after another "
+              "(simulated bus)",
 }
 
 
