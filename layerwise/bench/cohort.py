@@ -320,7 +320,9 @@ def run(ctx: Context) -> SuiteResult:
                     c_over_t = pass_ms / 1e3 / (pass_bytes / (cfg["gbps"] * 1e9))
                     pd = data["points"][point] = {"bus": cfg, "C/T": c_over_t, "runs": []}
                     for k in KS:
-                        m = _measure(ctx, work, k, size.repeats, resident_out)
+                        # (compute-bound walls are short and vary most with the machine's load: more rounds)
+                        reps = size.repeats * (3 if point == "compute-bound" else 1)
+                        m = _measure(ctx, work, k, reps, resident_out)
                         pd["runs"].append(m)
                         result.rows += _rows(work, point, c_over_t, cfg["gbps"], m, targets=not given)
                         bar.update(1)
