@@ -21,7 +21,9 @@ were configured). A slot keeps its holding (the fetch of one layer into it)
 while anything computes in it and while a call that joined it has not computed
 on it yet. Otherwise the slot goes to the layer that the calls need soonest:
 each call's next layer in that slot, ranked by how far ahead of the call's
-position it is, then by the call's position (the call behind first). The
+position it is (in streamed layers: resident ones need no fetch, so a call
+still computing them is as close to its next streamed layer as one at its
+door), then by the call's position (the call behind first). The
 layer the slot holds competes too, so a holding stays while a call needs it
 first. A call that has waited for one turn of the ring (as many fetches as the
 model streams layers) is *aged* and ranks before every call that is not: no
@@ -103,6 +105,7 @@ class Cohort:
         self._model = weakref.ref(model) if model is not None else (lambda: None)
         self._offsets: dict[int, int] = {}
         self.span = 1  # layers of the model's groups, all together
+        self._before: list[int] = [0, 0]  # [p]: streamed layers before model-wide index p (offset() makes it)
         self.fetches = 0  # fetches queued by the model's groups
         self.calls: dict[int, Call] = {}  # replaced whole at every change: readers iterate what they took
         self._mu = threading.Lock()  # (begin, end and drop replace `calls`)
@@ -197,16 +200,20 @@ class Cohort:
             groups = list(registry.managers_of(model)) if model is not None else []
             if all(m is not group for m in groups):
                 groups.append(group)
-            self._offsets, at = {}, 0
+            self._offsets, at, before = {}, 0, [0]
             for m in groups:
                 self._offsets[id(m)] = at
                 at += m.num_layers
-            self.span = max(1, at)
+                ring = m.ring
+                for j in range(m.num_layers):
+                    before.append(before[-1] + (ring is None or ring.slot_of[j] >= 0))
+            self.span, self._before = max(1, at), before
             off = self._offsets[id(group)]
         return off
 
     def regroup(self) -> None:
-        """The model's groups changed (configured, removed): offsets are made again."""
+        """The model's groups changed (configured, removed, their resident layers):
+        offsets are made again."""
         self._offsets = {}
 
     def _rank(self, call: Call, group, s: int, off: int, now: float, turn: int):
@@ -221,7 +228,12 @@ class Cohort:
             return None
         aged = call.wait_from is not None and (self.fetches - call.wait_from[0] >= turn
                                                or now - call.wait_from[1] > self.AGE_S)
-        return (not aged, (off + w - p) % self.span, p), w
+        # How soon: the streamed layers the call computes before it (resident ones need no
+        # fetch). Counted in layers, a call still in resident layers would lose the slot to
+        # one that needs another layer of it at once, and read the layer again after it.
+        at, before = off + w, self._before
+        soon = before[at] - before[p] if at >= p else before[-1] - before[p] + before[at]
+        return (not aged, soon, p), w
 
     def may_fill(self, group, i: int, held: int) -> bool:
         """May slot(i) of `group`, which holds layer `held` (-1: nothing valid), take
