@@ -156,6 +156,17 @@ def test_spilled_layers_are_read_once_for_all_the_calls(disk_dir, patient, k, de
 
 
 @pytest.mark.parametrize("k", [2, 4])
+def test_compressed_spilled_layers_are_read_once_for_all_the_calls(disk_dir, patient, k):
+    ref, model = disk_models.make(), disk_models.make()
+    (m,) = layerwise.configure_layerwise_offload(
+        model, "blocks", device="cpu", compress="lossless", host_budget=disk_models.budget(model, 0),
+        spill_dir=disk_dir, debug_copy_delay_us=200, debug_read_delay_us=200)
+    assert "spill, encoded" in m.stats()["tier_plan"]
+    _disk_shares(model, ref, k)
+    layerwise.remove_layerwise_offload(model)
+
+
+@pytest.mark.parametrize("k", [2, 4])
 def test_checkpoint_layers_are_read_once_for_all_the_calls(disk_dir, patient, k):
     ref = disk_models.make()
     ckpt = disk_models.save_checkpoint(ref, os.path.join(disk_dir, "model.safetensors"))
@@ -340,12 +351,13 @@ def test_two_threads_call_a_compiled_streamed_model(monkeypatch):
 
 # ------------------------------------------------------------------------ share_host
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="share_host needs Linux (memfd_create)")
+@pytest.mark.parametrize("key", [True, "key"])
 @pytest.mark.parametrize("k", [2, 4])
-def test_share_host_models_called_by_threads_at_once(k):
+def test_share_host_models_called_by_threads_at_once(k, key):
     from helpers.contract import make
 
     groups = ["transformer_blocks", "single_transformer_blocks"]
-    key = f"test-{uuid.uuid4().hex}"
+    key = key if key is True else f"test-{uuid.uuid4().hex}"
     ref, a, b = make(seed=0), make(seed=0), make(seed=0)
     layerwise.configure_layerwise_offload(a, groups, device="cpu", share_host=key, debug_copy_delay_us=200)
     layerwise.configure_layerwise_offload(b, groups, device="cpu", share_host=key, debug_copy_delay_us=200)
@@ -419,3 +431,24 @@ def test_pipeline_components_called_by_different_threads_at_once(k):
     if k >= 3:
         assert_overlapped(pipe.text_encoder, 2)
     layerwise.remove_pipeline_offload(pipe)
+
+
+@pytest.mark.parametrize("cache", [None, "auto"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_routed_experts_read_from_spill_files_are_exact(disk_dir, cache, k):
+    from helpers import moe
+
+    ref = moe._make("mixtral")
+    model = copy.deepcopy(ref)
+    (m,) = layerwise.configure_layerwise_offload(
+        model, "model.layers", device="cpu", experts="routed", host_budget=moe._host_budget(ref),
+        spill_dir=str(disk_dir), expert_cache=cache, expert_prefetch=cache is not None, debug_copy_delay_us=200)
+    assert m.stats()["disk"]["layers"] >= 1
+    ids = [moe._ids(batch=1, tokens=3 + j, seed=10 + j) for j in range(k)]
+    with torch.no_grad():
+        want = [ref(x).logits for x in ids]
+    for _ in range(2):
+        outs = together([model.model.layers[0]], [lambda x=x: model(x).logits for x in ids])
+        assert all(torch.equal(o, w) for o, w in zip(outs, want))
+    assert_overlapped(model, k)
+    layerwise.remove_layerwise_offload(model)
