@@ -7,6 +7,7 @@ import inspect
 import threading
 import time
 
+import torch
 from torch import nn
 
 from layerwise import lifecycle, pipelines
@@ -84,9 +85,14 @@ def run_together(model_or_pipe, calls) -> list:
 
     results: list = [None] * len(calls)
     failures: list = []  # (time, index, exception)
+    # A new thread computes with torch's default number of intra-op threads, not the
+    # caller's torch.set_num_threads: a matmul split another way sums in another order,
+    # and a call would differ in its last bits from the same call made by the caller.
+    intra_op = torch.get_num_threads()
 
     def run(k: int) -> None:
         try:
+            torch.set_num_threads(intra_op)
             fn = calls[k]
             if not takes[k]:
                 results[k] = fn()

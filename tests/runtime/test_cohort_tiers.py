@@ -452,3 +452,28 @@ def test_routed_experts_read_from_spill_files_are_exact(disk_dir, cache, k):
         assert all(torch.equal(o, w) for o, w in zip(outs, want))
     assert_overlapped(model, k)
     layerwise.remove_layerwise_offload(model)
+
+
+# ------------------------------------------------------------------ run_together
+def test_run_together_calls_compute_with_the_callers_intra_op_threads():
+    """A new thread starts at torch's default number of intra-op threads, not the
+    caller's (tests/conftest.py sets 1), and a matmul split over another count sums
+    in another order: run_together's calls use the caller's count, so that each is
+    bitwise the call alone in the caller's thread."""
+    from helpers.contract import make
+
+    groups = ["transformer_blocks", "single_transformer_blocks"]
+    ref, model = make(seed=0, n_a=6, n_b=3), make(seed=0, n_a=6, n_b=3)
+    layerwise.configure_layerwise_offload(model, groups, device="cpu", debug_copy_delay_us=200)
+    xs = rows(4, torch.float32, d=32)
+    want = [alone(ref, x) for x in xs]
+
+    def call(x):
+        def run(m):
+            with torch.no_grad():
+                return m(x)
+        return run
+
+    for _ in range(2):
+        outs = layerwise.run_together(model, [call(x) for x in xs])
+        assert all(torch.equal(o, w) for o, w in zip(outs, want))
