@@ -7,6 +7,7 @@ import inspect
 import threading
 import time
 
+import torch
 from torch import nn
 
 from layerwise import contract, lifecycle, pipelines
@@ -98,6 +99,10 @@ def run_together(model_or_pipe, calls) -> list:
     # first layers fetches them again, and the others wait for it (the schedule serves
     # the call behind first).
     go = threading.Event()
+    # A new thread computes with torch's default number of intra-op threads, not the
+    # caller's torch.set_num_threads: a matmul split another way sums in another order,
+    # and a call would differ in its last bits from the same call made by the caller.
+    intra_op = torch.get_num_threads()
 
     def run(k: int) -> None:
         me = threading.get_ident()
@@ -107,6 +112,7 @@ def run_together(model_or_pipe, calls) -> list:
                 if stopping:  # (cancelled before it began)
                     raise RuntimeError(_CANCELLED)
                 running[k] = me
+            torch.set_num_threads(intra_op)
             fn = calls[k]
             if not takes[k]:
                 results[k] = fn()

@@ -219,7 +219,8 @@ class Cohort:
         return max(1, sum(len(m.ring.streamed) for m in self._groups if m.ring is not None))
 
     def regroup(self) -> None:
-        """The model's groups changed (configured, removed): offsets are made again."""
+        """The model's groups changed (configured, removed, their resident layers):
+        offsets are made again."""
         self._offsets = {}
 
     def _rank(self, call: Call, group, s: int, off: int, now: float, turn: int):

@@ -160,7 +160,9 @@ class Chain:
             self.disk.range_runs = 1 if all(s.spill is not None for s in srcs) else self.experts.plan.range_runs()
         for s in srcs:
             s.tier = self.disk
+        self._sources = sources
         self.restream(len(sources), streamed)
+        self._follow_ring(ring)
 
     def restream(self, num_layers: int, streamed: list[int], ring=None) -> None:
         """The streamed layers are `streamed` now (start, or a placement change:
@@ -172,6 +174,7 @@ class Chain:
             self.experts.restream(ring)
         if self.disk is None:
             return
+        self._follow_ring(ring)
         order = [i for i in streamed if i in self._disk_of]
         srcs = [self._disk_of[i] for i in order]
         n = min(len(self.disk.slots), len(srcs))
@@ -185,6 +188,19 @@ class Chain:
         if self.host_blocks and self.split is None:
             self._meanwhile = [functools.partial(self.disk.issue_while_waiting, upcoming=up, poll_s=POLL_S)
                                for up in self._upcoming]
+
+    def _follow_ring(self, ring) -> None:
+        """The disk stage reads ahead no layer that `ring` holds now (DiskTier.in_place)."""
+        if ring is None or self.disk is None:
+            return
+        index = {id(src): i for i, src in self._disk_of.items()}
+        sources = self._sources
+
+        def in_place(src) -> bool:
+            i = index.get(id(src))
+            return i is not None and ring.holds(i, sources[i].version())
+
+        self.disk.in_place = in_place
 
     @property
     def reads_ahead(self) -> bool:

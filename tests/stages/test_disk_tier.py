@@ -47,7 +47,10 @@ def test_spill_streams_bitwise_and_files_come_and_go(disk_dir, device, depth, re
     st = m.stats()
     disk_layers = [i for i, k in enumerate(kinds) if k == "disk"]
     assert st["disk"]["layers"] == len(disk_layers)
-    assert st["last_step"]["bytes_read"] == sum(m.sources[i].read_bytes for i in disk_layers)
+    # Each step reads its disk layers again, unless each streamed layer has a slot of its
+    # own: it stays there, so nothing is read again (nor copied).
+    again = m.ring.num_slots < len(m.ring.streamed)
+    assert st["last_step"]["bytes_read"] == (sum(m.sources[i].read_bytes for i in disk_layers) if again else 0)
     assert st["disk"]["bytes_direct"] > 0  # ext4: O_DIRECT straight into staging
     layerwise.remove_layerwise_offload(model)
     assert spill_files(disk_dir) == []

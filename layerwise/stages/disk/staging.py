@@ -121,6 +121,11 @@ class DiskTier:
         self.range_bytes_read = 0  # their bytes (counted in bytes_read too)
         self._ranges: list = []  # read_range's staging buffers: (buf, arena, last copy out of it)
         self._range_next = 0
+        # in_place(src): src's current bytes are in its device slot now (the chain sets it
+        # from the slot ring). Reading such a layer ahead is wasted: concurrent calls share
+        # the slot (runtime/cohort.py), and a call behind the others would otherwise read
+        # again a layer the call ahead has already copied out of staging.
+        self.in_place = None
 
     def _staging(self, nbytes: int):
         cuda = self.device.type == "cuda"
@@ -158,6 +163,9 @@ class DiskTier:
             best = min(range(len(self.slots)), key=lambda j: self.slots[j].used)
         self._settle(self.slots[best].pending)
         return best
+
+    def _in_place(self, src) -> bool:
+        return self.in_place is not None and self.in_place(src)
 
     def _staged(self, src) -> bool:
         """A slot holds (or is reading) src's current bytes."""
@@ -373,7 +381,8 @@ class DiskTier:
     def can_read_ahead(self, upcoming) -> bool:
         """read_ahead(upcoming) would queue a read now."""
         upcoming = upcoming[: len(self.slots)]
-        return any(not self._staged(src) and not src.file_failed() for src in upcoming) and \
+        return any(not self._staged(src) and not self._in_place(src) and not src.file_failed()
+                   for src in upcoming) and \
             self._room_for(set(upcoming))
 
     def issue_while_waiting(self, ev, upcoming, poll_s: float) -> None:
@@ -395,7 +404,7 @@ class DiskTier:
         upcoming = upcoming[: len(self.slots)]
         want = set(upcoming)
         for src in upcoming:
-            if self._staged(src):
+            if self._staged(src) or self._in_place(src):
                 continue
             if src.file_failed():
                 return  # its recovery happens where it is needed
