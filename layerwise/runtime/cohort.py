@@ -295,6 +295,11 @@ class Cohort:
         else:
             self.loads += 1
 
+    def joined_to(self, group, i: int) -> bool:
+        """A call has joined layer i of `group` and not computed on it yet."""
+        return any(c.joined is not None and c.joined[0] is group and c.joined[1] == i
+                   for c in list(self.calls.values()))
+
     def waiting(self, call: Call, group, i: int) -> None:
         """`call` waits for layer i of `group` (phase 1, under the model's lock)."""
         call.pos = self.offset(group) + i

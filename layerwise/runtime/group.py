@@ -1071,6 +1071,10 @@ class LayerwiseOffloadManager:
         s = self.ring.slot_of[i]
         if s >= 0 and self._engine.is_cuda:  # the next fetch into the slot waits for this call's compute
             self.ring.done[s].append(self._engine.record(self.compute_stream(), False))
+        if s >= 0 and co.joined_to(self, i):
+            # Calls that joined layer i still compute on it: its slot stays, and this call's
+            # move changed no other slot's ranks. The last of them queues and wakes.
+            return
         self._prefetch_after(i, extra=1)  # (the slot of layer i may be free now)
         co.notify()
 
