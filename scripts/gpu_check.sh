@@ -57,7 +57,7 @@ fi
 CORE_TESTS="tests/runtime/test_native.py tests/runtime/test_manager.py tests/runtime/test_cuda_path.py
  tests/runtime/test_residency.py tests/test_tune.py tests/test_loading.py tests/stages/test_moe.py
  tests/stages/test_reader.py"
-CAPTURE_TESTS="tests/runtime/test_shared_cuda.py tests/runtime/test_capture_cuda.py tests/contract/test_compile_native.py"
+CAPTURE_TESTS="tests/runtime/test_shared_cuda.py tests/runtime/test_cohort_cuda.py tests/runtime/test_capture_cuda.py tests/contract/test_compile_native.py"
 KERNEL_TESTS="tests/codec/test_codec.py tests/codec/test_codec_v2.py tests/test_scatter.py"
 BENCH="-m layerwise.bench --quick h2d compress stream --device cuda"
 
