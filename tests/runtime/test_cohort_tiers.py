@@ -178,6 +178,19 @@ def test_checkpoint_layers_are_read_once_for_all_the_calls(disk_dir, patient, k)
     layerwise.remove_layerwise_offload(model)
 
 
+def _exact_and_copied_once(model, ref, xs, k):
+    """k calls at once from the barrier at blocks[0]: each the resident call's
+    output, and the bus moved at most 1.5x one call's bytes."""
+    want = [alone(ref, x) for x in xs]
+    alone(model, xs[0])
+    _, one = measured(model, bus_bytes, lambda: alone(model, xs[0]))
+    outs, shared = measured(model, bus_bytes, lambda: together(
+        [model.blocks[0]], [lambda x=x: model(x) for x in xs]))
+    assert all(torch.equal(o, w) for o, w in zip(outs, want))
+    assert_overlapped(model, k)
+    assert 0 < shared <= 1.5 * one, (shared, one)
+
+
 # ------------------------------------------------------------------------ compress
 @pytest.mark.parametrize("k", [2, 4])
 def test_compressed_layers_are_copied_once_for_all_the_calls(patient, k):
@@ -187,14 +200,7 @@ def test_compressed_layers_are_copied_once_for_all_the_calls(patient, k):
                                                  debug_copy_delay_us=200)
     assert m.stats()["compress"]["ratio"] < 1, m.stats()["compress"]
     xs = rows(k, torch.bfloat16)
-    want = [alone(ref, x) for x in xs]
-    alone(model, xs[0])
-    _, one = measured(model, bus_bytes, lambda: alone(model, xs[0]))
-    outs, shared = measured(model, bus_bytes, lambda: together(
-        [model.blocks[0]], [lambda x=x: model(x) for x in xs]))
-    assert all(torch.equal(o, w) for o, w in zip(outs, want))
-    assert_overlapped(model, k)
-    assert 0 < shared <= 1.5 * one, (shared, one)
+    _exact_and_copied_once(model, ref, xs, k)
 
 
 # ------------------------------------------------------------------- routed experts
@@ -247,6 +253,19 @@ def test_routed_experts_copy_the_union_of_the_calls_picks(patient, k):
     assert demand == sum(unit[(i, name)].unit_bytes for i, name, _ in union)
 
 
+def _moe_rounds_exact(model, ref, k):
+    """Two rounds of k Mixtral calls at once from the barrier at layer 0, each the resident call's logits."""
+    from helpers import moe
+
+    ids = [moe._ids(batch=1, tokens=3 + j, seed=10 + j) for j in range(k)]
+    with torch.no_grad():
+        want = [ref(x).logits for x in ids]
+    for _ in range(2):
+        outs = together([model.model.layers[0]], [lambda x=x: model(x).logits for x in ids])
+        assert all(torch.equal(o, w) for o, w in zip(outs, want))
+    assert_overlapped(model, k)
+
+
 @pytest.mark.parametrize("opts", [dict(expert_cache="auto"), dict(expert_cache="auto", expert_prefetch=True),
                                   dict(expert_prefetch=True, prefetch_depth=2)])
 @pytest.mark.parametrize("k", [2, 4])
@@ -257,13 +276,7 @@ def test_routed_experts_with_cache_and_prefetch_are_exact(opts, k):
     model = copy.deepcopy(ref)
     layerwise.configure_layerwise_offload(model, "model.layers", device="cpu", experts="routed",
                                           debug_copy_delay_us=200, **opts)
-    ids = [moe._ids(batch=1, tokens=3 + j, seed=10 + j) for j in range(k)]
-    with torch.no_grad():
-        want = [ref(x).logits for x in ids]
-    for _ in range(2):
-        outs = together([model.model.layers[0]], [lambda x=x: model(x).logits for x in ids])
-        assert all(torch.equal(o, w) for o, w in zip(outs, want))
-    assert_overlapped(model, k)
+    _moe_rounds_exact(model, ref, k)
 
 
 # ---------------------------------------------------------------- quantized wrappers
@@ -281,14 +294,7 @@ def test_quantized_wrappers_are_exact_under_threads(patient, kind, k):
     ref, model, d = _quantized(kind)
     layerwise.configure_layerwise_offload(model, "blocks", device="cpu", debug_copy_delay_us=200)
     xs = rows(k, torch.bfloat16, d=d)
-    want = [alone(ref, x) for x in xs]
-    alone(model, xs[0])
-    _, one = measured(model, bus_bytes, lambda: alone(model, xs[0]))
-    outs, shared = measured(model, bus_bytes, lambda: together(
-        [model.blocks[0]], [lambda x=x: model(x) for x in xs]))
-    assert all(torch.equal(o, w) for o, w in zip(outs, want))
-    assert_overlapped(model, k)
-    assert 0 < shared <= 1.5 * one, (shared, one)
+    _exact_and_copied_once(model, ref, xs, k)
 
 
 # --------------------------------------------------------------------- torch.compile
@@ -444,13 +450,7 @@ def test_routed_experts_read_from_spill_files_are_exact(disk_dir, cache, k):
         model, "model.layers", device="cpu", experts="routed", host_budget=moe._host_budget(ref),
         spill_dir=str(disk_dir), expert_cache=cache, expert_prefetch=cache is not None, debug_copy_delay_us=200)
     assert m.stats()["disk"]["layers"] >= 1
-    ids = [moe._ids(batch=1, tokens=3 + j, seed=10 + j) for j in range(k)]
-    with torch.no_grad():
-        want = [ref(x).logits for x in ids]
-    for _ in range(2):
-        outs = together([model.model.layers[0]], [lambda x=x: model(x).logits for x in ids])
-        assert all(torch.equal(o, w) for o, w in zip(outs, want))
-    assert_overlapped(model, k)
+    _moe_rounds_exact(model, ref, k)
     layerwise.remove_layerwise_offload(model)
 
 
