@@ -27,6 +27,11 @@ def _takes_target(fn) -> bool:
     params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in params if p.default is p.empty]
     var = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
+    keyword_only = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if keyword_only:
+        raise ValueError(f"layerwise.run_together: each call is called with the model or pipeline as its one "
+                         f"positional argument (or with none); {getattr(fn, '__name__', fn)!r} requires the "
+                         f"keyword argument(s) {keyword_only}: bind them (functools.partial, or a default)")
     if len(required) > 1:
         raise ValueError(f"layerwise.run_together: each call takes at most one argument (the model or pipeline), "
                          f"{getattr(fn, '__name__', fn)!r} requires {len(required)}")
@@ -60,7 +65,8 @@ def run_together(model_or_pipe, calls) -> list:
         scheduler and per-call attributes). A model's call may take none.
 
     If a call raises, the others still run to their end; then the failure that
-    came first is raised, with a note naming every call that failed. Ctrl-C
+    came first is raised (where more than one failed, with a note naming
+    them). Ctrl-C
     stops every call at its next streamed layer (each raises inside its forward,
     so the model stays exact), waits for them, and raises KeyboardInterrupt (a
     second Ctrl-C raises it at once; the calls still stop at their next layer)."""
@@ -73,13 +79,16 @@ def run_together(model_or_pipe, calls) -> list:
     elif not lifecycle.is_offloaded(model_or_pipe):
         raise ValueError(f"layerwise.run_together takes an offloaded model or pipeline; this "
                          f"{type(model_or_pipe).__name__} is not offloaded: call "
-                         "layerwise.configure_layerwise_offload(model, ...) first")
-    if callable(calls) or not hasattr(calls, "__iter__"):
-        raise TypeError("layerwise.run_together(model_or_pipe, calls): `calls` is a list of callables")
+                         "layerwise.configure_layerwise_offload(model, ...) first (or, if a model holding it was "
+                         "configured, pass that model: its forward is what the calls share)")
+    if callable(calls) or not hasattr(calls, "__iter__") or isinstance(calls, (str, bytes, dict, torch.Tensor)):
+        raise TypeError("layerwise.run_together(model_or_pipe, calls): `calls` is a list of callables, each "
+                        f"taking the model or pipeline (lambda m: m(x)); got {type(calls).__name__}")
     calls = list(calls)
-    bad = [k for k, fn in enumerate(calls) if not callable(fn)]
+    bad = [k for k, fn in enumerate(calls) if not callable(fn) or fn is model_or_pipe]
     if bad:
-        raise TypeError(f"layerwise.run_together: calls {bad} are not callable")
+        raise TypeError(f"layerwise.run_together: calls {bad} are not callables that take the model or pipeline: "
+                        "pass a list like [lambda m: m(x1), lambda m: m(x2)]")
     takes = [_takes_target(fn) for fn in calls]
     if is_pipe and not all(takes):
         raise ValueError("layerwise.run_together: with a pipeline, each call takes the pipeline as its argument "

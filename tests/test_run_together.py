@@ -193,3 +193,24 @@ def test_two_flux_pipeline_calls_at_two_resolutions_are_each_alone():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert pipe.scheduler.__dict__.keys() == before.keys()
     assert all(repr(pipe.scheduler.__dict__[k]) == repr(v) for k, v in before.items())  # untouched
+
+
+def test_calls_that_cannot_take_the_model_are_refused_naming_the_fix():
+    """What a user may pass by mistake as `calls` (a tensor, a string, a dict, the
+    model itself, a callable with a required keyword) is refused before any call
+    runs, saying what `calls` must be."""
+    lw = layerwise
+    model = TwoGroupModel()
+    lw.configure_layerwise_offload(model, ["transformer_blocks", "single_transformer_blocks"], device="cpu")
+    x = torch.randn(2, 32)
+    for bad in (torch.randn(2, 32), "ab", {lambda m: m(x): 1}):
+        with pytest.raises(TypeError, match="list of callables"):
+            lw.run_together(model, bad)
+    with pytest.raises(TypeError, match=r"calls \[1\] are not callables that take the model"):
+        lw.run_together(model, [lambda m: m(x), model])
+    with pytest.raises(ValueError, match="keyword argument"):
+        lw.run_together(model, [lambda *, m: m(x)])
+    with pytest.raises(ValueError, match="pass that model"):
+        lw.run_together(model.transformer_blocks, [lambda m: m(x)])
+    assert lw.managers_of(model)[0].stats()["calls"]["calls_max"] == 0
+    lw.remove_layerwise_offload(model)

@@ -119,7 +119,7 @@ class Cohort:
         self.loads = 0  # fetches queued by a call for its own layer in phase 1
         self.waits = 0  # joins that had to wait for the schedule
         self.wait_s_max = 0.0  # the longest of those waits, seconds
-        self.wait_turns_max = 0.0  # the longest, in fetches into the group over its streamed layers
+        self.wait_turns_max = 0.0  # the longest, in turns: the model's fetches over its streamed layers
         self.deferred = 0  # fetches put off because a call needed another layer of the slot first
         self.dropped = 0  # calls found dead (their thread gone, or their forward left by an interrupt)
 
