@@ -144,7 +144,8 @@ class Cohort:
             calls[me] = Call(me, frame)
             self.calls = calls
             self.calls_max = max(self.calls_max, len(calls))
-        self.notify()
+        if len(calls) > 1:  # (alone, nobody waits: a call alone pays no wake-up per forward)
+            self.notify()
 
     def end(self) -> None:
         """This thread's forward of the model ends (its root post-hook)."""
@@ -157,7 +158,8 @@ class Cohort:
                 call.frames.pop()
                 return
             self.calls = {k: c for k, c in self.calls.items() if k != me}
-        self.notify()
+        if self.calls:
+            self.notify()
 
     @staticmethod
     def _live(call: Call) -> bool:
