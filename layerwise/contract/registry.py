@@ -140,6 +140,7 @@ def _root_pre_hook(model, args):
     if lock is None:
         return
     lock.release_all()
+    co = None
     with lock:
         forwards = model.__dict__.get(FORWARDS)
         if forwards is not None:
@@ -151,6 +152,9 @@ def _root_pre_hook(model, args):
             co = model.__dict__.get(COHORT)
             if co is not None:  # calls under way at once share each layer's fetch (runtime/cohort.py)
                 co.begin(frame)
+        # While calls overlap, one step spans them all: from the first one's start to the
+        # last one's end (its figures are the bytes and waits of the whole batch).
+        joining = co is not None and len(co.calls) > 1
         for m in managers_of(model):
             if not m.streaming:
                 continue
@@ -159,17 +163,19 @@ def _root_pre_hook(model, args):
                 state_dict.check_handed_out(m)
             load_state_dict.drop_stopped_loads(m)
             m.meter.follow_root()
-            m.new_step()
+            m.new_step(joining)
 
 
 def _root_post_hook(model, args, output):
     """The end of the model's forward closes the step of every group: report()
     has per-step figures from the first forward on."""
     forwards = model.__dict__.get(FORWARDS)
+    last = True
     if forwards is not None:
         co = model.__dict__.get(COHORT)
         if co is not None:
             co.end()
+            last = not co.calls  # (other calls go on: the step they share ends with the last of them)
         with forwards["cond"]:
             forwards["threads"].pop(threading.get_ident(), None)
             forwards["cond"].notify_all()
@@ -177,7 +183,7 @@ def _root_post_hook(model, args, output):
         if not m.streaming:
             continue
         m.end_captured_step()
-        if m.meter.step_open:
+        if last and m.meter.step_open:
             m.meter.end_step()
 
 

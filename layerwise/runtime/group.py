@@ -1082,15 +1082,17 @@ class LayerwiseOffloadManager:
     def _reset_stats(self) -> None:
         self.meter.reset(cuda=self.streaming and self._engine.is_cuda)
 
-    def new_step(self) -> None:
-        """A step of the model begins (its root pre-hook; layer 0 where blocks are called alone)."""
+    def new_step(self, joining: bool = False) -> None:
+        """A step of the model begins (its root pre-hook; layer 0 where blocks are called alone).
+        `joining`: the forward joins calls under way on other threads, whose step it shares."""
         if self.guard.handed_out:
             contract.check_handed_out(self)
         if self._capturing():
             self._capture = None  # a step begins: a schedule an interrupted capture left is not this one's
         elif self._captured:
             self._resync()  # graph replays may have refilled the slots behind the record
-        self.meter.new_step()
+        if not (joining and self.meter.step_open):
+            self.meter.new_step()
 
     def _stage_counts(self) -> tuple:
         chain = getattr(self, "_chain", None)

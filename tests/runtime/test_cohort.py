@@ -482,3 +482,25 @@ def test_calls_that_leave_early_start_late_skip_and_reorder_stay_exact():
             assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (rnd, k)
     assert calls_stats(model)["calls_max"] >= 2
     layerwise.remove_layerwise_offload(model)
+
+
+def test_overlapping_calls_make_one_step_whose_figures_are_the_batchs():
+    """While calls overlap, one step spans them all (from the first one's start to
+    the last one's end): a step's figures are the whole batch's, not a slice of
+    one call cut by another's start; a call alone afterwards is a step again."""
+    ref, model = _net_model(debug_copy_delay_us=300)
+    gate = Gate(model.blocks[0])
+    xs = _net_xs(4)
+    one = _one_call_bytes(model, xs[0])
+    group = groups_of(model)[0]
+    steps0 = group.stats()["steps"]
+    b0 = bytes_copied(model)
+    _overlapping(model, gate, xs)
+    batch = bytes_copied(model) - b0
+    st = group.stats(sync=True)
+    assert st["steps"] == steps0 + 1, (st["steps"], steps0)
+    assert st["last_step"]["bytes_copied"] == batch and 0 < batch <= 1.5 * one, (st["last_step"], batch, one)
+    alone(lambda: model(xs[1]))
+    st = group.stats(sync=True)
+    assert st["steps"] == steps0 + 2 and 0 < st["last_step"]["bytes_copied"] <= 1.5 * one
+    layerwise.remove_layerwise_offload(model)
