@@ -22,7 +22,7 @@ import layerwise
 from layerwise.configure import managers_of
 from layerwise.runtime import cohort
 
-from helpers.contract import make
+from helpers.contract import make, nested_model
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 D = 32
@@ -578,11 +578,6 @@ def test_tune_while_calls_run_on_other_threads_is_exact():
 
 # ------------------------------------------------------------ nested calls
 def test_nested_block_calls_under_concurrent_calls_are_exact():
-    from helpers.contract import make as _  # noqa: F401  (tests/ on the path)
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_contract import nested_model
-
     model = nested_model([(0, 1), (3, 4)])
     xs = [torch.randn(1 + k, 16) for k in range(3)]
     with torch.no_grad():

@@ -19,7 +19,7 @@ from layerwise.configure import managers_of, prepare_groups
 from layerwise.runtime import group as manager_mod
 from layerwise.runtime import host_store as packing_mod
 
-from helpers.contract import assert_fingerprint, fingerprint, inputs, make, no_trace_of_layerwise, run
+from helpers.contract import assert_fingerprint, fingerprint, inputs, make, nested_model, no_trace_of_layerwise, run
 
 GROUPS = ["transformer_blocks", "single_transformer_blocks"]
 
@@ -315,37 +315,6 @@ def test_deepcopy_and_pickle_are_refused_with_the_remedy():
 
 
 # --------------------------------------------------- nested calls, threads
-class Caller(nn.Module):
-    """A block that calls another block of its own list (held outside the module tree)."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.callee = None
-
-    def forward(self, x):
-        x = torch.tanh(self.lin(x))
-        if self.callee is not None:
-            x = self.callee[0](x)
-        return x
-
-
-def nested_model(pairs, n=6, d=16):
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.blocks = nn.ModuleList([Caller(d) for _ in range(n)])
-    for a, b in pairs:
-        model.blocks[a].callee = [model.blocks[b]]
-
-    def forward(x):
-        for blk in model.blocks:
-            x = blk(x)
-        return x
-
-    model.forward = forward
-    return model
-
-
 def test_nested_block_calls_are_exact():
     model = nested_model([(0, 1), (3, 4)])
     x = torch.randn(4, 16)

@@ -3,6 +3,7 @@ the two-group test model, a fingerprint of everything a rollback must give back
 (values, dtype, device, strides, requires_grad per tensor), and whether a model
 still carries anything of layerwise (hooks, instance overrides, managers)."""
 import torch
+from torch import nn
 
 from layerwise.configure import managers_of
 
@@ -49,3 +50,34 @@ def no_trace_of_layerwise(model):
     extra = [k for m in model.modules() for k in m.__dict__
              if k.startswith("_layerwise") or k in ("_apply", "__deepcopy__", "__reduce_ex__")]
     return hooks == 0 and not extra and not managers_of(model)
+
+
+class Caller(nn.Module):
+    """A block that calls another block of its own list (held outside the module tree)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.callee = None
+
+    def forward(self, x):
+        x = torch.tanh(self.lin(x))
+        if self.callee is not None:
+            x = self.callee[0](x)
+        return x
+
+
+def nested_model(pairs, n=6, d=16):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([Caller(d) for _ in range(n)])
+    for a, b in pairs:
+        model.blocks[a].callee = [model.blocks[b]]
+
+    def forward(x):
+        for blk in model.blocks:
+            x = blk(x)
+        return x
+
+    model.forward = forward
+    return model
