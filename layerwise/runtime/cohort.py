@@ -107,7 +107,6 @@ class Cohort:
         self._model = weakref.ref(model) if model is not None else (lambda: None)
         self._offsets: dict[int, int] = {}
         self._groups: list = []  # the model's groups, in the order of their offsets
-        self.span = 1  # layers of the model's groups, all together
         self.fetches = 0  # fetches queued by the model's groups
         self.calls: dict[int, Call] = {}  # replaced whole at every change: readers iterate what they took
         self._mu = threading.Lock()  # (begin, end and drop replace `calls`)
@@ -211,7 +210,6 @@ class Cohort:
             for m in groups:
                 self._offsets[id(m)] = at
                 at += m.num_layers
-            self.span = max(1, at)
             off = self._offsets[id(group)]
         return off
 
@@ -221,8 +219,7 @@ class Cohort:
         return max(1, sum(len(m.ring.streamed) for m in self._groups if m.ring is not None))
 
     def regroup(self) -> None:
-        """The model's groups changed (configured, removed, their resident layers):
-        offsets are made again."""
+        """The model's groups changed (configured, removed): offsets are made again."""
         self._offsets = {}
 
     def _rank(self, call: Call, group, s: int, off: int, now: float, turn: int):

@@ -338,8 +338,6 @@ class LayerwiseOffloadManager:
             self._resident_bytes = sum(self.plan.layers[i].nbytes for i in new)
             self.bound = bound
             self.chain.restream(self.num_layers, ring.streamed, ring)
-            if self._cohort is not None:
-                self._cohort.regroup()  # (its schedule counts streamed layers)
             self._guard_hooks = guards
             self.placement = note
             try:
