@@ -280,7 +280,7 @@ def _overlapping(model, gate, xs):
 @pytest.mark.parametrize("K", [2, 4])
 @pytest.mark.parametrize("kw", [dict(prefetch_depth=1), dict(prefetch_depth=2), dict(resident_layers=3),
                                 dict(groups=2)], ids=["depth1", "depth2", "resident", "two-groups"])
-def test_overlapping_calls_copy_one_calls_bytes(K, kw):
+def test_overlapping_calls_copy_one_calls_bytes(patient, K, kw):
     """K calls at once copy about one call's bytes (a layer is fetched once for
     all of them), whatever their shapes, and each is exact."""
     kw = dict(kw)
@@ -484,7 +484,7 @@ def test_calls_that_leave_early_start_late_skip_and_reorder_stay_exact():
     layerwise.remove_layerwise_offload(model)
 
 
-def test_overlapping_calls_make_one_step_whose_figures_are_the_batchs():
+def test_overlapping_calls_make_one_step_whose_figures_are_the_batchs(patient):
     """While calls overlap, one step spans them all (from the first one's start to
     the last one's end): a step's figures are the whole batch's, not a slice of
     one call cut by another's start; a call alone afterwards is a step again."""

@@ -36,14 +36,6 @@ def disk_dir(tmp_path):
     return tmp_path
 
 
-@pytest.fixture
-def patient(monkeypatch):
-    """A call is never given up on for being slow between two layers (module doc)."""
-    monkeypatch.setattr(cohort.Cohort, "STALL_S", 600.0)
-    monkeypatch.setattr(cohort.Cohort, "AGE_S", 600.0)
-    monkeypatch.setattr(cohort.Cohort, "CHECK_S", 600.0)
-
-
 def together(blocks, calls):
     """Run `calls` (callables of no argument) on threads of their own, under
     no_grad; each thread waits at the first of `blocks` it enters (once) until every
