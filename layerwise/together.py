@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from layerwise import contract, lifecycle, pipelines
-from layerwise.runtime import cohort
+from layerwise.runtime import cohort, turns
 
 _CANCELLED = "layerwise.run_together: cancelled by Ctrl-C"
 
@@ -95,6 +95,17 @@ def run_together(model_or_pipe, calls) -> list:
                          "(lambda p: p(...)), so that it runs on a view of its own (its own scheduler and "
                          "per-call state); calls " + str([k for k, t in enumerate(takes) if not t]) + " take none")
 
+    # On split-fetch models the calls take turns that every rank agrees on (runtime/turns.py).
+    models = [m for _, m in pipelines.streamed_components(model_or_pipe)] if is_pipe else [model_or_pipe]
+    session = turns.open_session(len(calls)) if any(turns.TURNS in m.__dict__ for m in models) else None
+    try:
+        return _run(model_or_pipe, calls, takes, is_pipe, session)
+    finally:
+        if session is not None:
+            turns.close_session(session)
+
+
+def _run(model_or_pipe, calls: list, takes: list, is_pipe: bool, session) -> list:
     results: list = [None] * len(calls)
     failures: list = []  # (time, index, exception)
     done = [threading.Event() for _ in calls]
@@ -115,6 +126,8 @@ def run_together(model_or_pipe, calls) -> list:
 
     def run(k: int) -> None:
         me = threading.get_ident()
+        if session is not None:
+            session.enlist(k)
         go.wait()
         try:
             with mu:
@@ -135,6 +148,8 @@ def run_together(model_or_pipe, calls) -> list:
             with mu:
                 running.pop(k, None)
                 cohort.uncancel([me])
+            if session is not None:
+                session.discharge(k)
             done[k].set()
 
     threads = [threading.Thread(target=run, args=(k,), name=f"layerwise-call-{k}", daemon=True)

@@ -118,9 +118,17 @@ def mlp_stack(layers: int, d: int) -> nn.Module:
         def forward(self, x):
             return x + self.down(torch.relu(self.up(x)))
 
-    net = nn.Module()
-    net.blocks = nn.ModuleList([Block() for _ in range(layers)])
-    return net
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(layers)])
+
+        def forward(self, x):  # (the split suite's run_together calls the model; the others call the blocks)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    return Stack()
 
 
 def finish_processes(procs: list, outs: list, timeout: float, what: str) -> list:

@@ -79,6 +79,9 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
             torch.cuda.synchronize(dev)
 
     res = {}
+    if "together" in modes.split(","):
+        res["together"] = _together(rank, dev, layers, d, steps, sync)
+        modes = ",".join(m for m in modes.split(",") if m != "together")
     for mode in modes.split(","):  # one after the other in the same processes (start-up paid once)
         torch.manual_seed(0)
         model = mlp_stack(layers, d)
@@ -131,6 +134,54 @@ def _rank_main(rank: int, world: int, port: int, modes: str, layers: int, d: int
     dist.destroy_process_group()
 
 
+CALLS = 4  # run_together's calls in the "together" mode
+
+
+def _together(rank: int, dev, layers: int, d: int, steps: int, sync) -> dict:
+    """CALLS calls of `steps` forwards each with split fetch, one after another and then
+    through run_together (turns: runtime/turns.py), interleaved round by round: the
+    wall time of each, and the bytes over this rank's host link."""
+    import torch
+    import torch.distributed as dist
+
+    import layerwise
+
+    torch.manual_seed(0)
+    model = mlp_stack(layers, d)
+    m = layerwise.configure_layerwise_offload(model, "blocks", device=dev, prefetch_depth=1,
+                                              split_fetch=dist.group.WORLD)[0]
+    torch.manual_seed(1 + rank)
+    xs = [torch.randn(2 + k, d, device=dev) for k in range(CALLS)]
+
+    def call(x):
+        def run(mod):
+            with torch.inference_mode():
+                for _ in range(steps):
+                    y = mod(x)
+            sync()
+            return y
+        return run
+
+    def serial():
+        return [call(x)(model) for x in xs]
+
+    def together():
+        return layerwise.run_together(model, [call(x) for x in xs])
+
+    out = {"serial_s": [], "together_s": [], "serial_bytes": 0, "together_bytes": 0}
+    together(), serial()  # warm-up
+    for _ in range(3):
+        for name, fn in (("serial", serial), ("together", together)):
+            dist.barrier()
+            b0, t0 = m.stats()["bytes_copied"], time.perf_counter()
+            fn()
+            out[f"{name}_s"].append(time.perf_counter() - t0)
+            out[f"{name}_bytes"] = m.stats()["bytes_copied"] - b0
+    out["turns"] = m.stats()["calls"]["turns"]
+    layerwise.remove_layerwise_offload(model)
+    return out
+
+
 def _launch(world: int, modes: str, layers: int, d: int, steps: int, timeout: float, tmp: str,
             kind: str = "cpu") -> list[dict]:
     port = _free_port()
@@ -174,7 +225,7 @@ def run(ctx: Context) -> SuiteResult:
     with held_interrupts():  # made with the finalizer that removes it (at exit at the latest) as one step
         made = tempfile.TemporaryDirectory()
     with made as tmp:
-        ranks = _launch(world, "all,split", layers, d, steps, timeout, tmp, kind)
+        ranks = _launch(world, "all,split,together", layers, d, steps, timeout, tmp, kind)
     runs = {mode: [r[mode] for r in ranks] for mode in ("all", "split")}
     step = {mode: Stat.of(r[0]["times"]) for mode, r in runs.items()}
     host = {mode: max(x["host_bytes"] for x in r) for mode, r in runs.items()}
@@ -206,6 +257,16 @@ def run(ctx: Context) -> SuiteResult:
                                  f"rank / time), {backend}, {world} ranks", "GiB/s", ag_gibs,
                            note="loopback TCP on this machine; NCCL over NVLink is another world"
                            if kind == "cpu" else "", short=f"all-gather GiB/s ({world} ranks, {backend})"))
+    tg = ranks[0]["together"]
+    serial, together = Stat.of(tg["serial_s"]), Stat.of(tg["together_s"])
+    result.data["together"] = [r["together"] for r in ranks]
+    result.rows.append(Row(NAME, f"{CALLS} calls of {steps} forwards through run_together on split fetch "
+                                 f"(turns agreed by the ranks), {tag} ({backend})", "s", together,
+                           {"the same calls one after another": serial},
+                           {"throughput x serial": serial.median / together.median,
+                            "bytes per call /serial": tg["together_bytes"] / max(1, tg["serial_bytes"])},
+                           note="rounds interleaved; bytes over this rank's host link",
+                           short=f"run_together x{CALLS} on split fetch ({world} ranks)"))
     if kind == "cpu":
         why = (f"needs at least two GPUs (this run: {'1 GPU' if gpus == 1 else 'CPU'}). "
                + _model_note(8, None, measured=False))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from layerwise.contract import casts, edits, load_state_dict, locking, state_dict
-from layerwise.runtime import ops
+from layerwise.runtime import ops, turns
 
 MANAGERS = "_layerwise_managers"
 _HANDLES = "_layerwise_contract_handles"
@@ -75,6 +75,7 @@ def detach(model: nn.Module) -> None:
     model.__dict__.pop(FORWARDS, None)
     model.__dict__.pop(locking.LOCK, None)
     model.__dict__.pop(COHORT, None)
+    turns.detach(model)
     _STREAMING.discard(model)
     _release_if_none_streams()
 
@@ -140,15 +141,18 @@ def _root_pre_hook(model, args):
     if lock is None:
         return
     lock.release_all()
+    # The frame of this call of the model: gone from the thread's stack, the
+    # forward is over even if an interrupt skipped the post-hook.
+    frame = locking.module_call_frame()
+    # run_together's calls on a split-fetch model wait for their turn (runtime/turns.py)
+    turns.begin(model, frame)
     co = None
     with lock:
         forwards = model.__dict__.get(FORWARDS)
         if forwards is not None:
             while forwards["removing"]:  # a removal is under way: it ends, then this forward runs plain
                 forwards["cond"].wait()
-            # The frame of this call of the model: gone from the thread's stack, the
-            # forward is over even if an interrupt skipped the post-hook.
-            frame = forwards["threads"][threading.get_ident()] = locking.module_call_frame()
+            forwards["threads"][threading.get_ident()] = frame
             co = model.__dict__.get(COHORT)
             if co is not None:  # calls under way at once share each layer's fetch (runtime/cohort.py)
                 co.begin(frame)
@@ -179,12 +183,15 @@ def _root_post_hook(model, args, output):
         with forwards["cond"]:
             forwards["threads"].pop(threading.get_ident(), None)
             forwards["cond"].notify_all()
-    for m in managers_of(model):
-        if not m.streaming:
-            continue
-        m.end_captured_step()
-        if last and m.meter.step_open:
-            m.meter.end_step()
+    try:
+        for m in managers_of(model):
+            if not m.streaming:
+                continue
+            m.end_captured_step()
+            if last and m.meter.step_open:
+                m.meter.end_step()
+    finally:
+        turns.end(model)  # (a call of a split-fetch turn hands the baton on: runtime/turns.py)
 
 
 def forget(model: nn.Module, managers) -> None:

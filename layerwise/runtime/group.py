@@ -47,7 +47,7 @@ from layerwise.planning import experts
 from layerwise.planning.layout import GroupPlan, build_group_plan
 from layerwise.planning.layout import device_bytes as planned_device_bytes
 from layerwise.planning.routes import TierChoice
-from layerwise.runtime import capture, cohort, expert_hooks, gpu_checks, ops
+from layerwise.runtime import capture, cohort, expert_hooks, gpu_checks, ops, turns
 from layerwise.runtime.host_share import HostShare
 from layerwise.runtime.host_store import HostLayers, Rebinding, assign, bind_layer_to_slot, materialize
 from layerwise.runtime.meter import Meter
@@ -578,6 +578,9 @@ class LayerwiseOffloadManager:
             # must issue the same collectives in the same order, which threads' timing cannot promise.
             self._cohort.sharing = self._cohort.sharing and self.options.share_calls \
                 and self.options.split_fetch is None
+            store = self.tiers.split_store
+            if store is not None and self.options.share_calls:  # run_together's calls take turns instead
+                turns.attach(self.model, store.group, store.id)
             layers = self.plan.layers
             self._grad_hooks = []
             self._dirty = False
@@ -899,12 +902,20 @@ class LayerwiseOffloadManager:
             call.stall_s += time.perf_counter() - t
 
     def _pre_hook(self, i: int, module, args):
-        if cohort.CANCELLED:
-            cohort.check_cancelled()
         call = None
-        if self.state is Lifecycle.STREAMING and self._cohort.shared() and self.ring.slot_of[i] >= 0:
-            self._join(i)
+        if turns.SESSION and self.state is Lifecycle.STREAMING and not self._lock.is_owned() \
+                and turns.layer(self.model):
+            # A call of run_together on a split-fetch model, its turn's baton in hand
+            # (runtime/turns.py): then as a call alone, the fetch kept for the other members.
+            # (Not cancelled here: a turn runs to its end on every rank; a Ctrl-C stops the
+            # calls at the next turn's agreement.)
             call = self._cohort.mine()
+        else:
+            if cohort.CANCELLED:
+                cohort.check_cancelled()
+            if self.state is Lifecycle.STREAMING and self._cohort.shared() and self.ring.slot_of[i] >= 0:
+                self._join(i)
+                call = self._cohort.mine()
         # Released by the post-hook (which also runs when a forward raises; a hold that
         # a KeyboardInterrupt abandons is taken over by the next thread: contract.ModelLock).
         self._lock.acquire(contract.module_call_frame())
@@ -1064,11 +1075,16 @@ class LayerwiseOffloadManager:
         if call is None:
             return
         co.left(call, self, i)
-        if not co.shared() or self.state is not Lifecycle.STREAMING or self._dirty:
+        if self.state is not Lifecycle.STREAMING or self._dirty:
             return
+        shared = co.shared()
         s = self.ring.slot_of[i]
-        if s >= 0 and self._engine.is_cuda:  # the next fetch into the slot waits for this call's compute
-            self.ring.done[s].append(self._engine.record(self.compute_stream(), False))
+        if s >= 0 and self._engine.is_cuda and (shared or (turns.SESSION and self.tiers.split_store is not None)):
+            # the next fetch into the slot waits for this call's compute (on its own stream)
+            stream = self.compute_stream()
+            self.ring.computed(s, stream, self._engine.record(stream, False))
+        if not shared:
+            return
         if s >= 0 and co.joined_to(self, i):
             # Calls that joined layer i still compute on it: its slot stays, and this call's
             # move changed no other slot's ranks. The last of them queues and wakes.
@@ -1125,7 +1141,7 @@ class LayerwiseOffloadManager:
             "managed_bytes": self.plan.managed_bytes,
             **self.meter.figures(),
             # the model's calls under way at once and the fetches they shared (runtime/cohort.py)
-            "calls": self._cohort.figures() if self._cohort is not None else None,
+            "calls": {**self._cohort.figures(), **turns.figures(self.model)} if self._cohort is not None else None,
         }
         return out
 

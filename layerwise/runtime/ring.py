@@ -56,10 +56,11 @@ class SlotRing:
         self.event = [start] * self.num_slots
         self.fetched = [None] * n  # per layer: its fetch's result, until the compute waited on it
         self.seen = [t._version for t in self.slots]
-        # CUDA, calls sharing the ring (runtime/cohort.py): per slot, the events that mark the
-        # end of each call's compute on its holding, on that call's stream; the next fetch
-        # into the slot waits for them.
-        self.done: list[list] = [[] for _ in range(self.num_slots)]
+        # CUDA, calls sharing the ring (runtime/cohort.py, turns.py): per slot and per
+        # stream, the event that marks the end of the last compute on the slot there; the
+        # next fetch into the slot waits for them. (One per stream: a stream runs in order,
+        # so its last event covers the ones before, and a slot never refilled keeps one.)
+        self.done: list[dict] = [{} for _ in range(self.num_slots)]
         self._first = None  # first_in_slot's table, made at its first use
 
     def first_in_slot(self, i: int, s: int) -> int:
@@ -75,9 +76,13 @@ class SlotRing:
             self._first = table
         return self._first[min(i, len(self._first) - 1)][s]
 
+    def computed(self, s: int, stream: int, event) -> None:
+        """A call's compute on slot s ends at `event` on `stream` (CUDA)."""
+        self.done[s][stream] = event
+
     def take_done(self, s: int) -> list:
-        done, self.done[s] = self.done[s], []
-        return done
+        done, self.done[s] = self.done[s], {}
+        return list(done.values())
 
     def holds(self, i: int, version) -> bool:
         s = self.slot_of[i]
@@ -227,4 +232,4 @@ class SlotRing:
     def release(self) -> None:
         """Events hold the tensors their fetches read and wrote: drop them with the slots."""
         self.slots, self.dst, self.event, self.fetched, self.holder, self.ptrs = [], [], [], [], [], {}
-        self.done = [[] for _ in self.done]
+        self.done = [{} for _ in self.done]

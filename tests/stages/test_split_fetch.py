@@ -137,3 +137,7 @@ def test_split_bench_suite_tiny():
     assert rows["GPU split fetch: not measured"].ours is None
     assert rows["all-gather GiB/s (2 ranks, gloo, CPU)"].ours > 0
     assert res.data["runs"]["split"][0]["gathers"] > 0
+    # run_together's 4 calls on split fetch: one call's bytes for the batch, the same turns on every rank
+    together = rows["run_together x4 on split fetch (2 ranks)"]
+    assert together.ratios["bytes per call /serial"] <= 0.3, together.ratios
+    assert len({r["turns"] for r in res.data["together"]}) == 1, res.data["together"]

@@ -40,12 +40,13 @@ class SplitError(RuntimeError):
 # tag saying what it is (the lockstep check): ranks that would gather different
 # layers (or a layer and a host read) find out there, before a byte of the layer
 # moves and before gloo sees buffers of different sizes, and raise on every rank.
-GATHER, READ, COMPARE, LOAD, LOCAL_FAILED, WRITTEN = 1, 2, 3, 4, 5, 6
+GATHER, READ, COMPARE, LOAD, LOCAL_FAILED, WRITTEN, TURN = 1, 2, 3, 4, 5, 6, 7
 _KIND = {GATHER: "a forward's gather of", READ: "a host read (state_dict, load_state_dict, remove) of",
          COMPARE: "the check of new values (load_state_dict, an edit) of",
          LOAD: "the check of a load_state_dict's values for",
          LOCAL_FAILED: "to say that its local copy failed, a forward's gather of",
-         WRITTEN: "the check that every rank wrote its share (load_state_dict, an edit) of"}
+         WRITTEN: "the check that every rank wrote its share (load_state_dict, an edit) of",
+         TURN: "the start of run_together's turn"}
 _MAGIC = 0x4C57_5350  # "LWSP": a tag, not a stray tensor
 _TAG = 8  # int64s: magic, kind, layer group, layer, bytes, version, and two words of payload (a digest)
 SAME = 6  # the fields every rank must agree on
@@ -158,6 +159,8 @@ class SplitGroup:
         if row[0] != _MAGIC:
             return f"a collective that is not layerwise's ({row[:3]}...)"
         kind, store_id, layer, nbytes, version = row[1:SAME]
+        if kind == TURN:  # (runtime/turns.py: the turn's number, the session's calls)
+            return f"{_KIND[TURN]} {layer} of {nbytes} calls"
         name = self.layer_names[store_id] if 0 <= store_id < len(self.layer_names) else f"layer group #{store_id}"
         extra = f", version {version}" if version else ""
         what = _KIND.get(kind, f"collective kind {kind} of")
