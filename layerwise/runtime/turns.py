@@ -11,12 +11,14 @@ which decide from what every rank agreed:
   its members. When no turn is under way and a call of this rank waits at a
   model's root pre-hook, one waiting thread (the leader) runs the agreement on
   every rank: an all-gather, after the lockstep tag check, of where each of the
-  session's calls waits (the model's number, or -1). The turn's model is the one
-  where the lowest-numbered waiting call waits on any rank; its members are the
-  calls waiting there on any rank (the union: a call that waits on one rank
-  arrives on the others, since each call does the same things on every rank).
-  Calls waiting elsewhere wait for a later turn: at most the turns of the
-  models that the calls before them wait at.
+  session's calls waits (the model's number, or -1) and how many agreements
+  passed it over. The turn's model is the one where the call passed over most
+  often waits (the lowest-numbered first); its members are the calls waiting
+  there on any rank (the union: a call that waits on one rank arrives on the
+  others, since each call does the same things on every rank). Calls waiting
+  elsewhere wait for a later turn; passed over, they rank before the calls
+  that just had a turn, so a call waits for the turn under way when it
+  arrives and at most one turn of each other model where calls wait.
 - Within a turn, **one member runs at a time**, in index order, from one
   layer's pre-hook to its next layer's pre-hook (or the end of its forward),
   then hands the baton to the next member. Every rank therefore runs the same
@@ -119,7 +121,7 @@ def detach(model) -> None:
 def figures(model) -> dict:
     """stats()["calls"]'s turn figures (None where the model has no split-fetch turns)."""
     t = model.__dict__.get(TURNS)
-    return t[0].figures() if t is not None else {"turns": None, "admitted_late": None}
+    return t[0].figures() if t is not None else {"turns": None, "admitted_late": None, "passed_over_max": None}
 
 
 def _me():
@@ -199,6 +201,8 @@ class Turns:
         self._started = 0.0
         self.admitted_late = 0  # members admitted before they arrived on this rank (figures)
         self.last_members: set = set()  # the last turn's members (the leader waits a little for them)
+        self.passed: dict[int, int] = {}  # call number -> agreements that passed it over while it waited here
+        self.passed_max = 0  # the most agreements that passed one call over (figures)
         self.last_session = None
 
     def wake(self) -> None:
@@ -225,6 +229,7 @@ class Turns:
                 self._admitted(session, k, model_no)
             finally:
                 self.waiting.pop(k, None)
+                self.passed.pop(k, None)
             m = self.members[k]
             m.arrived, m.ident, m.frame, m.depth, m.ran = True, threading.get_ident(), frame, 1, False
             self._cond.notify_all()
@@ -292,7 +297,9 @@ class Turns:
                     break
                 self._cond.wait(until - time.monotonic())
             # (and whether run_together was interrupted here: every rank stops at this agreement)
-            mine = [self.waiting.get(j, -1) for j in range(session.n)] + [int(_cancelled(session))]
+            n = session.n
+            mine = [self.waiting.get(j, -1) for j in range(n)] + [self.passed.get(j, 0) for j in range(n)] \
+                + [int(_cancelled(session))]
             self._cond.release()
             try:
                 rows = self._agree(mine)
@@ -312,19 +319,20 @@ class Turns:
         group = self._group()
         if group is None:
             raise collectives.SplitError("layerwise run_together: the split-fetch group is gone")
-        count, n = self.count, len(mine) - 1
+        count, n = self.count, (len(mine) - 1) // 2
 
         def run():
             group.agree(collectives.TURN, -1, count, n, 0)
-            out = torch.empty(group.world * (n + 1), dtype=torch.int64)
+            out = torch.empty(group.world * len(mine), dtype=torch.int64)
             group.wait(collectives.gather(out, torch.tensor(mine, dtype=torch.int64), group.host_pg, async_op=True),
                        f"the agreement on run_together's turn {count}")
-            return out.view(group.world, n + 1).tolist()
+            return out.view(group.world, len(mine)).tolist()
 
         return group.call(run)
 
     def _start(self, rows: list, session: Session) -> None:
-        stopped = [r for r, row in enumerate(rows) if row[session.n]]
+        n = session.n
+        stopped = [r for r, row in enumerate(rows) if row[2 * n]]
         if stopped:
             self.count += 1
             ranks = ", ".join(map(str, stopped))
@@ -334,20 +342,30 @@ class Turns:
                            "forwards under way finished on every rank), so the ranks stay in lockstep")
             self._check_failed(session)
         where = []
-        for j in range(session.n):
+        for j in range(n):
             seen = {row[j] for row in rows if row[j] >= 0}
             if len(seen) > 1:
                 raise self._fail(f"call {j} waits at different layer groups on different ranks "
                                  f"({sorted(seen)}): the ranks are out of lockstep")
             where.append(seen.pop() if seen else -1)
-        first = next((j for j in range(session.n) if where[j] >= 0), None)
+        # The turn goes to the model of the call passed over most often (on any rank), the
+        # lowest-numbered first: a call waiting at one component while the others keep
+        # coming back to another is passed over once, not for as long as they come.
+        waiting = [j for j in range(n) if where[j] >= 0]
         self.count += 1
-        if first is None:
+        if not waiting:
             return  # (no rank had a call waiting: cannot happen, a leader waits; nothing to run)
+        first = max(waiting, key=lambda j: (max(row[n + j] for row in rows), -j))
         self.model = where[first]
-        self.members = {j: Member() for j in range(session.n) if where[j] == self.model}
+        self.members = {j: Member() for j in range(n) if where[j] == self.model}
         self.admitted_late += sum(j not in self.waiting for j in self.members)
-        self.baton = first
+        for j in self.waiting:
+            if j in self.members:
+                self.passed.pop(j, None)
+            else:
+                self.passed[j] = self.passed.get(j, 0) + 1
+                self.passed_max = max(self.passed_max, self.passed[j])
+        self.baton = next(iter(self.members))
         self.broken = None
         self.last_members, self.last_session = set(self.members), session
         self._started = time.monotonic()
@@ -406,4 +424,4 @@ class Turns:
 
 
     def figures(self) -> dict:
-        return {"turns": self.count, "admitted_late": self.admitted_late}
+        return {"turns": self.count, "admitted_late": self.admitted_late, "passed_over_max": self.passed_max}

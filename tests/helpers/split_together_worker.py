@@ -195,6 +195,23 @@ def scenario_pipeline(rank, world, tmp):
         outs = layerwise.run_together(pipe, [call(x, d) for x, d in zip(xs, delays)])
         for k, (o, rf) in enumerate(zip(outs, refs)):
             assert torch.equal(o, rf), (rank, r, k)
+    # calls that keep to one component each: the turns alternate, no call is passed over twice
+    xs = [inputs(rank, k, 5) for k in range(3)]
+    parts = [pipe.first, pipe.second, pipe.first]
+    refs = [alone(getattr(ref, "first" if k != 1 else "second"), x) for k, x in enumerate(xs)]
+
+    def only(k):
+        def run(p):
+            part = p.first if k != 1 else p.second
+            with torch.no_grad():
+                return [part(x) for x in xs[k]]
+        return run
+
+    outs = layerwise.run_together(pipe, [only(k) for k in range(3)])
+    check(outs, refs, rank, "one component each")
+    figures = layerwise.managers_of(parts[0])[0].stats()["calls"]
+    assert figures["passed_over_max"] <= 1, figures
+    same_on_every_rank(figures["turns"])
     layerwise.remove_pipeline_offload(pipe)
 
 
