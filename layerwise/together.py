@@ -71,12 +71,16 @@ def run_together(model_or_pipe, calls) -> list:
     so the model stays exact), waits for them, and raises KeyboardInterrupt (a
     second Ctrl-C raises it at once; the calls still stop at their next layer)."""
     is_pipe = not isinstance(model_or_pipe, nn.Module)
+    # torch.compile(model) wraps the model: its hooks, groups and turns are the wrapped
+    # model's; the calls get the compiled module they were given.
+    inner = None if is_pipe else getattr(model_or_pipe, "_orig_mod", None)
+    model = inner if isinstance(inner, nn.Module) and not lifecycle.is_offloaded(model_or_pipe) else model_or_pipe
     if is_pipe:
         if not pipelines.is_offloaded_pipeline(model_or_pipe):
             raise ValueError("layerwise.run_together takes an offloaded model or pipeline; "
                              f"{type(model_or_pipe).__name__} is not offloaded: call "
                              "layerwise.offload_pipeline(pipe) (or configure_layerwise_offload(model, ...)) first")
-    elif not lifecycle.is_offloaded(model_or_pipe):
+    elif not lifecycle.is_offloaded(model):
         raise ValueError(f"layerwise.run_together takes an offloaded model or pipeline; this "
                          f"{type(model_or_pipe).__name__} is not offloaded: call "
                          "layerwise.configure_layerwise_offload(model, ...) first (or, if a model holding it was "
@@ -96,7 +100,7 @@ def run_together(model_or_pipe, calls) -> list:
                          "per-call state); calls " + str([k for k, t in enumerate(takes) if not t]) + " take none")
 
     # On split-fetch models the calls take turns that every rank agrees on (runtime/turns.py).
-    models = [m for _, m in pipelines.streamed_components(model_or_pipe)] if is_pipe else [model_or_pipe]
+    models = [m for _, m in pipelines.streamed_components(model_or_pipe)] if is_pipe else [model]
     session = turns.open_session(len(calls)) if any(turns.TURNS in m.__dict__ for m in models) else None
     try:
         return _run(model_or_pipe, calls, takes, is_pipe, session)

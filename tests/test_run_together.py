@@ -62,6 +62,24 @@ def test_results_come_back_in_order_and_exact():
         assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
 
 
+def test_a_compiled_model_is_its_offloaded_model():
+    """run_together(torch.compile(model), calls): the compiled module stands for the
+    offloaded model it wraps (not refused as "not offloaded"); each call gets the
+    compiled module, and is exact."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    ref, model = offloaded()
+    compiled = torch.compile(model, backend="eager")
+    inputs = xs(2)
+    want = [on_thread(lambda x=x: steps(ref, x, 2)) for x in inputs]
+    seen = []
+    got = layerwise.run_together(compiled, [lambda m, x=x: (seen.append(m), steps(m, x, 2))[1] for x in inputs])
+    assert all(m is compiled for m in seen)
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    torch._dynamo.reset()
+
+
 def test_a_models_calls_may_take_no_argument():
     ref, model = offloaded()
     inputs = xs(3)

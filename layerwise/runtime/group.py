@@ -579,7 +579,9 @@ class LayerwiseOffloadManager:
             self._cohort.sharing = self._cohort.sharing and self.options.share_calls \
                 and self.options.split_fetch is None
             store = self.tiers.split_store
-            if store is not None and self.options.share_calls:  # run_together's calls take turns instead
+            # run_together's calls take turns instead, share_calls or not: without them two
+            # calls at once issue the rank's gathers in the order of its threads' timing.
+            if store is not None:
                 turns.attach(self.model, store.group, store.id)
             layers = self.plan.layers
             self._grad_hooks = []

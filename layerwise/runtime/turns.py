@@ -193,6 +193,7 @@ class Turns:
         self.model = None  # the model number of the turn under way, or None
         self.members: dict[int, Member] = {}  # the turn's members by call number, in index order
         self.baton = None  # the call number that runs now
+        self.moves = 0  # turns agreed, batons handed on and members gone so far (progress)
         self.waiting: dict[int, int] = {}  # call number -> model number, waiting for a turn
         self.agreeing = False  # a leader runs the agreement now
         self.broken: str | None = None  # why the turn under way cannot go on (SplitError on its members)
@@ -220,9 +221,12 @@ class Turns:
                 m.depth += 1  # the model called inside its own forward: one call
                 return
             if m is not None and m.arrived:
-                raise self._fail(f"call {k} began a forward of layer group #{model_no} inside its turn on layer "
-                                 f"group #{self.model}; a call on split-fetch models runs one model's forward at "
-                                 "a time")
+                # This call's own error, made by its code on every rank: the turn goes on for
+                # the others (its outer forward, left by the error, leaves the turn as usual).
+                raise collectives.SplitError(
+                    f"layerwise run_together on a split-fetch model: call {k} began a forward of layer group "
+                    f"#{model_no} inside its turn on layer group #{self.model}; a call on split-fetch models runs "
+                    "one model's forward at a time")
             self.waiting[k] = model_no
             self._cond.notify_all()  # (a leader may be waiting for this call)
             try:
@@ -259,7 +263,8 @@ class Turns:
     def _admitted(self, session: Session, k: int, model_no: int) -> None:
         """Wait (holding the condition) until call k is a member of a turn on model_no."""
         group = self._group()
-        limit = time.monotonic() + (group.timeout_s if group is not None else 300.0)
+        timeout_s = group.timeout_s if group is not None else 300.0
+        limit, moves = time.monotonic() + timeout_s, self.moves
         while True:
             self._check_failed(session)
             m = self.members.get(k)
@@ -273,10 +278,12 @@ class Turns:
                 continue
             if self.model is not None:
                 self._check_members(session)
+            if self.moves != moves:  # turns go on (other calls' forwards): waiting for them is no sign of ranks apart
+                limit, moves = time.monotonic() + timeout_s, self.moves
             if time.monotonic() > limit:
                 raise collectives.SplitError(
-                    f"layerwise run_together: call {k} waited {group.timeout_s if group else 300:g} s for a turn "
-                    "on its split-fetch model; the other ranks did not run the same calls (every rank runs "
+                    f"layerwise run_together: call {k} waited {timeout_s:g} s for a turn on its split-fetch model, "
+                    "while no turn went on; the other ranks did not run the same calls (every rank runs "
                     "run_together with the same calls, each doing the same forwards in the same order)")
             self._cond.wait(POLL_S)
 
@@ -366,6 +373,7 @@ class Turns:
                 self.passed[j] = self.passed.get(j, 0) + 1
                 self.passed_max = max(self.passed_max, self.passed[j])
         self.baton = next(iter(self.members))
+        self.moves += 1
         self.broken = None
         self.last_members, self.last_session = set(self.members), session
         self._started = time.monotonic()
@@ -404,6 +412,7 @@ class Turns:
     def _hand_on(self, k: int) -> None:
         order = list(self.members)
         self.baton = order[(order.index(k) + 1) % len(order)]
+        self.moves += 1
         self._cond.notify_all()
 
     def _leave(self, k: int) -> None:
@@ -412,6 +421,7 @@ class Turns:
         if self.baton == k and len(self.members) > 1:
             self._hand_on(k)
         del self.members[k]
+        self.moves += 1
         if not self.members:
             self.turn_s = time.monotonic() - self._started
             self.model, self.baton = None, None
