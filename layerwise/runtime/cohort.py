@@ -7,7 +7,9 @@ a streamed layer's pre-hook has two phases (runtime/group.py):
 
 1. **Join**, without holding the model's lock while it waits: the call joins
    the fetch of its layer that is in the layer's slot, or queues it if the
-   schedule below gives it the slot, or waits until it does. On the CPU backend
+   schedule below gives it the slot, or waits until it does (a layer already
+   in its slot is joined without the lock at all: the call computing holds
+   it, and phase 2 checks the slot again anyway). On the CPU backend
    the host then waits for the bytes, still without the lock, so that another
    call computes meanwhile.
 2. **Compute**, under the model's lock, as a call alone does: the layer's fetch
@@ -293,6 +295,17 @@ class Cohort:
             self.joins += 1
         else:
             self.loads += 1
+
+    def joined_held(self, call: Call, group, i: int) -> None:
+        """`call` joins layer i's holding, found in its slot without the model's lock
+        (the fast path of phase 1: a prefetch queued it). Counted under the cohort's
+        own lock: the model's is held by the call that computes."""
+        with self._mu:
+            call.pos = self.offset(group) + i
+            call.joined = (group, i)
+            call.at(JOINED)
+            call.wait_from = None
+            self.joins += 1
 
     def joined_to(self, group, i: int) -> bool:
         """A call has joined layer i of `group` and not computed on it yet."""

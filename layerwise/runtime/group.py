@@ -864,17 +864,40 @@ class LayerwiseOffloadManager:
         call = co.mine()
         if call is None or lock.is_owned():  # a block called alone, or inside another block
             return
-        ev, waited = None, False
+        ring = self.ring
+        s = ring.slot_of[i]
+        if s >= 0 and not self._dirty and self._held(s) == i and call.state == cohort.RUNNING:
+            # The fast path: a prefetch (or another call) queued layer i into its slot, so
+            # the call joins it without the model's lock, which the call computing now
+            # holds: calls in step hand each layer on with one lock round trip, not two.
+            # Read without the lock, what it finds may change at once; phase 2 checks
+            # the slot again under the lock (a holding replaced meanwhile reloads).
+            co.joined_held(call, self, i)
+            ev = ring.fetched[i]
+        else:
+            ev = self._join_slow(co, lock, call, i)
+        if ev is not None and not self._engine.is_cuda and not stages.is_deferred(ev):
+            t = time.perf_counter()
+            try:
+                ev.synchronize()
+            except Exception:  # noqa: BLE001 - waited for again under the lock, where the failure is handled
+                pass
+            call.stall_s += time.perf_counter() - t
+
+    def _join_slow(self, co, lock, call, i: int):
+        """Phase 1 under the model's lock: join, queue or wait (_join); the result
+        of the fetch it joined or queued, or None."""
+        ev, waited, loaded = None, False, False
         try:
             while True:
                 seq = co.seq()
                 with lock:
                     if self.state is not Lifecycle.STREAMING or self.guard.error is not None or self._capturing():
-                        return
+                        return None
                     # (read under the lock at each look: set_residency meanwhile replaces the ring)
                     s = self.ring.slot_of[i]
                     if s < 0:
-                        return  # made resident meanwhile: nothing to fetch
+                        return None  # made resident meanwhile: nothing to fetch
                     if self._dirty:
                         self._resync()
                     co.waiting(call, self, i)
@@ -895,13 +918,7 @@ class LayerwiseOffloadManager:
                 call.at(cohort.RUNNING)
         if loaded:
             co.notify()
-        if ev is not None and not self._engine.is_cuda and not stages.is_deferred(ev):
-            t = time.perf_counter()
-            try:
-                ev.synchronize()
-            except Exception:  # noqa: BLE001 - waited for again under the lock, where the failure is handled
-                pass
-            call.stall_s += time.perf_counter() - t
+        return ev
 
     def _pre_hook(self, i: int, module, args):
         call = None
