@@ -12,10 +12,7 @@ count is the same on every rank.
     python tests/helpers/split_attack_worker.py RANK WORLD PORT TMPDIR SCENARIO
 """
 import copy
-import datetime
-import os
 import random
-import sys
 import threading
 import time
 
@@ -26,6 +23,7 @@ from split_together_worker import (
     alone,
     check,
     inputs,
+    main,
     make_call,
     same_on_every_rank,
     same_on_every_rank_pick,
@@ -509,15 +507,5 @@ SCENARIOS = {"nested_other": scenario_nested_other, "long_wait": scenario_long_w
              "empty": scenario_empty}
 
 
-def main(rank, world, port, tmp, scenario):
-    timeout_s = "3" if scenario == "long_wait" else "60"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LAYERWISE_COLLECTIVE_TIMEOUT_S=timeout_s)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    t0 = time.perf_counter()
-    SCENARIOS[scenario](rank, world, tmp)
-    print(f"rank {rank} ok ({time.perf_counter() - t0:.1f} s)", flush=True)
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(SCENARIOS, short_timeout=("long_wait",))
