@@ -186,12 +186,12 @@ def scenario_raises_outside(rank, world, tmp):
 
 
 def scenario_loop(rank, world, tmp):
-    """20 batches in a row, sizes and lengths agreed, sleeps that differ per rank (one
+    """10 batches in a row, sizes and lengths agreed, sleeps that differ per rank (one
     call of one batch starts 0.6 s late on rank 0 only); then 2 batches from a worker
     thread."""
     model, reference = configured(delay=50)
     rnd = random.Random(21 + rank)
-    for r in range(20):
+    for r in range(10):
         n = same_on_every_rank_pick(random.Random(r).choice([1, 2, 3]))
         steps = [1 + (k + r) % 2 for k in range(n)]
         xs = [inputs(rank, k + 10 * r, s) for k, s in enumerate(steps)]
@@ -442,24 +442,27 @@ def scenario_share_calls_false(rank, world, tmp):
 
 
 def scenario_long_wait(rank, world, tmp):
-    """Pipeline call 0 makes many forwards of the first component back to back while
-    call 1 waits at the second (the turns go to call 0's model, the lowest call's):
-    call 1 waits longer than LAYERWISE_COLLECTIVE_TIMEOUT_S (3 s here) while turns go
-    on, which is no sign of ranks out of lockstep; both calls exact."""
+    """Call 1 arrives at the second component while call 0's turn on the first lasts
+    longer than LAYERWISE_COLLECTIVE_TIMEOUT_S (3 s here): a wait while a turn goes
+    on is no sign of ranks out of lockstep; both calls exact."""
     pipe, ref = TwoParts(), TwoParts()
     layerwise.offload_pipeline(pipe, device="cpu", split_fetch=dist.group.WORLD, debug_copy_delay_us=200)
-    xs = inputs(rank, 0, 1) * 80
+    x = inputs(rank, 0, 1)[0]
     y = inputs(rank, 1, 1)[0]
-    refs = [[ref(x, use="first") for x in xs], ref(y, use="second")]
-    # Each forward of the first component lasts at least 50 ms: its 80 forwards, at
-    # least 4 s, outlast the timeout whatever the machine's speed.
-    pipe.first.head.register_forward_pre_hook(lambda module, args: time.sleep(0.05))
+    refs = [ref(x, use="first"), ref(y, use="second")]
+    # Each of the first component's 9 layers lasts at least 0.4 s: its turn, at least
+    # 3.6 s, outlasts the timeout whatever the machine's speed.
+    hooks = [b.register_forward_pre_hook(lambda module, args: time.sleep(0.4))
+             for b in list(pipe.first.blocks) + list(pipe.first.extra)]
 
-    def many(p):
-        return [p(x, use="first") for x in xs]
+    def late(p):
+        time.sleep(0.3)  # (arrives while call 0's turn is under way)
+        return p(y, use="second")
 
-    outs = layerwise.run_together(pipe, [many, lambda p: p(y, use="second")])
-    check([outs[0], [outs[1]]], [refs[0], [refs[1]]], rank, "long wait")
+    outs = layerwise.run_together(pipe, [lambda p: p(x, use="first"), late])
+    for h in hooks:
+        h.remove()
+    check([[outs[0]], [outs[1]]], [[refs[0]], [refs[1]]], rank, "long wait")
     stats_turns(pipe.first)
     layerwise.remove_pipeline_offload(pipe)
 
