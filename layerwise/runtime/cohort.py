@@ -280,32 +280,29 @@ class Cohort:
         return best[1] == i
 
     def joined(self, call: Call, group, i: int, shared: bool, waited: bool) -> None:
-        """`call` joined layer i's holding (under the model's lock): it found it
-        (`shared`) or queued it; `waited`: not at its first look."""
-        if waited and call.wait_from is not None:
-            self.waits += 1
-            self.wait_s_max = max(self.wait_s_max, time.monotonic() - call.wait_from[1])
-            # (its own fetch, queued just now, is not part of its wait)
-            fetches = self.fetches - call.wait_from[0] - (not shared)
-            self.wait_turns_max = max(self.wait_turns_max, fetches / self.turn())
-        call.joined = (group, i)
-        call.at(JOINED)
-        call.wait_from = None
-        if shared:
-            self.joins += 1
-        else:
-            self.loads += 1
-
-    def joined_held(self, call: Call, group, i: int) -> None:
-        """`call` joins layer i's holding, found in its slot without the model's lock
-        (the fast path of phase 1: a prefetch queued it). Counted under the cohort's
-        own lock: the model's is held by the call that computes."""
+        """`call` joined layer i's holding: it found it (`shared`) or queued it;
+        `waited`: not at its first look. Counted under the cohort's own lock: a call
+        joins under the model's lock, or without it (joined_held)."""
         with self._mu:
-            call.pos = self.offset(group) + i
+            if waited and call.wait_from is not None:
+                self.waits += 1
+                self.wait_s_max = max(self.wait_s_max, time.monotonic() - call.wait_from[1])
+                # (its own fetch, queued just now, is not part of its wait)
+                fetches = self.fetches - call.wait_from[0] - (not shared)
+                self.wait_turns_max = max(self.wait_turns_max, fetches / self.turn())
             call.joined = (group, i)
             call.at(JOINED)
             call.wait_from = None
-            self.joins += 1
+            if shared:
+                self.joins += 1
+            else:
+                self.loads += 1
+
+    def joined_held(self, call: Call, group, i: int) -> None:
+        """`call` joins layer i's holding, found in its slot without the model's lock
+        (the fast path of phase 1: a prefetch queued it)."""
+        call.pos = self.offset(group) + i
+        self.joined(call, group, i, True, False)
 
     def joined_to(self, group, i: int) -> bool:
         """A call has joined layer i of `group` and not computed on it yet."""

@@ -21,6 +21,7 @@ import torch._dynamo
 import torch.distributed as dist
 from split_together_worker import (
     alone,
+    batch_that_fails,
     check,
     inputs,
     main,
@@ -403,20 +404,7 @@ def scenario_compile_raises(rank, world, tmp):
     xs = [inputs(rank, k, 3) for k in range(3)]
     with torch.no_grad():
         refs = [[Net.forward(reference, x) for x in xx] for xx in xs]
-    got = [[] for _ in xs]
-
-    def call(k):
-        def run(m):
-            with torch.no_grad():
-                for x in xs[k]:
-                    got[k].append(cm(x))
-        return run
-
-    try:
-        layerwise.run_together(model, [call(k) for k in range(3)])
-        raise AssertionError("the failure was not raised")
-    except ValueError as e:
-        assert "after its blocks" in str(e), str(e)
+    got = batch_that_fails(model, cm, xs, "after its blocks")
     check([got[0], got[2]], [refs[0], refs[2]], rank, "the others")
     assert len(got[1]) == 1
     stats_turns(model)

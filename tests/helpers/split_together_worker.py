@@ -272,26 +272,34 @@ def scenario_raises(rank, world, tmp):
     handle = model.blocks[2].register_forward_pre_hook(boom)
     xs = [inputs(rank, k, 3) for k in range(3)]
     refs = [alone(reference, x) for x in xs]
-    got = [[] for _ in xs]
-
-    def call(k):
-        def run(m):
-            with torch.no_grad():
-                for x in xs[k]:
-                    got[k].append(m(x))
-        return run
-
-    try:
-        layerwise.run_together(model, [call(k) for k in range(3)])
-        raise AssertionError("the failure was not raised")
-    except ValueError as e:
-        assert "second forward" in str(e)
+    got = batch_that_fails(model, model, xs, "second forward")
     handle.remove()
     check([got[0], got[2]], [refs[0], refs[2]], rank, "the others")
     assert len(got[1]) == 1
     outs = layerwise.run_together(model, [make_call(x) for x in xs])  # in lockstep again: exact
     check(outs, refs, rank, "after the failure")
     layerwise.remove_layerwise_offload(model)
+
+
+def batch_that_fails(model, forward, xs, words):
+    """run_together on `model` of one call per input list of xs, call k appending
+    forward(x) for each of its inputs to got[k], as it goes; the batch must raise a
+    ValueError naming `words`. Returns got: what each call computed before the end."""
+    got = [[] for _ in xs]
+
+    def call(k):
+        def run(m):
+            with torch.no_grad():
+                for x in xs[k]:
+                    got[k].append(forward(x))
+        return run
+
+    try:
+        layerwise.run_together(model, [call(k) for k in range(len(xs))])
+        raise AssertionError("the failure was not raised")
+    except ValueError as e:
+        assert words in str(e), str(e)
+    return got
 
 
 def scenario_sigint(rank, world, tmp):
