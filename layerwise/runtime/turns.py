@@ -293,11 +293,14 @@ class Turns:
         self.agreeing = True
         try:
             # The last turn's other members are usually a few milliseconds behind (their
-            # code between two forwards): admitted now they share this turn's fetches. (At
-            # a batch's first turn, every call: they start together.) A call elsewhere for
-            # long (a pipeline's decode) costs one grace, not one per turn.
-            grace = min(GRACE_S, max(0.005, self.turn_s / 4))
-            expect = self.last_members if self.last_session is session else range(session.n)
+            # code between two forwards): admitted now they share this turn's fetches. A
+            # call elsewhere for long (a pipeline's decode) costs one grace, not one per
+            # turn. At a batch's first turn, every call, for up to GRACE_S: they start
+            # together (run_together's start gate), however loaded the machine.
+            if self.last_session is session:
+                grace, expect = min(GRACE_S, max(0.005, self.turn_s / 4)), self.last_members
+            else:
+                grace, expect = GRACE_S, range(session.n)
             until = time.monotonic() + grace
             while time.monotonic() < until:
                 if all(j in self.waiting or j in session.done for j in expect):

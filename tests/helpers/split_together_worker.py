@@ -307,6 +307,9 @@ def scenario_sigint(rank, world, tmp):
     KeyboardInterrupt and rank 1 a RuntimeError naming rank 0, both at the same turn
     (no collective is left unpaired); the next run_together is exact on both."""
     import signal
+    import threading
+
+    from layerwise.runtime import cohort
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.manual_seed(0)
@@ -324,7 +327,12 @@ def scenario_sigint(rank, world, tmp):
                 for j, x in enumerate(xs[k]):
                     if rank == 0 and k == 1 and j == 1:
                         os.kill(os.getpid(), signal.SIGINT)
-                        time.sleep(0.2)  # (the main thread takes the signal meanwhile)
+                        # (until the main thread took the signal and cancelled this call: then
+                        # the next agreement carries it, whatever the machine's load)
+                        me = threading.get_ident()
+                        limit = time.monotonic() + 60
+                        while me not in cohort.CANCELLED and time.monotonic() < limit:
+                            time.sleep(0.01)
                     outs.append(m(x))
             return outs
         return run
